@@ -1,0 +1,88 @@
+// Collective communication between the ranks of one group.
+//
+// Every operation is collective: all ranks of the group call it in the same
+// order with tensors of the same size and dtype. CPU tensors go through MPI,
+// CUDA tensors through NCCL (on the caller's current CUDA stream).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+enum class ReduceOp { Sum, Avg };
+
+// A collective that did not complete in time, or was called wrongly.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Communicator {
+ public:
+  Communicator(int rank, int world_size, std::string group_name,
+               std::chrono::milliseconds timeout);
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const std::string& group_name() const { return group_name_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  // "mpi" or "nccl".
+  virtual const char* backend() const = 0;
+  // The device of the tensors this communicator moves (cpu, or this rank's GPU).
+  virtual at::Device device() const = 0;
+
+  // output (world * n elements) = concatenation of every rank's input (n elements).
+  void all_gather(const at::Tensor& output, const at::Tensor& input);
+  // output (n elements) = this rank's chunk of the element-wise reduction of
+  // every rank's input (world * n elements).
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  void all_reduce(const at::Tensor& tensor, ReduceOp op);
+  void broadcast(const at::Tensor& tensor, int root);
+  void barrier();
+  // Several independent collectives issued together (one NCCL group, or
+  // concurrent non-blocking MPI requests), completed together.
+  void all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                            const std::vector<at::Tensor>& inputs);
+  void reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
+                                const std::vector<at::Tensor>& inputs, ReduceOp op);
+
+  // "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
+  std::string describe() const;
+
+ protected:
+  struct Gather {
+    at::Tensor output, input;
+  };
+  struct Scatter {
+    at::Tensor output, input;
+  };
+  // Backends implement batches; the checked public calls above funnel here.
+  virtual void do_all_gather(const std::vector<Gather>& ops) = 0;
+  virtual void do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) = 0;
+  virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
+  virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
+  virtual void do_barrier() = 0;
+
+ private:
+  void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
+  std::vector<Gather> checked_gathers(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& inputs) const;
+  std::vector<Scatter> checked_scatters(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& inputs) const;
+
+  int rank_;
+  int world_size_;
+  std::string group_name_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,7 @@
+// fsdp.cpp: fully sharded data parallel training for libtorch.
+#pragma once
+
+#include "fsdp/communicator.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/launch.h"
+#include "fsdp/options.h"

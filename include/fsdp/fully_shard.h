@@ -1,0 +1,128 @@
+// The public API: fully_shard() a module, call it through fsdp::forward().
+//
+//   fsdp::init();                                  // communicator from the launcher
+//   for (auto& block : model->blocks) fsdp::fully_shard(block);
+//   fsdp::fully_shard(model);                      // root last: bottom-up
+//   auto opt = torch::optim::AdamW(model->parameters(), ...);  // before or after: same
+//   auto logits = fsdp::forward(model, tokens);    // inside the model too: fsdp::forward(block, x)
+//
+// libtorch modules have no forward hooks, so a sharded module's forward is
+// called through fsdp::forward(module, args...), which all-gathers the
+// module's parameters before and frees them after, and arms the backward
+// hooks. For a module that is not sharded it is a plain call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "fsdp/options.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+class ModuleState;
+
+// Shards the parameters of `module` not already sharded by an inner
+// fully_shard call into one parameter group: one all-gather before its
+// forward, one reduce-scatter after its backward. Apply bottom-up: to each
+// repeated block first, then to the root. Collective: every rank calls it in
+// the same order on the same model structure (checked).
+//
+// The module's parameter tensors become this rank's shards in place (the
+// same tensor objects), so an optimizer created before or after this call
+// trains the same way; named_parameters() returns the shards. Each parameter
+// is split along dim 0, zero-padded where rows do not divide evenly.
+std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module,
+                                         const ShardOptions& options = {});
+namespace detail {
+// A module, a ModuleHolder (torch::nn::Linear) or a shared_ptr to a module.
+template <class M>
+torch::nn::Module& as_module(M& m) {
+  if constexpr (std::is_base_of_v<torch::nn::Module, M>)
+    return m;
+  else
+    return *m;
+}
+}  // namespace detail
+template <class M>
+std::shared_ptr<ModuleState> fully_shard(M& module, const ShardOptions& options = {}) {
+  return fully_shard(detail::as_module(module), options);
+}
+
+// The state fully_shard attached to `module`, or nullptr.
+ModuleState* state_of(const torch::nn::Module& module);
+
+// Collective. A full (unsharded) copy of the parameter `name` of `root`.
+at::Tensor full_parameter(torch::nn::Module& root, const std::string& name);
+// Collective. Full copies of every parameter and buffer of `root`, by name.
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& root);
+// Collective. Scales the sharded gradients of `root` so that their global
+// L2 norm is at most max_norm; returns the norm before clipping.
+double clip_grad_norm_(torch::nn::Module& root, double max_norm);
+
+namespace detail {
+
+// Brackets one sharded module's forward: unshards on construction; finish()
+// arms backward and reshards; an exception leaves through the destructor.
+class ForwardScope {
+ public:
+  explicit ForwardScope(ModuleState& state);
+  ~ForwardScope();
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+  void finish(const std::vector<at::Tensor>& outputs);
+
+ private:
+  ModuleState& state_;
+  bool finished_ = false;
+};
+
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
+  out.push_back(t);
+}
+inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out);
+// Outputs of other types carry no tensors to hook.
+template <class T>
+void collect_tensors(const T&, std::vector<at::Tensor>&) {}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+
+}  // namespace detail
+
+// Calls module->forward(args...) with FSDP's pre- and post-forward work when
+// `module` (a ModuleHolder or shared_ptr to a module) is sharded.
+template <class M, class... Args>
+auto forward(M& module, Args&&... args) {
+  ModuleState* state = state_of(detail::as_module(module));
+  if (!state) return module->forward(std::forward<Args>(args)...);
+  detail::ForwardScope scope(*state);
+  auto output = module->forward(std::forward<Args>(args)...);
+  std::vector<at::Tensor> tensors;
+  detail::collect_tensors(output, tensors);
+  scope.finish(tensors);
+  return output;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,56 @@
+// Process-group set-up: who am I, how many are we, and the communicator that
+// joins us. Three launchers are understood:
+//   torchrun-style  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+//   mpirun          OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK
+//   fsdp-run        sets the torchrun variables (GPUs) or runs mpirun (CPU)
+// and no launcher at all means a single process.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fsdp/communicator.h"
+
+namespace fsdp {
+
+struct LaunchEnv {
+  enum class Launcher { Single, Torchrun, Mpirun };
+  Launcher launcher = Launcher::Single;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;  // empty unless torchrun-style
+  int master_port = 0;
+};
+
+// Reads the launch variables through `getenv` (tests pass a fake). Throws
+// std::invalid_argument naming the variable and the fix when they are
+// missing, malformed or contradict each other.
+LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv);
+LaunchEnv launch_env_from_process();
+
+enum class Backend { Auto, Mpi, Nccl };
+
+struct InitOptions {
+  Backend backend = Backend::Auto;  // Auto: NCCL when CUDA is available, else MPI
+  // How long a collective may wait for its peers; FSDP_TIMEOUT_S overrides the default.
+  std::optional<std::chrono::milliseconds> timeout;
+  std::string group_name = "world";
+};
+
+// Creates the world communicator from the launch environment and makes it the
+// default one fully_shard uses. With NCCL it also selects cuda:LOCAL_RANK.
+std::shared_ptr<Communicator> init(const InitOptions& options = {});
+// The communicator made by init(); throws if init() was not called.
+std::shared_ptr<Communicator> default_communicator();
+// Forgets the default communicator (it is destroyed once nothing else holds it).
+void shutdown();
+
+// Prints `message` and ends every rank of the job: MPI_Abort under MPI (so
+// mpirun stops the others), exit(1) otherwise. For fatal errors in tools.
+[[noreturn]] void abort_job(const std::string& message);
+
+}  // namespace fsdp

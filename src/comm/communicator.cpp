@@ -1,0 +1,105 @@
+#include "fsdp/communicator.h"
+
+#include <sstream>
+
+namespace fsdp {
+
+Communicator::Communicator(int rank, int world_size, std::string group_name,
+                           std::chrono::milliseconds timeout)
+    : rank_(rank), world_size_(world_size), group_name_(std::move(group_name)), timeout_(timeout) {}
+
+std::string Communicator::describe() const {
+  std::ostringstream s;
+  s << "rank " << rank_ << " of group '" << group_name_ << "' (" << world_size_ << " ranks, "
+    << backend() << ")";
+  return s.str();
+}
+
+void Communicator::check_tensor(const at::Tensor& t, const char* op, const char* role) const {
+  auto fail = [&](const std::string& why) {
+    throw CollectiveError("fsdp: " + std::string(op) + " on " + describe() + ": " + role + " " +
+                          why);
+  };
+  if (!t.defined()) fail("tensor is undefined");
+  if (t.device().type() != device().type()) {
+    std::string want = c10::DeviceTypeName(device().type(), /*lower_case=*/true);
+    std::string got = c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
+    fail("is a " + got + " tensor, but the " + backend() + " backend moves " + want +
+         " tensors: " +
+         (device().is_cpu()
+              ? "run CUDA models with the NCCL backend (fsdp::init with Device::CUDA)"
+              : "move the tensor to this rank's GPU first"));
+  }
+  if (!t.is_contiguous()) fail("must be contiguous (call .contiguous())");
+}
+
+std::vector<Communicator::Gather> Communicator::checked_gathers(
+    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) const {
+  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp: all_gather needs one output per input");
+  std::vector<Gather> ops;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(outputs[i], "all_gather", "output");
+    check_tensor(inputs[i], "all_gather", "input");
+    if (outputs[i].numel() != inputs[i].numel() * world_size_ ||
+        outputs[i].scalar_type() != inputs[i].scalar_type())
+      throw CollectiveError("fsdp: all_gather on " + describe() + ": output must have world_size x " +
+                            "the input's elements and the same dtype; got " +
+                            std::to_string(outputs[i].numel()) + " vs " +
+                            std::to_string(inputs[i].numel()));
+    ops.push_back({outputs[i], inputs[i]});
+  }
+  return ops;
+}
+
+std::vector<Communicator::Scatter> Communicator::checked_scatters(
+    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) const {
+  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp: reduce_scatter needs one output per input");
+  std::vector<Scatter> ops;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(outputs[i], "reduce_scatter", "output");
+    check_tensor(inputs[i], "reduce_scatter", "input");
+    if (inputs[i].numel() != outputs[i].numel() * world_size_ ||
+        outputs[i].scalar_type() != inputs[i].scalar_type())
+      throw CollectiveError("fsdp: reduce_scatter on " + describe() +
+                            ": input must have world_size x the output's elements and the same " +
+                            "dtype; got " + std::to_string(inputs[i].numel()) + " vs " +
+                            std::to_string(outputs[i].numel()));
+    ops.push_back({outputs[i], inputs[i]});
+  }
+  return ops;
+}
+
+void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  do_all_gather(checked_gathers({output}, {input}));
+}
+
+void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& inputs) {
+  do_all_gather(checked_gathers(outputs, inputs));
+}
+
+void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  do_reduce_scatter(checked_scatters({output}, {input}), op);
+}
+
+void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
+                                            const std::vector<at::Tensor>& inputs, ReduceOp op) {
+  do_reduce_scatter(checked_scatters(outputs, inputs), op);
+}
+
+void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_tensor(tensor, "all_reduce", "tensor");
+  do_all_reduce(tensor, op);
+}
+
+void Communicator::broadcast(const at::Tensor& tensor, int root) {
+  check_tensor(tensor, "broadcast", "tensor");
+  if (root < 0 || root >= world_size_)
+    throw CollectiveError("fsdp: broadcast on " + describe() + ": root " + std::to_string(root) +
+                          " is not a rank of the group");
+  do_broadcast(tensor, root);
+}
+
+void Communicator::barrier() { do_barrier(); }
+
+}  // namespace fsdp

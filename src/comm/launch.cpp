@@ -1,0 +1,228 @@
+#include "fsdp/launch.h"
+
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include "comm/mpi_communicator.h"
+#ifdef FSDP_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace fsdp {
+namespace {
+
+std::mutex g_mutex;
+std::shared_ptr<Communicator> g_default;
+
+int parse_int(const char* name, const char* value) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value, &end, 10);
+  if (errno != 0 || end == value || *end != '\0' || v < INT32_MIN || v > INT32_MAX)
+    throw std::invalid_argument(std::string("fsdp: launch variable ") + name + "='" + value +
+                                "' is not an integer");
+  return static_cast<int>(v);
+}
+
+std::chrono::milliseconds timeout_from(const InitOptions& options) {
+  if (options.timeout) return *options.timeout;
+  if (const char* s = std::getenv("FSDP_TIMEOUT_S")) {
+    char* end = nullptr;
+    double seconds = std::strtod(s, &end);
+    if (end == s || *end != '\0' || seconds <= 0)
+      throw std::invalid_argument(std::string("fsdp: FSDP_TIMEOUT_S='") + s +
+                                  "' must be a positive number of seconds");
+    return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+  }
+  return std::chrono::minutes(5);
+}
+
+bool cuda_usable() { return at::hasCUDA() && at::detail::getCUDAHooks().deviceCount() > 0; }
+
+#ifdef FSDP_WITH_NCCL
+// Rank 0's NCCL id reaches the others through a TCPStore at MASTER_ADDR:PORT
+// (torchrun-style launch) or MPI_Bcast (mpirun). The store must outlive the
+// exchange on every rank, so it lives as long as the process.
+ncclUniqueId exchange_nccl_id(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  ncclUniqueId id{};
+  if (env.rank == 0) id = make_nccl_unique_id();
+  if (env.world_size == 1) return id;
+  if (!env.master_addr.empty()) {
+    static std::shared_ptr<c10d::TCPStore> store;
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(env.master_port);
+    opts.isServer = env.rank == 0;
+    opts.numWorkers = env.world_size;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    store = std::make_shared<c10d::TCPStore>(env.master_addr, opts);
+    const std::string key = "fsdp/nccl_unique_id";
+    if (env.rank == 0) {
+      std::vector<uint8_t> bytes(sizeof(id));
+      std::memcpy(bytes.data(), &id, sizeof(id));
+      store->set(key, bytes);
+    } else {
+      auto bytes = store->get(key);
+      if (bytes.size() != sizeof(id))
+        throw CollectiveError("fsdp: NCCL id from the store at " + env.master_addr + " is corrupt");
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
+    return id;
+  }
+  ensure_mpi_initialized();
+  MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+  return id;
+}
+#endif
+
+std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv& env,
+                                                const InitOptions& options) {
+  auto timeout = timeout_from(options);
+  if (backend == Backend::Mpi) {
+    if (env.launcher == LaunchEnv::Launcher::Torchrun)
+      throw std::invalid_argument(
+          "fsdp: the CPU (MPI) backend needs processes started by mpirun; RANK/WORLD_SIZE alone "
+          "cannot connect MPI processes. Launch with `mpirun -n N PROGRAM` or `fsdp-run -n N "
+          "PROGRAM` (which uses mpirun when there is no GPU).");
+    auto comm = std::make_shared<MpiCommunicator>(options.group_name, timeout);
+    if (comm->world_size() != env.world_size || comm->rank() != env.rank)
+      throw std::invalid_argument("fsdp: MPI sees rank " + std::to_string(comm->rank()) + " of " +
+                                  std::to_string(comm->world_size()) +
+                                  " but the launch environment says rank " +
+                                  std::to_string(env.rank) + " of " +
+                                  std::to_string(env.world_size));
+    return comm;
+  }
+#ifdef FSDP_WITH_NCCL
+  if (!cuda_usable())
+    throw std::invalid_argument("fsdp: the NCCL backend needs a GPU, and CUDA sees none");
+  int gpus = at::detail::getCUDAHooks().deviceCount();
+  if (env.local_rank >= gpus)
+    throw std::invalid_argument("fsdp: LOCAL_RANK " + std::to_string(env.local_rank) +
+                                " has no GPU: this node has " + std::to_string(gpus) +
+                                ". Start at most one process per GPU.");
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
+  ncclUniqueId id = exchange_nccl_id(env, timeout);
+  return std::make_shared<NcclCommunicator>(env.rank, env.world_size, env.local_rank, id,
+                                            options.group_name, timeout);
+#else
+  throw std::invalid_argument(
+      "fsdp: this build has no NCCL backend (torch without CUDA, or NCCL not found at configure "
+      "time)");
+#endif
+}
+
+}  // namespace
+
+LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv) {
+  auto get = [&](const char* name) -> const char* {
+    const char* v = getenv(name);
+    return v && *v ? v : nullptr;
+  };
+  auto need = [&](const char* name, const char* why) -> const char* {
+    const char* v = get(name);
+    if (!v)
+      throw std::invalid_argument(std::string("fsdp: ") + name + " is not set, " + why +
+                                  ". Launch with torchrun, mpirun or fsdp-run, which set it.");
+    return v;
+  };
+  LaunchEnv env;
+  const bool torchrun = get("RANK") || get("WORLD_SIZE");
+  const bool mpirun = get("OMPI_COMM_WORLD_RANK") != nullptr;
+  if (mpirun) {
+    env.launcher = LaunchEnv::Launcher::Mpirun;
+    env.rank = parse_int("OMPI_COMM_WORLD_RANK", get("OMPI_COMM_WORLD_RANK"));
+    env.world_size = parse_int("OMPI_COMM_WORLD_SIZE",
+                               need("OMPI_COMM_WORLD_SIZE", "but OMPI_COMM_WORLD_RANK is"));
+    const char* local = get("OMPI_COMM_WORLD_LOCAL_RANK");
+    env.local_rank = local ? parse_int("OMPI_COMM_WORLD_LOCAL_RANK", local) : env.rank;
+  }
+  if (torchrun) {
+    int rank = parse_int("RANK", need("RANK", "but WORLD_SIZE is"));
+    int world = parse_int("WORLD_SIZE", need("WORLD_SIZE", "but RANK is"));
+    if (mpirun && (rank != env.rank || world != env.world_size))
+      throw std::invalid_argument(
+          "fsdp: contradictory launch environment: RANK=" + std::to_string(rank) +
+          " WORLD_SIZE=" + std::to_string(world) + " but mpirun says OMPI_COMM_WORLD_RANK=" +
+          std::to_string(env.rank) + " OMPI_COMM_WORLD_SIZE=" + std::to_string(env.world_size) +
+          ". Unset RANK/WORLD_SIZE under mpirun, or make them agree.");
+    if (!mpirun) {
+      env.launcher = LaunchEnv::Launcher::Torchrun;
+      env.rank = rank;
+      env.world_size = world;
+      const char* local = world > 1 ? need("LOCAL_RANK", "but RANK and WORLD_SIZE are")
+                                    : get("LOCAL_RANK");
+      env.local_rank = local ? parse_int("LOCAL_RANK", local) : 0;
+    }
+    if (world > 1 || get("MASTER_ADDR")) {
+      const char* why = "but RANK and WORLD_SIZE are (rank 0 listens there)";
+      env.master_addr = mpirun && !get("MASTER_ADDR") ? "" : need("MASTER_ADDR", why);
+      if (!env.master_addr.empty()) {
+        env.master_port = parse_int("MASTER_PORT", need("MASTER_PORT", why));
+        if (env.master_port < 1 || env.master_port > 65535)
+          throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(env.master_port) +
+                                      " is not a TCP port (1-65535)");
+      }
+    }
+  }
+  if (env.world_size < 1)
+    throw std::invalid_argument("fsdp: world size " + std::to_string(env.world_size) +
+                                " must be at least 1");
+  if (env.rank < 0 || env.rank >= env.world_size)
+    throw std::invalid_argument("fsdp: rank " + std::to_string(env.rank) +
+                                " is outside the world of " + std::to_string(env.world_size) +
+                                " processes (0.." + std::to_string(env.world_size - 1) + ")");
+  if (env.local_rank < 0 || env.local_rank > env.rank)
+    throw std::invalid_argument("fsdp: local rank " + std::to_string(env.local_rank) +
+                                " must be between 0 and the global rank " +
+                                std::to_string(env.rank));
+  return env;
+}
+
+LaunchEnv launch_env_from_process() {
+  return parse_launch_env([](const char* name) { return std::getenv(name); });
+}
+
+std::shared_ptr<Communicator> init(const InitOptions& options) {
+  LaunchEnv env = launch_env_from_process();
+  Backend backend = options.backend;
+  if (backend == Backend::Auto) backend = cuda_usable() ? Backend::Nccl : Backend::Mpi;
+  auto comm = make_communicator(backend, env, options);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_default = comm;
+  return comm;
+}
+
+std::shared_ptr<Communicator> default_communicator() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_default)
+    throw std::logic_error(
+        "fsdp: no communicator: call fsdp::init() before fully_shard, or pass "
+        "ShardOptions::comm");
+  return g_default;
+}
+
+void shutdown() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_default.reset();
+}
+
+void abort_job(const std::string& message) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  int finalized = 0;
+  if (mpi_is_initialized() && (MPI_Finalized(&finalized), !finalized))
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,196 @@
+#include "comm/nccl_communicator.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <ATen/ops/zeros.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace fsdp {
+namespace {
+
+ncclDataType_t nccl_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kLong: return ncclInt64;
+    case at::kInt: return ncclInt32;
+    case at::kByte:
+    case at::kBool: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    default: throw CollectiveError(std::string("fsdp: the NCCL backend does not support dtype ") +
+                                   c10::toString(t));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : ncclSum; }
+
+std::string bytes_of(const at::Tensor& t) {
+  return std::to_string(t.numel() * t.element_size()) + " bytes";
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw CollectiveError(std::string("fsdp: ") + what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+ncclUniqueId make_nccl_unique_id() {
+  ncclUniqueId id;
+  ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess)
+    throw CollectiveError(std::string("fsdp: ncclGetUniqueId failed: ") + ncclGetErrorString(r));
+  return id;
+}
+
+NcclCommunicator::NcclCommunicator(int rank, int world_size, int device_index,
+                                   const ncclUniqueId& id, std::string group_name,
+                                   std::chrono::milliseconds timeout)
+    : Communicator(rank, world_size, std::move(group_name), timeout), device_(device_index) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  check(ncclCommInitRank(&comm_, world_size, id, rank), "ncclCommInitRank");
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  for (auto& f : in_flight_) cudaEventDestroy(static_cast<cudaEvent_t>(f.event));
+  if (comm_) ncclCommDestroy(comm_);
+}
+
+void NcclCommunicator::check(ncclResult_t result, const std::string& what) const {
+  if (result == ncclSuccess) return;
+  std::string detail = comm_ ? ncclGetLastError(comm_) : "";
+  throw CollectiveError("fsdp: " + what + " on " + describe() + " failed: " +
+                        ncclGetErrorString(result) + (detail.empty() ? "" : " (" + detail + ")"));
+}
+
+void NcclCommunicator::check_device(const at::Tensor& t, const std::string& what) const {
+  if (t.device().index() != device_)
+    throw CollectiveError("fsdp: " + what + " on " + describe() + ": tensor is on " +
+                          t.device().str() + " but this rank's communicator uses cuda:" +
+                          std::to_string(device_));
+}
+
+void NcclCommunicator::launched(std::string what) {
+  cudaEvent_t event;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  check_cuda(cudaEventRecord(event, c10::cuda::getCurrentCUDAStream(device_).stream()),
+             "cudaEventRecord");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_.push_back({event, std::move(what), std::chrono::steady_clock::now()});
+  }
+  wake_.notify_all();
+}
+
+// Polls the oldest collective's event. A collective that is still running
+// after the timeout means a peer died or diverged: report which one, abort the
+// communicator (which unblocks the GPU) and end the process, as the CPU side
+// may be blocked in a CUDA call that would otherwise never return.
+void NcclCommunicator::watchdog_loop() {
+  cudaSetDevice(device_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    wake_.wait_for(lock, std::chrono::milliseconds(100));
+    while (!in_flight_.empty()) {
+      InFlight& oldest = in_flight_.front();
+      cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(oldest.event));
+      if (state == cudaSuccess) {
+        cudaEventDestroy(static_cast<cudaEvent_t>(oldest.event));
+        in_flight_.pop_front();
+        continue;
+      }
+      ncclResult_t async_error = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async_error);
+      bool late = std::chrono::steady_clock::now() - oldest.start > timeout();
+      if (late || async_error != ncclSuccess) {
+        std::fprintf(stderr,
+                     "fsdp: %s on %s %s: another rank has exited, is stuck, or called a different "
+                     "collective. Aborting this process. Raise the limit with FSDP_TIMEOUT_S if "
+                     "ranks are just slow.\n",
+                     oldest.what.c_str(), describe().c_str(),
+                     late ? ("did not complete within " +
+                             std::to_string(timeout().count() / 1000.0) + " s")
+                                .c_str()
+                          : (std::string("failed: ") + ncclGetErrorString(async_error)).c_str());
+        std::fflush(stderr);
+        ncclCommAbort(comm_);
+        std::_Exit(EXIT_FAILURE);
+      }
+      break;
+    }
+  }
+}
+
+void NcclCommunicator::do_all_gather(const std::vector<Gather>& ops) {
+  std::string what = "all_gather";
+  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  check(ncclGroupStart(), "ncclGroupStart");
+  for (size_t i = 0; i < ops.size(); ++i) {
+    check_device(ops[i].input, "all_gather");
+    check_device(ops[i].output, "all_gather");
+    check(ncclAllGather(ops[i].input.data_ptr(), ops[i].output.data_ptr(), ops[i].input.numel(),
+                        nccl_type(ops[i].input.scalar_type()), comm_, stream),
+          "all_gather");
+    what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+  }
+  check(ncclGroupEnd(), what);
+  launched(std::move(what));
+}
+
+void NcclCommunicator::do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) {
+  std::string what = op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)";
+  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  check(ncclGroupStart(), "ncclGroupStart");
+  for (size_t i = 0; i < ops.size(); ++i) {
+    check_device(ops[i].input, "reduce_scatter");
+    check_device(ops[i].output, "reduce_scatter");
+    check(ncclReduceScatter(ops[i].input.data_ptr(), ops[i].output.data_ptr(),
+                            ops[i].output.numel(), nccl_type(ops[i].input.scalar_type()),
+                            nccl_op(op), comm_, stream),
+          "reduce_scatter");
+    what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+  }
+  check(ncclGroupEnd(), what);
+  launched(std::move(what));
+}
+
+void NcclCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_device(tensor, "all_reduce");
+  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                      nccl_type(tensor.scalar_type()), nccl_op(op), comm_, stream),
+        "all_reduce");
+  launched("all_reduce of " + bytes_of(tensor));
+}
+
+void NcclCommunicator::do_broadcast(const at::Tensor& tensor, int root) {
+  check_device(tensor, "broadcast");
+  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                      nccl_type(tensor.scalar_type()), root, comm_, stream),
+        "broadcast");
+  launched("broadcast of " + bytes_of(tensor) + " from rank " + std::to_string(root));
+}
+
+// A barrier blocks the CPU: all-reduce one element, then wait for it (the
+// watchdog ends the process if a peer never arrives).
+void NcclCommunicator::do_barrier() {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
+  do_all_reduce(token, ReduceOp::Sum);
+  check_cuda(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(device_).stream()), "barrier");
+}
+
+}  // namespace fsdp

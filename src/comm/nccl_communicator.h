@@ -1,0 +1,62 @@
+// GPU collectives through NCCL, called directly (not through c10d's
+// ProcessGroupNCCL) so that every collective runs on the stream the caller
+// chose, allocates nothing behind the caller's back and never calls
+// record_stream: buffer lifetimes stay with the FSDP runtime (docs/design.md).
+#pragma once
+
+#include <nccl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "fsdp/communicator.h"
+
+namespace fsdp {
+
+class NcclCommunicator : public Communicator {
+ public:
+  // Collective: every rank calls this with the id rank 0 made (ncclGetUniqueId).
+  NcclCommunicator(int rank, int world_size, int device_index, const ncclUniqueId& id,
+                   std::string group_name, std::chrono::milliseconds timeout);
+  ~NcclCommunicator() override;
+
+  const char* backend() const override { return "nccl"; }
+  at::Device device() const override {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  }
+  int device_index() const { return device_; }
+
+ protected:
+  void do_all_gather(const std::vector<Gather>& ops) override;
+  void do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) override;
+  void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override;
+  void do_broadcast(const at::Tensor& tensor, int root) override;
+  void do_barrier() override;
+
+ private:
+  struct InFlight {
+    void* event;  // cudaEvent_t recorded after the collective
+    std::string what;
+    std::chrono::steady_clock::time_point start;
+  };
+  void check(ncclResult_t result, const std::string& what) const;
+  void check_device(const at::Tensor& t, const std::string& what) const;
+  // Records an event after the collective for the watchdog.
+  void launched(std::string what);
+  void watchdog_loop();
+
+  ncclComm_t comm_ = nullptr;
+  int device_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<InFlight> in_flight_;
+  bool stopping_ = false;
+  std::thread watchdog_;
+};
+
+// Rank 0 makes the id that names a new NCCL communicator.
+ncclUniqueId make_nccl_unique_id();
+
+}  // namespace fsdp

@@ -1,0 +1,149 @@
+#include "runtime/module_state.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "fsdp/fully_shard.h"
+#include "runtime/runtime.h"
+
+namespace fsdp {
+namespace {
+
+// Runs after AccumulateGrad stored a parameter's gradient.
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientReadyHook(std::weak_ptr<ModuleState> state) : state_(std::move(state)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto state = state_.lock()) state->on_gradient();
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ModuleState> state_;
+};
+
+}  // namespace
+
+ModuleState::ModuleState(const torch::nn::Module& module, std::string module_name,
+                         std::vector<std::pair<std::string, at::Tensor>> params,
+                         const ShardOptions& options)
+    : module_(&module),
+      module_name_(std::move(module_name)),
+      group_(std::move(params), options.comm, options.mixed_precision),
+      reshard_after_forward_(options.reshard_after_forward) {
+  for (const auto& p : group_.params()) {
+    if (p.param.requires_grad())
+      ++trainable_params_;
+    else
+      has_frozen_params_ = true;
+  }
+  accumulators_.resize(group_.params().size());
+}
+
+void ModuleState::start_step(uint64_t step, bool is_root) {
+  if (step_ != step) {
+    step_ = step;
+    is_root_ = false;
+    backward_started_ = false;
+    reduced_ = false;
+    gradients_ready_ = 0;
+  }
+  is_root_ = is_root_ || is_root;
+}
+
+void ModuleState::pre_forward() {
+  Runtime::get().enter_forward(*this);
+  try {
+    group_.unshard();
+  } catch (...) {
+    Runtime::get().exit_forward();
+    throw;
+  }
+}
+
+void ModuleState::abort_forward() { Runtime::get().exit_forward(); }
+
+void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
+  Runtime::get().exit_forward();
+  bool needs_backward = false;
+  if (c10::GradMode::is_enabled()) {
+    std::weak_ptr<ModuleState> self = weak_from_this();
+    for (const auto& t : outputs) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      needs_backward = true;
+      t.register_hook([self](const at::Tensor&) {
+        if (auto state = self.lock()) state->pre_backward();
+      });
+    }
+  }
+  if (needs_backward) hook_gradient_accumulators();
+  // The root's backward starts right after forward: keep its parameters.
+  const bool keep = needs_backward && (is_root_ || !reshard_after_forward_);
+  if (!keep) group_.reshard();
+}
+
+// The accumulator is a parameter's leaf node in the graph. set_data to a new
+// dtype (mixed precision) makes autograd create a fresh one, so each forward
+// checks that the one this graph uses carries our hook.
+void ModuleState::hook_gradient_accumulators() {
+  const auto& params = group_.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].param.requires_grad()) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(params[i].param);
+    if (!accumulator || accumulator == accumulators_[i]) continue;
+    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(weak_from_this()));
+    accumulators_[i] = std::move(accumulator);
+  }
+}
+
+void ModuleState::pre_backward() {
+  if (backward_started_) return;
+  backward_started_ = true;
+  Runtime::get().ensure_end_of_backward_callback();
+  group_.unshard();
+}
+
+// AccumulateGrad runs once per parameter per backward, after every use of the
+// parameter in the graph: once all trainable parameters have their
+// gradients, none of the group's backward work that needs them remains.
+void ModuleState::on_gradient() {
+  if (!backward_started_ || reduced_) return;
+  if (++gradients_ready_ == trainable_params_) post_backward();
+}
+
+void ModuleState::post_backward() {
+  group_.reduce_scatter_grads();
+  reduced_ = true;
+  // Frozen parameters get no AccumulateGrad, so nothing tells us when their
+  // last use in backward has run: they stay unsharded until the end.
+  if (!has_frozen_params_) group_.reshard();
+}
+
+void ModuleState::finish_backward() {
+  if (backward_started_ && !reduced_) {
+    group_.reduce_scatter_grads();
+    reduced_ = true;
+  }
+  group_.reshard();
+  backward_started_ = false;
+  reduced_ = false;
+  gradients_ready_ = 0;
+}
+
+namespace detail {
+
+ForwardScope::ForwardScope(ModuleState& state) : state_(state) { state_.pre_forward(); }
+
+ForwardScope::~ForwardScope() {
+  if (!finished_) state_.abort_forward();
+}
+
+void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
+  finished_ = true;
+  state_.post_forward(outputs);
+}
+
+}  // namespace detail
+}  // namespace fsdp

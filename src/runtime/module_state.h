@@ -1,0 +1,74 @@
+// Runtime state of one fully_shard call and the hooks that drive it.
+//
+// Life of a group in one training step:
+//   forward   pre_forward: unshard (all-gather)      post_forward: hook the
+//             outputs and the gradient accumulators, reshard (unless root or
+//             reshard_after_forward=false)
+//   backward  pre_backward (first output gradient): unshard again
+//             on_gradient (each AccumulateGrad): when every trainable
+//             parameter has its gradient, reduce-scatter and reshard
+//   end       the engine's final callback: reduce-scatter / reshard whatever
+//             is still outstanding (unused or frozen parameters, groups whose
+//             gradients never all arrived)
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "shard/param_group.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+class ModuleState : public std::enable_shared_from_this<ModuleState> {
+ public:
+  ModuleState(const torch::nn::Module& module, std::string module_name,
+              std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options);
+
+  const std::string& module_name() const { return module_name_; }
+  ParamGroup& group() { return group_; }
+  const ParamGroup& group() const { return group_; }
+
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+  // Forward left by an exception: undo pre_forward's bookkeeping.
+  void abort_forward();
+
+  // Called by autograd hooks.
+  void pre_backward();
+  void on_gradient();
+  // Called for every group of the step by the end-of-backward callback.
+  void finish_backward();
+
+ private:
+  void post_backward();
+  void start_step(uint64_t step, bool is_root);
+  void hook_gradient_accumulators();
+  friend class Runtime;
+
+  const torch::nn::Module* module_;
+  std::string module_name_;
+  ParamGroup group_;
+  bool reshard_after_forward_;
+  bool has_frozen_params_ = false;
+  int trainable_params_ = 0;
+  // The accumulator each trainable parameter's gradient last went through;
+  // held so that it (and our hook on it) survives between steps.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+
+  // Per step.
+  uint64_t step_ = 0;
+  bool is_root_ = false;
+  bool backward_started_ = false;
+  bool reduced_ = false;
+  int gradients_ready_ = 0;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,203 @@
+#include "shard/param_group.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/GradMode.h>
+
+#include <stdexcept>
+
+#include "shard/flat_copy.h"
+
+namespace fsdp {
+namespace {
+
+ShardLayout layout_of(const at::Tensor& t, int world) {
+  ShardLayout l;
+  l.world = world;
+  l.rows = t.dim() == 0 ? 1 : t.size(0);
+  for (int64_t d = 1; d < t.dim(); ++d) l.row_numel *= t.size(d);
+  return l;
+}
+
+// The shape of a [rows, ...] block of a parameter with `full_shape`.
+std::vector<int64_t> rows_shape(const std::vector<int64_t>& full_shape, int64_t rows) {
+  std::vector<int64_t> shape = full_shape.empty() ? std::vector<int64_t>{1} : full_shape;
+  shape[0] = rows;
+  return shape;
+}
+
+}  // namespace
+
+ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
+                       std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision)
+    : comm_(std::move(comm)), device_(at::kCPU) {
+  const int world = comm_->world_size(), rank = comm_->rank();
+  if (!params.empty()) device_ = params.front().second.device();
+  std::optional<at::ScalarType> common_dtype;
+  for (auto& [name, t] : params) {
+    if (t.device() != device_)
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + name + "' is on " +
+                                  t.device().str() + " but '" + params.front().first + "' is on " +
+                                  device_.str() + ": move the module to one device first");
+    if (common_dtype && *common_dtype != t.scalar_type() && !mixed_precision.param_dtype)
+      throw std::invalid_argument(
+          "fsdp::fully_shard: parameters of one group must share a dtype to be gathered "
+          "together ('" + name + "' is " + c10::toString(t.scalar_type()) + ", others " +
+          c10::toString(*common_dtype) +
+          "): set MixedPrecision::param_dtype or shard them in separate fully_shard calls");
+    common_dtype = t.scalar_type();
+  }
+  compute_dtype_ = mixed_precision.param_dtype.value_or(common_dtype.value_or(at::kFloat));
+  reduce_dtype_ = mixed_precision.reduce_dtype.value_or(compute_dtype_);
+
+  c10::NoGradGuard no_grad;
+  for (auto& [name, t] : params) {
+    ShardedParam p;
+    p.name = name;
+    p.param = t;
+    p.full_shape = t.sizes().vec();
+    p.layout = layout_of(t, world);
+    p.offset = shard_numel_;
+    shard_numel_ += p.layout.shard_numel();
+    const int64_t local = p.layout.local_rows(rank);
+    p.padded_shard = at::zeros(rows_shape(p.full_shape, p.layout.shard_rows()), t.options());
+    p.shard = p.padded_shard.narrow(0, 0, local);
+    p.shard.copy_(t.reshape(rows_shape(p.full_shape, p.layout.rows))
+                      .narrow(0, p.layout.first_row(rank), local));
+    if (t.grad().defined())
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + name +
+                                  "' already has a gradient: call zero_grad() (set_to_none) or "
+                                  "shard before the first backward");
+    p.param.set_data(p.shard);
+    params_.push_back(std::move(p));
+  }
+  unsharded_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                                    c10::GetAllocator(device_.type()), /*resizable=*/false);
+}
+
+ParamGroup::~ParamGroup() = default;
+
+void ParamGroup::allocate_unsharded() {
+  const int64_t numel = shard_numel_ * comm_->world_size();
+  const size_t bytes = numel * c10::elementSize(compute_dtype_);
+  unsharded_storage_.set_data_ptr_noswap(c10::GetAllocator(device_.type())->allocate(bytes));
+  unsharded_storage_.set_nbytes(bytes);
+  unsharded_flat_ = at::empty({0}, at::TensorOptions().dtype(compute_dtype_).device(device_))
+                        .set_(unsharded_storage_, 0, {numel}, {1});
+}
+
+void ParamGroup::free_unsharded() {
+  unsharded_flat_ = at::Tensor();
+  unsharded_storage_.set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
+  unsharded_storage_.set_nbytes(0);
+}
+
+// Parameter-major: parameter i's padded rows occupy world * shard_numel_i
+// consecutive elements, so its real rows are a contiguous view.
+at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
+  const int world = comm_->world_size();
+  return unsharded_flat_.narrow(0, p.offset * world, p.layout.shard_numel() * world)
+      .view(rows_shape(p.full_shape, p.layout.padded_rows()))
+      .narrow(0, 0, p.layout.rows)
+      .view(p.full_shape);
+}
+
+void ParamGroup::unshard() {
+  if (unsharded_) return;
+  c10::NoGradGuard no_grad;
+  const int world = comm_->world_size();
+  const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  at::Tensor input = at::empty({shard_numel_}, opts);
+  for (const auto& p : params_)
+    input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
+  allocate_unsharded();
+  if (params_.size() == 1) {
+    // One parameter: the rank-major gather already is the parameter's layout.
+    comm_->all_gather(unsharded_flat_, input);
+  } else {
+    at::Tensor gathered = at::empty({world * shard_numel_}, opts);
+    comm_->all_gather(gathered, input);
+    at::Tensor by_rank = gathered.view({world, shard_numel_});
+    for (const auto& p : params_) {
+      const int64_t n = p.layout.shard_numel();
+      unsharded_flat_.narrow(0, p.offset * world, n * world)
+          .view({world, n})
+          .copy_(by_rank.narrow(1, p.offset, n));
+    }
+  }
+  for (auto& p : params_) {
+    p.stashed_grad = p.param.grad();
+    p.param.mutable_grad() = at::Tensor();
+    p.param.set_data(unsharded_view(p));
+  }
+  unsharded_ = true;
+}
+
+void ParamGroup::reshard() {
+  if (!unsharded_) return;
+  for (auto& p : params_) {
+    TORCH_INTERNAL_ASSERT(!p.param.grad().defined(),
+                          "fsdp: resharding '", p.name, "' would drop its unreduced gradient");
+    p.param.set_data(p.shard);
+    p.param.mutable_grad() = std::move(p.stashed_grad);
+    p.stashed_grad = at::Tensor();
+  }
+  free_unsharded();
+  unsharded_ = false;
+}
+
+void ParamGroup::reduce_scatter_grads() {
+  TORCH_INTERNAL_ASSERT(unsharded_, "fsdp: reduce_scatter_grads needs unsharded parameters");
+  c10::NoGradGuard no_grad;
+  const int world = comm_->world_size();
+  const int64_t count = static_cast<int64_t>(params_.size());
+  // Each rank's chunk carries, after the gradients, one flag per parameter:
+  // 1 where this rank has a gradient. Reduced with the gradients, a flag
+  // above zero means some rank had one, so all ranks agree on which
+  // gradients exist without another collective.
+  const int64_t chunk = shard_numel_ + count;
+  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
+  at::Tensor input = at::empty({world, chunk}, opts);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    at::Tensor dst = input.narrow(1, p.offset, p.layout.shard_numel());
+    at::Tensor grad = p.param.grad();
+    if (grad.defined())
+      scatter_rows_rank_major(dst, grad, p.layout);
+    else
+      dst.zero_();
+    input.select(1, shard_numel_ + i).fill_(grad.defined() ? 1 : 0);
+  }
+  at::Tensor output = at::empty({chunk}, opts);
+  comm_->reduce_scatter(output, input.view(-1), ReduceOp::Avg);
+  at::Tensor had_grad = output.narrow(0, shard_numel_, count).gt(0).to(at::kCPU);
+  const bool* flags = had_grad.data_ptr<bool>();
+  const int rank = comm_->rank();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    p.param.mutable_grad() = at::Tensor();
+    if (!flags[i]) continue;
+    at::Tensor reduced = output.narrow(0, p.offset, p.layout.shard_numel())
+                             .view(p.padded_shard.sizes())
+                             .narrow(0, 0, p.layout.local_rows(rank))
+                             .to(p.shard.scalar_type());
+    if (p.stashed_grad.defined())
+      p.stashed_grad.add_(reduced);
+    else
+      p.stashed_grad = reduced;
+  }
+}
+
+at::Tensor ParamGroup::gather_full(size_t i) const {
+  const auto& p = params_.at(i);
+  at::Tensor out = at::empty({p.layout.shard_numel() * comm_->world_size()},
+                             p.padded_shard.options());
+  comm_->all_gather(out, p.padded_shard.view(-1));
+  return out.view(rows_shape(p.full_shape, p.layout.padded_rows()))
+      .narrow(0, 0, p.layout.rows)
+      .reshape(p.full_shape)
+      .clone();
+}
+
+}  // namespace fsdp

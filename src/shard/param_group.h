@@ -1,0 +1,75 @@
+// One fully_shard call's parameters: sharded storage, the flat all-gather that
+// unshards them and the flat reduce-scatter that shards their gradients.
+//
+// Each managed parameter is the module's own tensor object. Its data flips
+// (Variable::set_data) between the local shard and a view into the group's
+// unsharded storage, so modules, autograd and optimizers always see one
+// object. Forward saves views of that storage; it is freed on reshard by
+// dropping its memory (same StorageImpl, zero bytes) and re-filled on the
+// next unshard, so the saved views see the new data.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/communicator.h"
+#include "fsdp/options.h"
+#include "shard/shard_layout.h"
+
+namespace fsdp {
+
+struct ShardedParam {
+  std::string name;  // fully qualified, relative to the sharded module
+  at::Tensor param;  // the module's tensor object
+  std::vector<int64_t> full_shape;
+  ShardLayout layout;
+  int64_t offset = 0;       // element offset of this parameter in a rank's flat shard
+  at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
+  at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
+  at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
+};
+
+class ParamGroup {
+ public:
+  // Shards `params` (full tensors) in place. Not collective: every rank
+  // already holds the full values (same seed or loaded checkpoint).
+  ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
+             std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision);
+  ~ParamGroup();
+
+  // Collective. All-gathers the shards; parameters then hold full data.
+  void unshard();
+  // Parameters go back to their shards; the unsharded memory is freed.
+  void reshard();
+  // Collective. Reduce-scatters (averages) the unsharded gradients into the
+  // sharded gradients, accumulating into existing ones. A parameter no rank
+  // produced a gradient for keeps its gradient undefined.
+  void reduce_scatter_grads();
+
+  bool is_unsharded() const { return unsharded_; }
+  const std::vector<ShardedParam>& params() const { return params_; }
+  Communicator& comm() const { return *comm_; }
+  // Collective. A full copy of parameter i (in its own dtype).
+  at::Tensor gather_full(size_t i) const;
+
+ private:
+  void allocate_unsharded();
+  void free_unsharded();
+  at::Tensor unsharded_view(const ShardedParam& p) const;
+
+  std::vector<ShardedParam> params_;
+  std::shared_ptr<Communicator> comm_;
+  at::ScalarType compute_dtype_;
+  at::ScalarType reduce_dtype_;
+  at::Device device_;
+  int64_t shard_numel_ = 0;  // per rank, all parameters
+  c10::Storage unsharded_storage_;
+  at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
+  bool unsharded_ = false;
+};
+
+}  // namespace fsdp
