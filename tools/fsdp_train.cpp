@@ -1,0 +1,216 @@
+// fsdp-train: trains the Llama-style example model with fsdp.cpp.
+//   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "fsdp/fsdp.h"
+#include "model/llama.h"
+#include "train/data.h"
+#include "train/memory.h"
+#include "train/schedule.h"
+
+namespace {
+
+struct Args {
+  std::string model = "tiny";
+  int steps = 20;
+  int64_t batch = 4;  // per rank
+  int64_t seq = 128;
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
+  int warmup = 5;
+  uint64_t seed = 1234;
+  std::string data = "synthetic";
+  std::string param_dtype = "auto", reduce_dtype = "fp32";
+  bool reshard_after_forward = true, tie_embeddings = false;
+  std::string backend = "auto";
+  std::string log = "fsdp-train.jsonl";
+  double timeout_s = 0;
+};
+
+struct Flag {
+  std::string help;
+  std::function<void(const std::string&)> set;
+  bool takes_value = true;
+};
+
+std::map<std::string, Flag> flags(Args& a) {
+  auto num = [](auto& field) {
+    return [&field](const std::string& v) {
+      std::istringstream in(v);
+      if (!(in >> field) || !in.eof()) throw std::invalid_argument("not a number: '" + v + "'");
+    };
+  };
+  auto str = [](std::string& field) { return [&field](const std::string& v) { field = v; }; };
+  return {
+      {"--model", {"preset: tiny, small, 1b, 8b (default tiny)", str(a.model)}},
+      {"--steps", {"training steps (default 20)", num(a.steps)}},
+      {"--batch", {"sequences per rank per step (default 4)", num(a.batch)}},
+      {"--seq", {"tokens per sequence (default 128)", num(a.seq)}},
+      {"--lr", {"peak learning rate (default 3e-3)", num(a.lr)}},
+      {"--min-lr", {"final learning rate of the cosine decay (default 3e-4)", num(a.min_lr)}},
+      {"--warmup", {"linear warmup steps (default 5)", num(a.warmup)}},
+      {"--weight-decay", {"AdamW weight decay (default 0.1)", num(a.weight_decay)}},
+      {"--clip", {"global gradient-norm clip, 0 = off (default 1.0)", num(a.clip)}},
+      {"--seed", {"seed for weights and data (default 1234)", num(a.seed)}},
+      {"--data", {"'synthetic' or a text file read as bytes (default synthetic)", str(a.data)}},
+      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU (default auto)",
+                         str(a.param_dtype)}},
+      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16 (default fp32)", str(a.reduce_dtype)}},
+      {"--no-reshard-after-forward",
+       {"keep blocks unsharded from forward to backward", [&a](const std::string&) {
+          a.reshard_after_forward = false;
+        }, false}},
+      {"--tie-embeddings",
+       {"share the embedding matrix with the output head",
+        [&a](const std::string&) { a.tie_embeddings = true; }, false}},
+      {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", str(a.backend)}},
+      {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", str(a.log)}},
+      {"--timeout", {"seconds a collective may wait (default 300, or FSDP_TIMEOUT_S)",
+                     num(a.timeout_s)}},
+  };
+}
+
+void print_help(std::map<std::string, Flag>& table) {
+  std::cout << "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun)\n"
+               "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
+               "and the root are fully_shard()ed, AdamW, warmup + cosine learning rate.\n\n";
+  for (auto& [name, f] : table)
+    std::printf("  %-28s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), f.help.c_str());
+  std::cout << "  --help                       this text\n";
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  auto table = flags(a);
+  for (int i = 1; i < argc; ++i) {
+    std::string name = argv[i];
+    if (name == "--help" || name == "-h") {
+      print_help(table);
+      std::exit(0);
+    }
+    auto it = table.find(name);
+    if (it == table.end()) throw std::invalid_argument("unknown flag " + name + " (see --help)");
+    std::string value;
+    if (it->second.takes_value) {
+      if (i + 1 >= argc) throw std::invalid_argument(name + " needs a value");
+      value = argv[++i];
+    }
+    try {
+      it->second.set(value);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(name + ": " + e.what());
+    }
+  }
+  if (a.steps < 1 || a.batch < 1 || a.seq < 1) throw std::invalid_argument("--steps, --batch, --seq must be positive");
+  return a;
+}
+
+c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
+  if (name == "fp32") return torch::kFloat;
+  if (name == "bf16") return torch::kBFloat16;
+  if (name == "auto") return on_gpu ? torch::kBFloat16 : torch::kFloat;
+  throw std::invalid_argument("dtype must be fp32, bf16 or auto, not '" + name + "'");
+}
+
+void train(const Args& args) {
+  fsdp::InitOptions init;
+  init.backend = args.backend == "mpi"    ? fsdp::Backend::Mpi
+                 : args.backend == "nccl" ? fsdp::Backend::Nccl
+                                          : fsdp::Backend::Auto;
+  if (args.timeout_s > 0)
+    init.timeout = std::chrono::milliseconds(static_cast<long long>(args.timeout_s * 1000));
+  auto comm = fsdp::init(init);
+  const bool lead = comm->rank() == 0;
+  const c10::Device device = comm->device();
+
+  auto config = fsdp::model::LlamaConfig::preset(args.model);
+  config.tie_embeddings = args.tie_embeddings;
+  config.max_seq = std::max(config.max_seq, args.seq);
+  auto data = args.data == "synthetic" ? fsdp::train::synthetic_tokens(config.vocab, args.seed)
+                                       : fsdp::train::file_tokens(args.data, args.seed);
+  if (args.data != "synthetic" && config.vocab < 256)
+    throw std::invalid_argument("--data FILE needs a vocabulary of at least 256 byte tokens");
+
+  torch::manual_seed(args.seed);  // same initial weights on every rank
+  fsdp::model::Llama model(config);
+  model->to(device);
+  fsdp::ShardOptions shard;
+  shard.reshard_after_forward = args.reshard_after_forward;
+  shard.mixed_precision.param_dtype = dtype_named(args.param_dtype, device.is_cuda());
+  shard.mixed_precision.reduce_dtype = dtype_named(args.reduce_dtype, device.is_cuda());
+  for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
+  fsdp::fully_shard(model, shard);
+
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(args.lr)
+                                                         .betas({0.9, 0.95})
+                                                         .weight_decay(args.weight_decay));
+  fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
+
+  std::ofstream log;
+  if (lead) {
+    log.open(args.log);
+    std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %lld x %lld "
+                "tokens per rank | param %s, reduce %s\n",
+                comm->world_size(), comm->backend(), device.str().c_str(), args.model.c_str(),
+                config.parameter_count() / 1e6, (long long)args.batch, (long long)args.seq,
+                c10::toString(*shard.mixed_precision.param_dtype),
+                c10::toString(*shard.mixed_precision.reduce_dtype));
+  }
+  const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";
+  fsdp::train::take_memory_peaks(device);
+  for (int step = 0; step < args.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    const double lr = schedule.at(step);
+    for (auto& group : optimizer.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    auto tokens = data->rows(step, comm->rank() * args.batch, args.batch, args.seq).to(device);
+    auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
+
+    optimizer.zero_grad();
+    auto logits = fsdp::forward(model, inputs);
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
+                                                     targets.reshape({-1}));
+    loss.backward();
+    const double grad_norm = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : 0.0;
+    optimizer.step();
+
+    auto global_loss = loss.detach().clone();
+    comm->all_reduce(global_loss, fsdp::ReduceOp::Avg);
+    const double loss_value = global_loss.item<double>();  // also waits for the GPU
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
+    const auto mem = fsdp::train::take_memory_peaks(device);
+    if (!lead) continue;
+    std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
+                step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
+                mem.allocated_gib);
+    if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
+    std::printf(" GiB\n");
+    std::fflush(stdout);
+    log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
+        << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
+        << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
+        << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
+  }
+  if (lead) std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
+  fsdp::shutdown();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    train(parse(argc, argv));
+  } catch (const std::exception& e) {
+    fsdp::abort_job(std::string("fsdp-train: error: ") + e.what());
+  }
+  return 0;
+}

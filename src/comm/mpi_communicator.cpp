@@ -63,11 +63,23 @@ void ensure_mpi_initialized() {
   std::atexit(finalize_mpi_at_exit);
 }
 
+namespace {
+int mpi_world_rank() {
+  ensure_mpi_initialized();
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+int mpi_world_size() {
+  ensure_mpi_initialized();
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+}  // namespace
+
 MpiCommunicator::MpiCommunicator(std::string group_name, std::chrono::milliseconds timeout)
-    : Communicator(
-          [] { ensure_mpi_initialized(); int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }(),
-          [] { int w; MPI_Comm_size(MPI_COMM_WORLD, &w); return w; }(), std::move(group_name),
-          timeout) {
+    : Communicator(mpi_world_rank(), mpi_world_size(), std::move(group_name), timeout) {
   MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
 }

@@ -1,0 +1,168 @@
+#include "model/llama.h"
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "fsdp/fully_shard.h"
+
+namespace fsdp::model {
+
+LlamaConfig LlamaConfig::preset(const std::string& name) {
+  LlamaConfig c;
+  if (name == "tiny") return c;
+  if (name == "small") {
+    c.vocab = 32000, c.dim = 512, c.n_layers = 24, c.n_heads = 8, c.n_kv_heads = 8, c.ffn = 1408;
+    c.max_seq = 2048;
+    return c;
+  }
+  if (name == "1b") {
+    c.vocab = 32000, c.dim = 2048, c.n_layers = 16, c.n_heads = 16, c.n_kv_heads = 16;
+    c.ffn = 5632, c.max_seq = 4096;
+    return c;
+  }
+  if (name == "8b") {
+    c.vocab = 128256, c.dim = 4096, c.n_layers = 32, c.n_heads = 32, c.n_kv_heads = 8;
+    c.ffn = 14336, c.max_seq = 8192, c.rope_theta = 500000.0;
+    return c;
+  }
+  throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 8b)");
+}
+
+int64_t LlamaConfig::parameter_count() const {
+  const int64_t kv = n_kv_heads * head_dim();
+  const int64_t block = 2 * dim + dim * dim * 2 + 2 * dim * kv + 3 * dim * ffn;
+  return vocab * dim * (tie_embeddings ? 1 : 2) + n_layers * block + dim;
+}
+
+double LlamaConfig::flops_per_token(int64_t seq) const {
+  // 6 FLOPs per parameter per token, plus causal attention scores and values
+  // (QK^T and AV: 2 * 2 * seq * dim per layer forward, halved for causality,
+  // times 3 for forward + backward).
+  return 6.0 * parameter_count() + 6.0 * n_layers * seq * dim;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // Normalise in float32 whatever the compute dtype.
+  auto xf = x.to(torch::kFloat);
+  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return normed.to(x.scalar_type()) * weight;
+}
+
+namespace {
+
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+// Rotates pairs (i, i + d/2) of the last dim by the position's angles.
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
+                         const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  auto c = cos.to(x.scalar_type()), s = sin.to(x.scalar_type());
+  return torch::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
+}
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const LlamaConfig& c)
+    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()) {
+  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
+    throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
+  wq = register_module("wq", linear(c.dim, c.n_heads * head_dim_));
+  wk = register_module("wk", linear(c.dim, c.n_kv_heads * head_dim_));
+  wv = register_module("wv", linear(c.dim, c.n_kv_heads * head_dim_));
+  wo = register_module("wo", linear(c.n_heads * head_dim_, c.dim));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                     const torch::Tensor& sin) {
+  const int64_t b = x.size(0), t = x.size(1);
+  auto heads = [&](torch::nn::Linear& proj, int64_t n) {
+    return proj(x).view({b, t, n, head_dim_}).transpose(1, 2);  // [b, n, t, d]
+  };
+  auto q = apply_rope(heads(wq, n_heads_), cos, sin);
+  auto k = apply_rope(heads(wk, n_kv_heads_), cos, sin);
+  auto v = heads(wv, n_kv_heads_);
+  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true, /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);
+  return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
+}
+
+MlpImpl::MlpImpl(const LlamaConfig& c) {
+  w_gate = register_module("w_gate", linear(c.dim, c.ffn));
+  w_up = register_module("w_up", linear(c.dim, c.ffn));
+  w_down = register_module("w_down", linear(c.ffn, c.dim));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return w_down(torch::nn::functional::silu(w_gate(x)) * w_up(x));
+}
+
+BlockImpl::BlockImpl(const LlamaConfig& c) {
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  attn = register_module("attn", Attention(c));
+  mlp_norm = register_module("mlp_norm", RMSNorm(c.dim, c.norm_eps));
+  mlp = register_module("mlp", Mlp(c));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                 const torch::Tensor& sin) {
+  auto h = x + fsdp::forward(attn, fsdp::forward(attn_norm, x), cos, sin);
+  return h + fsdp::forward(mlp, fsdp::forward(mlp_norm, h));
+}
+
+LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+  auto block_list = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    blocks.push_back(Block(c));
+    block_list->push_back(blocks.back());
+  }
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  if (!c.tie_embeddings) head = register_module("head", linear(c.dim, c.vocab));
+  const int64_t half = c.head_dim() / 2;
+  auto inv_freq = torch::pow(c.rope_theta, -torch::arange(0, half, torch::kDouble) / half);
+  auto angles = torch::outer(torch::arange(0, c.max_seq, torch::kDouble), inv_freq);
+  rope_cos = register_buffer("rope_cos", angles.cos().to(torch::kFloat));
+  rope_sin = register_buffer("rope_sin", angles.sin().to(torch::kFloat));
+  reset_parameters();
+}
+
+void LlamaImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double out_std = 0.02 / std::sqrt(2.0 * config.n_layers);
+  for (auto& item : named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    auto& p = item.value();
+    if (name.find("norm") != std::string::npos)
+      p.fill_(1.0);
+    else if (name.find("wo.") != std::string::npos || name.find("w_down.") != std::string::npos)
+      p.normal_(0.0, out_std);
+    else
+      p.normal_(0.0, 0.02);
+  }
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+  const int64_t t = tokens.size(1);
+  if (t > config.max_seq)
+    throw std::invalid_argument("sequence length " + std::to_string(t) + " exceeds max_seq " +
+                                std::to_string(config.max_seq));
+  auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
+  auto h = tok_emb(tokens);
+  for (auto& block : blocks) h = fsdp::forward(block, h, cos, sin);
+  h = norm(h);
+  return head ? head(h) : torch::nn::functional::linear(h, tok_emb->weight);
+}
+
+}  // namespace fsdp::model

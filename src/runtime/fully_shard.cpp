@@ -107,14 +107,21 @@ void check_same_structure(Communicator& comm, const NamedParams& params,
 
 std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardOptions& options) {
   const std::string module_name = module.name();
+  std::shared_ptr<const torch::nn::Module> owned;
+  try {
+    owned = module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    throw shard_error(module_name, "the module must be owned by a shared_ptr (a ModuleHolder "
+                                   "such as torch::nn::Linear, or std::make_shared)");
+  }
   if (Runtime::get().state_of(module))
     throw shard_error(module_name, "this module is already sharded: call fully_shard once per module");
   ShardOptions resolved = options;
   if (!resolved.comm) resolved.comm = default_communicator();
   NamedParams params = collect_params(module, module_name, *resolved.comm);
   check_same_structure(*resolved.comm, params, module_name);
-  auto state = std::make_shared<ModuleState>(module, module_name, std::move(params), resolved);
-  Runtime::get().add(module, state);
+  auto state = std::make_shared<ModuleState>(module_name, std::move(params), resolved);
+  Runtime::get().add(owned, state);
   return state;
 }
 

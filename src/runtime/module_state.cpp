@@ -26,11 +26,10 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-ModuleState::ModuleState(const torch::nn::Module& module, std::string module_name,
+ModuleState::ModuleState(std::string module_name,
                          std::vector<std::pair<std::string, at::Tensor>> params,
                          const ShardOptions& options)
-    : module_(&module),
-      module_name_(std::move(module_name)),
+    : module_name_(std::move(module_name)),
       group_(std::move(params), options.comm, options.mixed_precision),
       reshard_after_forward_(options.reshard_after_forward) {
   for (const auto& p : group_.params()) {

@@ -21,16 +21,12 @@
 #include "fsdp/options.h"
 #include "shard/param_group.h"
 
-namespace torch::nn {
-class Module;
-}
-
 namespace fsdp {
 
 class ModuleState : public std::enable_shared_from_this<ModuleState> {
  public:
-  ModuleState(const torch::nn::Module& module, std::string module_name,
-              std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options);
+  ModuleState(std::string module_name, std::vector<std::pair<std::string, at::Tensor>> params,
+              const ShardOptions& options);
 
   const std::string& module_name() const { return module_name_; }
   ParamGroup& group() { return group_; }
@@ -53,7 +49,6 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   void hook_gradient_accumulators();
   friend class Runtime;
 
-  const torch::nn::Module* module_;
   std::string module_name_;
   ParamGroup group_;
   bool reshard_after_forward_;

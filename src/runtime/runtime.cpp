@@ -11,18 +11,33 @@ Runtime& Runtime::get() {
   return runtime;
 }
 
-void Runtime::add(const torch::nn::Module& module, std::shared_ptr<ModuleState> state) {
+void Runtime::drop_stale_locked() {
+  for (auto it = states_.begin(); it != states_.end();) {
+    if (!it->second.module.expired()) {
+      ++it;
+      continue;
+    }
+    for (const auto& p : it->second.state->group().params())
+      owners_.erase(p.param.unsafeGetTensorImpl());
+    it = states_.erase(it);
+  }
+}
+
+void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
+                  std::shared_ptr<ModuleState> state) {
   std::lock_guard<std::mutex> lock(mutex_);
+  drop_stale_locked();
   const auto& params = state->group().params();
   for (size_t i = 0; i < params.size(); ++i)
     owners_[params[i].param.unsafeGetTensorImpl()] = ParamOwner{state, i};
-  states_[&module] = std::move(state);
+  states_[module.get()] = Entry{module, std::move(state)};
 }
 
 ModuleState* Runtime::state_of(const torch::nn::Module& module) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = states_.find(&module);
-  return it == states_.end() ? nullptr : it->second.get();
+  if (it == states_.end() || it->second.module.expired()) return nullptr;
+  return it->second.state.get();
 }
 
 std::optional<ParamOwner> Runtime::owner_of(const at::Tensor& param) const {

@@ -28,7 +28,10 @@ class Runtime {
  public:
   static Runtime& get();
 
-  void add(const torch::nn::Module& module, std::shared_ptr<ModuleState> state);
+  // Modules are remembered weakly: a state whose module was destroyed is
+  // dropped, so a new module at the same address starts unsharded.
+  void add(const std::shared_ptr<const torch::nn::Module>& module,
+           std::shared_ptr<ModuleState> state);
   ModuleState* state_of(const torch::nn::Module& module) const;
   // The state managing this parameter (by tensor identity), if any.
   std::optional<ParamOwner> owner_of(const at::Tensor& param) const;
@@ -40,10 +43,15 @@ class Runtime {
   void ensure_end_of_backward_callback();
 
  private:
+  struct Entry {
+    std::weak_ptr<const torch::nn::Module> module;
+    std::shared_ptr<ModuleState> state;
+  };
   void end_of_backward();
+  void drop_stale_locked();
 
   mutable std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<ModuleState>> states_;
+  std::unordered_map<const torch::nn::Module*, Entry> states_;
   std::unordered_map<const void*, ParamOwner> owners_;  // key: TensorImpl*
   int depth_ = 0;
   uint64_t step_ = 0;

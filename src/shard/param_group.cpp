@@ -27,6 +27,14 @@ std::vector<int64_t> rows_shape(const std::vector<int64_t>& full_shape, int64_t 
   return shape;
 }
 
+// The same memory as `view` but not an autograd view of it: optimizers call
+// detach_() on gradients (zero_grad), which views refuse. The gradient keeps
+// the reduce-scatter output alive; no copy is made.
+at::Tensor alias_without_view(const at::Tensor& view) {
+  return at::empty({0}, view.options())
+      .set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
+}
+
 }  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
@@ -63,8 +71,9 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
     const int64_t local = p.layout.local_rows(rank);
     p.padded_shard = at::zeros(rows_shape(p.full_shape, p.layout.shard_rows()), t.options());
     p.shard = p.padded_shard.narrow(0, 0, local);
-    p.shard.copy_(t.reshape(rows_shape(p.full_shape, p.layout.rows))
-                      .narrow(0, p.layout.first_row(rank), local));
+    // A rank past the last row owns none (start clamped so narrow accepts it).
+    const int64_t first = std::min(p.layout.first_row(rank), p.layout.rows);
+    p.shard.copy_(t.reshape(rows_shape(p.full_shape, p.layout.rows)).narrow(0, first, local));
     if (t.grad().defined())
       throw std::invalid_argument("fsdp::fully_shard: parameter '" + name +
                                   "' already has a gradient: call zero_grad() (set_to_none) or "
@@ -180,8 +189,11 @@ void ParamGroup::reduce_scatter_grads() {
     if (!flags[i]) continue;
     at::Tensor reduced = output.narrow(0, p.offset, p.layout.shard_numel())
                              .view(p.padded_shard.sizes())
-                             .narrow(0, 0, p.layout.local_rows(rank))
-                             .to(p.shard.scalar_type());
+                             .narrow(0, 0, p.layout.local_rows(rank));
+    if (reduced.scalar_type() == p.shard.scalar_type())
+      reduced = alias_without_view(reduced);
+    else
+      reduced = reduced.to(p.shard.scalar_type());
     if (p.stashed_grad.defined())
       p.stashed_grad.add_(reduced);
     else

@@ -51,6 +51,8 @@ class ParamGroup {
   void reduce_scatter_grads();
 
   bool is_unsharded() const { return unsharded_; }
+  // Bytes of the unsharded parameter storage now allocated (0 when sharded).
+  size_t unsharded_bytes() const { return unsharded_storage_.nbytes(); }
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
   // Collective. A full copy of parameter i (in its own dtype).

@@ -1,0 +1,94 @@
+// A Llama-style decoder in torch::nn: RMSNorm, rotary embeddings, causal
+// attention through scaled_dot_product_attention, SwiGLU MLP. Its forward
+// calls each block through fsdp::forward, so blocks can be sharded one by one.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <string>
+#include <vector>
+
+namespace fsdp::model {
+
+struct LlamaConfig {
+  int64_t vocab = 256;
+  int64_t dim = 64;
+  int64_t n_layers = 2;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 4;
+  int64_t ffn = 176;
+  int64_t max_seq = 512;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;  // output head uses the embedding matrix
+
+  // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
+  static LlamaConfig preset(const std::string& name);
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t parameter_count() const;
+  // Forward+backward FLOPs per token (6 N plus attention), for MFU.
+  double flops_per_token(int64_t seq) const;
+};
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const LlamaConfig& c);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+
+ private:
+  int64_t n_heads_, n_kv_heads_, head_dim_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const LlamaConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const LlamaConfig& c);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class LlamaImpl : public torch::nn::Module {
+ public:
+  explicit LlamaImpl(const LlamaConfig& c);
+  // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]
+  torch::Tensor forward(const torch::Tensor& tokens);
+  // Deterministic initialisation from the current RNG state: normal(0, 0.02),
+  // output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
+  void reset_parameters();
+
+  LlamaConfig config;
+  torch::nn::Embedding tok_emb{nullptr};
+  std::vector<Block> blocks;
+  RMSNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};  // null when tie_embeddings
+  torch::Tensor rope_cos, rope_sin;  // [max_seq, head_dim / 2] buffers
+};
+TORCH_MODULE(Llama);
+
+}  // namespace fsdp::model

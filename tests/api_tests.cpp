@@ -1,0 +1,105 @@
+// What fully_shard does to a module, and the errors it gives for bad input.
+#include "helpers.h"
+#include "runtime/module_state.h"
+
+namespace fsdp::testing {
+namespace {
+
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected an error containing: " << needle;
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr(needle));
+  }
+}
+
+TEST(Api, ParametersBecomeTheirShardsInPlace) {
+  auto m = seeded_llama(tiny_llama());
+  std::vector<const void*> impls;
+  std::vector<at::Tensor> originals;
+  for (auto& p : m->parameters()) {
+    impls.push_back(p.unsafeGetTensorImpl());
+    originals.push_back(p.detach().clone());
+  }
+  shard_blocks_and_root(m);
+  const int w = world()->world_size(), r = world()->rank();
+  auto params = m->named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i].value();
+    EXPECT_EQ(p.unsafeGetTensorImpl(), impls[i]) << params[i].key() << " is the same object";
+    const int64_t rows = originals[i].size(0), shard = (rows + w - 1) / w;
+    const int64_t local = std::clamp<int64_t>(rows - r * shard, 0, shard);
+    EXPECT_EQ(p.size(0), local) << params[i].key();
+    EXPECT_TRUE(torch::equal(p, originals[i].narrow(0, std::min(r * shard, rows), local)));
+    EXPECT_TRUE(torch::equal(full_parameter(*m, params[i].key()), originals[i]));
+  }
+}
+
+TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  auto tokens = torch::randint(0, 64, {2, 9});
+  auto logits = fsdp::forward(m, tokens.narrow(1, 0, 8));
+  // Between forward and backward only the root keeps its full parameters.
+  EXPECT_TRUE(state_of(*m)->group().is_unsharded());
+  EXPECT_GT(state_of(*m)->group().unsharded_bytes(), 0u);
+  for (auto& b : m->blocks) EXPECT_EQ(state_of(*b)->group().unsharded_bytes(), 0u);
+  torch::nn::functional::cross_entropy(logits.reshape({-1, 64}), tokens.narrow(1, 1, 8).reshape({-1})).backward();
+  for (torch::nn::Module* module : std::vector<torch::nn::Module*>{m.ptr().get(), m->blocks[0].ptr().get(), m->blocks[1].ptr().get()}) {
+    const auto& group = state_of(*module)->group();
+    EXPECT_FALSE(group.is_unsharded());
+    EXPECT_EQ(group.unsharded_bytes(), 0u);
+    for (const auto& p : group.params()) {
+      EXPECT_EQ(p.param.data_ptr(), p.shard.data_ptr()) << p.name << " holds its shard";
+      ASSERT_TRUE(p.param.grad().defined()) << p.name;
+      EXPECT_EQ(p.param.grad().sizes(), p.shard.sizes()) << p.name << " gradient is sharded";
+    }
+  }
+}
+
+TEST(Api, ShardingAModuleTwiceIsAnError) {
+  auto m = seeded_llama(tiny_llama());
+  fully_shard(m->blocks[0]);
+  expect_error([&] { fully_shard(m->blocks[0]); }, "already sharded: call fully_shard once per module");
+}
+
+TEST(Api, TopDownOrderIsAnError) {
+  auto m = seeded_llama(tiny_llama());
+  fully_shard(m);
+  expect_error([&] { fully_shard(m->blocks[0]); }, "Apply fully_shard bottom-up");
+}
+
+// A head that holds the embedding's weight tensor as its own parameter.
+class SharedHeadImpl : public torch::nn::Module {
+ public:
+  explicit SharedHeadImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return torch::matmul(x, weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(SharedHead);
+
+TEST(Api, WeightTiedAcrossGroupsIsAnError) {
+  auto root = std::make_shared<torch::nn::Module>();
+  auto emb = root->register_module("emb", torch::nn::Embedding(8, 4));
+  auto head = root->register_module("head", SharedHead(emb->weight));
+  fully_shard(head);
+  expect_error([&] { fully_shard(*root); }, "shard modules that share a weight");
+}
+
+TEST(Api, ModelThatDiffersAcrossRanksIsAnError) {
+  if (world()->world_size() == 1) GTEST_SKIP() << "needs two ranks";
+  auto c = tiny_llama();
+  c.ffn = 48 + 8 * world()->rank();
+  auto m = seeded_llama(c);
+  expect_error([&] { fully_shard(m->blocks[0]); }, "the model differs across ranks");
+}
+
+TEST(Api, ModuleNotOwnedBySharedPtrIsAnError) {
+  torch::nn::LinearImpl on_stack(2, 2);
+  expect_error([&] { fully_shard(on_stack); }, "must be owned by a shared_ptr");
+}
+
+}  // namespace
+}  // namespace fsdp::testing

@@ -1,0 +1,34 @@
+// Failure scenarios run by ctest: each must end with a clear error, not hang.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <ATen/ops/ones.h>
+
+#include "fsdp/fsdp.h"
+
+int main(int argc, char** argv) {
+  const std::string scenario = argc > 1 ? argv[1] : "";
+  try {
+    fsdp::InitOptions options;
+    options.backend = fsdp::Backend::Mpi;
+    options.timeout = std::chrono::seconds(2);
+    auto comm = fsdp::init(options);
+    if (scenario == "peer-hangs" || scenario == "peer-exits") {
+      if (comm->rank() == 1) {
+        if (scenario == "peer-exits") _exit(0);
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+        return 0;
+      }
+      at::Tensor t = at::ones({1});
+      comm->all_reduce(t, fsdp::ReduceOp::Sum);
+      return 0;  // not reached: rank 1 never joins
+    }
+    if (scenario == "init-mpi") return 0;
+    fsdp::abort_job("fault_program: unknown scenario '" + scenario + "'");
+  } catch (const std::exception& e) {
+    fsdp::abort_job(std::string("fault_program: ") + e.what());
+  }
+}

@@ -1,0 +1,157 @@
+// Single-process tests of the arithmetic under the runtime.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+
+#include "fsdp/launch.h"
+#include "shard/flat_copy.h"
+#include "shard/shard_layout.h"
+#include "train/data.h"
+#include "train/schedule.h"
+
+namespace {
+
+using fsdp::ShardLayout;
+
+TEST(ShardLayout, UnevenRowsArePaddedOnTheLastRanks) {
+  ShardLayout l{10, 4, 3};  // 10 rows on 3 ranks: 4 + 4 + 2, padded to 12
+  EXPECT_EQ(l.shard_rows(), 4);
+  EXPECT_EQ(l.padded_rows(), 12);
+  EXPECT_EQ(l.shard_numel(), 16);
+  EXPECT_EQ(l.local_rows(0), 4);
+  EXPECT_EQ(l.local_rows(1), 4);
+  EXPECT_EQ(l.local_rows(2), 2);
+  EXPECT_EQ(l.first_row(2), 8);
+}
+
+TEST(ShardLayout, FewerRowsThanRanksLeavesSomeRanksEmpty) {
+  ShardLayout l{2, 5, 4};
+  EXPECT_EQ(l.shard_rows(), 1);
+  EXPECT_EQ(l.local_rows(0), 1);
+  EXPECT_EQ(l.local_rows(1), 1);
+  EXPECT_EQ(l.local_rows(2), 0);
+  EXPECT_EQ(l.local_rows(3), 0);
+}
+
+TEST(ShardLayout, EveryRowIsOwnedExactlyOnce) {
+  for (int64_t rows : {0, 1, 5, 7, 64, 1001})
+    for (int world : {1, 2, 3, 8}) {
+      ShardLayout l{rows, 3, world};
+      int64_t total = 0;
+      for (int r = 0; r < world; ++r) {
+        if (l.local_rows(r) > 0) EXPECT_EQ(l.first_row(r), total);
+        total += l.local_rows(r);
+      }
+      EXPECT_EQ(total, rows) << rows << " rows on " << world;
+    }
+}
+
+TEST(FlatCopy, ScattersRowsRankMajorWithZeroPadding) {
+  ShardLayout l{5, 2, 3};  // shard_rows 2: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + pad
+  auto src = torch::arange(10, torch::kFloat).view({5, 2});
+  // A strided destination, as inside a flat buffer holding other parameters.
+  auto buffer = torch::full({3, 6}, -1.0f);
+  auto dst = buffer.narrow(1, 1, 4);
+  fsdp::scatter_rows_rank_major(dst, src, l);
+  auto expected = torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat).view({3, 4});
+  EXPECT_TRUE(torch::equal(dst, expected));
+  EXPECT_TRUE(torch::equal(buffer.select(1, 0), torch::full({3}, -1.0f)));  // neighbours untouched
+  EXPECT_TRUE(torch::equal(buffer.select(1, 5), torch::full({3}, -1.0f)));
+}
+
+TEST(FlatCopy, WholeRanksOfPadding) {
+  ShardLayout l{1, 3, 4};
+  auto dst = torch::full({4, 3}, 7.0f);
+  fsdp::scatter_rows_rank_major(dst, torch::ones({1, 3}), l);
+  EXPECT_TRUE(torch::equal(dst[0], torch::ones({3})));
+  EXPECT_TRUE(torch::equal(dst.narrow(0, 1, 3), torch::zeros({3, 3})));
+}
+
+struct FakeEnv {
+  std::map<std::string, std::string> vars;
+  fsdp::LaunchEnv parse() const {
+    return fsdp::parse_launch_env([this](const char* name) -> const char* {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+  }
+};
+
+TEST(LaunchEnv, NoLauncherIsOneProcess) {
+  auto env = FakeEnv{}.parse();
+  EXPECT_EQ(env.launcher, fsdp::LaunchEnv::Launcher::Single);
+  EXPECT_EQ(env.world_size, 1);
+}
+
+TEST(LaunchEnv, Torchrun) {
+  auto env = FakeEnv{{{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                      {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}}}
+                 .parse();
+  EXPECT_EQ(env.launcher, fsdp::LaunchEnv::Launcher::Torchrun);
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "10.0.0.1");
+  EXPECT_EQ(env.master_port, 29500);
+}
+
+TEST(LaunchEnv, Mpirun) {
+  auto env = FakeEnv{{{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}}}
+                 .parse();
+  EXPECT_EQ(env.launcher, fsdp::LaunchEnv::Launcher::Mpirun);
+  EXPECT_EQ(env.rank, 2);
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_TRUE(env.master_addr.empty());
+}
+
+void expect_error(const FakeEnv& env, const std::string& needle) {
+  try {
+    env.parse();
+    FAIL() << "expected an error containing: " << needle;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(LaunchEnv, MissingOrContradictoryVariablesAreNamed) {
+  expect_error(FakeEnv{{{"RANK", "0"}}}, "WORLD_SIZE is not set");
+  expect_error(FakeEnv{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}},
+               "MASTER_ADDR is not set");
+  expect_error(FakeEnv{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+                        {"MASTER_PORT", "1"}}},
+               "LOCAL_RANK is not set");
+  expect_error(FakeEnv{{{"RANK", "x"}, {"WORLD_SIZE", "2"}}}, "RANK='x' is not an integer");
+  expect_error(FakeEnv{{{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"},
+                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}},
+               "rank 2 is outside the world of 2");
+  expect_error(FakeEnv{{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"},
+                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}},
+               "MASTER_PORT=70000 is not a TCP port");
+  expect_error(FakeEnv{{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"},
+                        {"OMPI_COMM_WORLD_SIZE", "2"}}},
+               "contradictory launch environment");
+}
+
+TEST(LrSchedule, WarmupThenCosineToMin) {
+  fsdp::train::LrSchedule s{1.0, 0.1, 4, 14};
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);
+  EXPECT_NEAR(s.at(9), 0.55, 1e-12);  // half way down
+  EXPECT_DOUBLE_EQ(s.at(14), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(100), 0.1);
+}
+
+TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
+  auto data = fsdp::train::synthetic_tokens(50, 7);
+  auto whole = data->rows(3, 0, 6, 16);
+  auto split = torch::cat({data->rows(3, 0, 2, 16), data->rows(3, 2, 2, 16), data->rows(3, 4, 2, 16)});
+  EXPECT_TRUE(torch::equal(whole, split));
+  EXPECT_FALSE(torch::equal(whole, data->rows(4, 0, 6, 16)));
+  EXPECT_LT(whole.max().item<int64_t>(), 50);
+  EXPECT_GE(whole.min().item<int64_t>(), 0);
+}
+
+}  // namespace
