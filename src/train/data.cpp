@@ -21,14 +21,16 @@ at::Generator row_generator(uint64_t seed, int64_t step, int64_t row) {
 
 class SyntheticTokens : public TokenSource {
  public:
+  static constexpr int64_t kMaxStride = 4;
   SyntheticTokens(int64_t vocab, uint64_t seed) : vocab_(vocab), seed_(seed) {}
   at::Tensor rows(int64_t step, int64_t first_row, int64_t rows, int64_t seq) const override {
     at::Tensor out = at::empty({rows, seq + 1}, at::kLong);
     at::Tensor positions = at::arange(seq + 1, at::kLong);
     for (int64_t r = 0; r < rows; ++r) {
       auto gen = row_generator(seed_, step, first_row + r);
-      auto start_stride = at::randint(1, vocab_, {2}, gen, at::kLong);
-      out[r].copy_(positions.mul(start_stride[1]).add(start_stride[0]).remainder(vocab_));
+      auto start = at::randint(0, vocab_, {1}, gen, at::kLong);
+      auto stride = at::randint(1, kMaxStride + 1, {1}, gen, at::kLong);
+      out[r].copy_(positions.mul(stride).add(start).remainder(vocab_));
     }
     return out;
   }

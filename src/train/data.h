@@ -20,8 +20,9 @@ class TokenSource {
 };
 
 // Learnable synthetic sequences: each row counts up from a random start with
-// a random stride modulo vocab, so a model can cut its loss well below
-// log(vocab) within a few hundred steps.
+// a random stride of 1 to 4 modulo vocab. Once the model reads the stride off
+// the context the next token is determined, so the loss falls from
+// log(vocab) towards zero within tens of steps.
 std::unique_ptr<TokenSource> synthetic_tokens(int64_t vocab, uint64_t seed);
 // Random windows of a file's bytes (tokens 0..255; needs vocab >= 256).
 std::unique_ptr<TokenSource> file_tokens(const std::string& path, uint64_t seed);
