@@ -40,7 +40,7 @@ TEST(Api, ParametersBecomeTheirShardsInPlace) {
 TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
   auto m = seeded_llama(tiny_llama());
   shard_blocks_and_root(m);
-  auto tokens = torch::randint(0, 64, {2, 9});
+  auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
   auto logits = fsdp::forward(m, tokens.narrow(1, 0, 8));
   // Between forward and backward only the root keeps its full parameters.
   EXPECT_TRUE(state_of(*m)->group().is_unsharded());
@@ -84,6 +84,7 @@ TEST(Api, WeightTiedAcrossGroupsIsAnError) {
   auto root = std::make_shared<torch::nn::Module>();
   auto emb = root->register_module("emb", torch::nn::Embedding(8, 4));
   auto head = root->register_module("head", SharedHead(emb->weight));
+  root->to(device());
   fully_shard(head);
   expect_error([&] { fully_shard(*root); }, "shard modules that share a weight");
 }

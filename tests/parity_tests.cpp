@@ -5,9 +5,10 @@
 namespace fsdp::testing {
 namespace {
 
-TrainResult reference(const model::LlamaConfig& c, double clip = 0) {
+TrainResult reference(const model::LlamaConfig& c, double clip = 0, bool sgd = false) {
   auto s = llama_setup(seeded_llama(c));
   s.clip = clip;
+  s.sgd = sgd;
   return train(s);
 }
 
@@ -16,6 +17,15 @@ TEST(Parity, BlocksAndRootMatchSingleProcess) {
   auto got = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); }));
   expect_same_run(got, want);
   EXPECT_LT(got.losses.back(), got.losses.front());  // it trains
+}
+
+TEST(Parity, SgdMatchesSingleProcessClosely) {
+  auto want = reference(tiny_llama(), 0, /*sgd=*/true);
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  s.sgd = true;
+  auto got = train(s);
+  expect_same_run(got, want, kSgdTolerance);
+  EXPECT_LT(got.losses.back(), got.losses.front());
 }
 
 TEST(Parity, NestedGroupsMatchSingleProcess) {
@@ -82,13 +92,14 @@ TEST(Parity, ToyNetWithUnusedFrozenAndTinyParameters) {
   auto setup = [](std::function<void(ToyNet&)> shard) {
     torch::manual_seed(11);
     ToyNet net;
+    net->to(device());
     TrainSetup s;
     s.module = net.ptr();
     s.rows_per_rank = 3;
     s.loss = [net](int64_t step, int64_t first, int64_t count) mutable {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-      auto x = torch::randn({64, 7}, gen).narrow(0, first, count);
-      auto y = torch::randn({64, 1}, gen).narrow(0, first, count);
+      auto x = torch::randn({64, 7}, gen).narrow(0, first, count).to(device());
+      auto y = torch::randn({64, 1}, gen).narrow(0, first, count).to(device());
       return torch::mse_loss(fsdp::forward(net, x), y);
     };
     if (shard) s.shard = [net, shard]() mutable { shard(net); };

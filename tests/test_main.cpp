@@ -1,5 +1,6 @@
 // gtest main for the multi-rank tests: every rank runs every test; rank 0
-// prints the usual report, the others print only their failures.
+// prints the usual report, the others print only their failures. Built twice:
+// fsdp_mpi_tests (CPU, MPI) and fsdp_gpu_tests (CUDA, NCCL; FSDP_TEST_NCCL).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -26,7 +27,11 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   fsdp::InitOptions options;
+#ifdef FSDP_TEST_NCCL
+  options.backend = fsdp::Backend::Nccl;
+#else
   options.backend = fsdp::Backend::Mpi;
+#endif
   options.timeout = std::chrono::seconds(60);
   auto comm = fsdp::init(options);
   if (comm->rank() != 0) {

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs what fsdp.cpp needs and builds it into build/. Idempotent: a second
+# run installs nothing and rebuilds only what changed.
+#   torch: a python3 that already has torch 2.11 (the GPU machines), else a
+#          venv at $FSDP_VENV (default ~/.cache/fsdp.cpp/venv) with the PyPI
+#          wheel torch==2.11.0, installed once and reused by every checkout.
+#   Debian packages: OpenMPI, GoogleTest, ninja, cmake, ccache (when missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.11.0
+VENV=${FSDP_VENV:-$HOME/.cache/fsdp.cpp/venv}
+JOBS=${FSDP_JOBS:-2}
+
+log() { echo "setup: $*"; }
+
+missing=()
+command -v mpirun >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
+[ -f /usr/include/gtest/gtest.h ] && [ -f /usr/include/gmock/gmock.h ] || missing+=(libgtest-dev libgmock-dev)
+command -v ninja >/dev/null || missing+=(ninja-build)
+command -v cmake >/dev/null || missing+=(cmake)
+apt_install() {
+  log "installing $*"
+  local sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+[ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
+# ccache only speeds up rebuilds: machines without a package mirror build without it.
+command -v ccache >/dev/null || apt_install ccache || log "no ccache; building without it"
+
+has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; }
+PYTHON=
+for candidate in ${FSDP_PYTHON:-} python3 "$VENV/bin/python"; do
+  if command -v "$candidate" >/dev/null 2>&1 && has_torch "$candidate"; then PYTHON=$candidate; break; fi
+done
+if [ -z "$PYTHON" ]; then
+  python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
+  log "installing torch==$TORCH_VERSION into $VENV (once; several GB of CUDA wheels)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+  PYTHON="$VENV/bin/python"
+fi
+TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+
+if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt; then
+  log "configuring build/ against $TORCH_PREFIX"
+  cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" >build-configure.log 2>&1 \
+    || { cat build-configure.log; exit 1; }
+fi
+log "building (ninja -j$JOBS)"
+cmake --build build -j "$JOBS"
