@@ -4,24 +4,39 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
 #include "fsdp/fully_shard.h"
 #include "runtime/runtime.h"
 
 namespace fsdp {
 namespace {
 
+// FSDP_TRACE=1 prints every runtime event to stderr (for debugging hooks).
+bool tracing() {
+  static const bool on = [] {
+    const char* v = std::getenv("FSDP_TRACE");
+    return v && *v && std::string(v) != "0";
+  }();
+  return on;
+}
+
 // Runs after AccumulateGrad stored a parameter's gradient.
 class GradientReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  explicit GradientReadyHook(std::weak_ptr<ModuleState> state) : state_(std::move(state)) {}
+  GradientReadyHook(std::weak_ptr<ModuleState> state, size_t index)
+      : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    if (auto state = state_.lock()) state->on_gradient();
+    if (auto state = state_.lock()) state->on_gradient(index_);
     return outputs;
   }
 
  private:
   std::weak_ptr<ModuleState> state_;
+  size_t index_;
 };
 
 }  // namespace
@@ -54,6 +69,7 @@ void ModuleState::start_step(uint64_t step, bool is_root) {
 
 void ModuleState::pre_forward() {
   Runtime::get().enter_forward(*this);
+  trace("pre_forward", is_root_ ? "(root)" : "");
   try {
     group_.unshard();
   } catch (...) {
@@ -92,12 +108,20 @@ void ModuleState::hook_gradient_accumulators() {
     if (!params[i].param.requires_grad()) continue;
     auto accumulator = torch::autograd::impl::grad_accumulator(params[i].param);
     if (!accumulator || accumulator == accumulators_[i]) continue;
-    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(weak_from_this()));
+    accumulator->add_post_hook(std::make_unique<GradientReadyHook>(weak_from_this(), i));
     accumulators_[i] = std::move(accumulator);
   }
 }
 
+void ModuleState::trace(const char* event, const char* detail) const {
+  if (!tracing()) return;
+  std::fprintf(stderr, "fsdp trace: rank %d step %llu %s %s %s (thread %zx)\n",
+               group_.comm().rank(), static_cast<unsigned long long>(step_), module_name_.c_str(),
+               event, detail, std::hash<std::thread::id>{}(std::this_thread::get_id()));
+}
+
 void ModuleState::pre_backward() {
+  trace("pre_backward", backward_started_ ? "(again)" : "");
   if (backward_started_) return;
   backward_started_ = true;
   Runtime::get().ensure_end_of_backward_callback();
@@ -107,12 +131,19 @@ void ModuleState::pre_backward() {
 // AccumulateGrad runs once per parameter per backward, after every use of the
 // parameter in the graph: once all trainable parameters have their
 // gradients, none of the group's backward work that needs them remains.
-void ModuleState::on_gradient() {
+void ModuleState::on_gradient(size_t index) {
+  trace("gradient", group_.params()[index].name.c_str());
   if (!backward_started_ || reduced_) return;
   if (++gradients_ready_ == trainable_params_) post_backward();
 }
 
 void ModuleState::post_backward() {
+  if (tracing()) {
+    std::string missing;
+    for (const auto& p : group_.params())
+      if (p.param.requires_grad() && !p.param.grad().defined()) missing += " " + p.name;
+    trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
+  }
   group_.reduce_scatter_grads();
   reduced_ = true;
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
@@ -121,6 +152,7 @@ void ModuleState::post_backward() {
 }
 
 void ModuleState::finish_backward() {
+  trace("finish_backward", reduced_ ? "" : "(reduce-scatter outstanding)");
   if (backward_started_ && !reduced_) {
     group_.reduce_scatter_grads();
     reduced_ = true;

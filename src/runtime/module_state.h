@@ -39,12 +39,13 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
 
   // Called by autograd hooks.
   void pre_backward();
-  void on_gradient();
+  void on_gradient(size_t param_index);
   // Called for every group of the step by the end-of-backward callback.
   void finish_backward();
 
  private:
   void post_backward();
+  void trace(const char* event, const char* detail) const;
   void start_step(uint64_t step, bool is_root);
   void hook_gradient_accumulators();
   friend class Runtime;
