@@ -65,6 +65,24 @@ TEST(Comm, CoalescedCollectives) {
   EXPECT_TRUE(torch::equal(reduced[1], torch::full({2}, 2.0 * w, on_device())));
 }
 
+// Outputs are poisoned first, so an element a backend leaves unwritten shows.
+TEST(Comm, OddSizesAreWrittenCompletely) {
+  auto c = world();
+  const int w = c->world_size();
+  for (int64_t n : {1, 7, 1025, 7753}) {
+    auto input = rank_values(c->rank(), n * w);
+    at::Tensor sum = torch::zeros({n * w}, on_device());
+    for (int r = 0; r < w; ++r) sum += rank_values(r, n * w);
+    auto out = torch::full({n}, NAN, on_device());
+    c->reduce_scatter(out, input, ReduceOp::Avg);
+    EXPECT_TRUE(torch::allclose(out, sum.narrow(0, n * c->rank(), n) / w)) << n << " elements";
+    auto gathered = torch::full({n * w}, NAN, on_device());
+    c->all_gather(gathered, rank_values(c->rank(), n));
+    for (int r = 0; r < w; ++r)
+      EXPECT_TRUE(torch::equal(gathered.narrow(0, n * r, n), rank_values(r, n))) << n << " elements";
+  }
+}
+
 TEST(Comm, WrongDeviceOrSizeIsRejectedBeforeCommunicating) {
   auto c = world();
   auto meta = torch::empty({4}, torch::Device(torch::kMeta));

@@ -69,27 +69,40 @@ std::vector<Communicator::Scatter> Communicator::checked_scatters(
   return ops;
 }
 
-void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
-  do_all_gather(checked_gathers({output}, {input}));
-}
-
+// A group of one rank needs no backend: every collective is a local copy or
+// nothing. (NCCL 2.28's one-rank reduce-scatter also left the last element of
+// an odd-sized output unwritten on H200: bench/results/2026-11-22-gpu-tests.md.)
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
                                         const std::vector<at::Tensor>& inputs) {
-  do_all_gather(checked_gathers(outputs, inputs));
+  auto ops = checked_gathers(outputs, inputs);
+  if (world_size_ == 1) {
+    for (auto& op : ops) op.output.copy_(op.input);
+    return;
+  }
+  do_all_gather(ops);
 }
 
-void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
-  do_reduce_scatter(checked_scatters({output}, {input}), op);
+void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  all_gather_coalesced({output}, {input});
 }
 
 void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
                                             const std::vector<at::Tensor>& inputs, ReduceOp op) {
-  do_reduce_scatter(checked_scatters(outputs, inputs), op);
+  auto ops = checked_scatters(outputs, inputs);
+  if (world_size_ == 1) {
+    for (auto& s : ops) s.output.copy_(s.input);  // sum and average of one are the input
+    return;
+  }
+  do_reduce_scatter(ops, op);
+}
+
+void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  reduce_scatter_coalesced({output}, {input}, op);
 }
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
-  do_all_reduce(tensor, op);
+  if (world_size_ > 1) do_all_reduce(tensor, op);
 }
 
 void Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -97,9 +110,11 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
   if (root < 0 || root >= world_size_)
     throw CollectiveError("fsdp: broadcast on " + describe() + ": root " + std::to_string(root) +
                           " is not a rank of the group");
-  do_broadcast(tensor, root);
+  if (world_size_ > 1) do_broadcast(tensor, root);
 }
 
-void Communicator::barrier() { do_barrier(); }
+void Communicator::barrier() {
+  if (world_size_ > 1) do_barrier();
+}
 
 }  // namespace fsdp
