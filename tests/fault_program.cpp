@@ -1,4 +1,5 @@
 // Failure scenarios run by ctest: each must end with a clear error, not hang.
+//   fault_program SCENARIO [mpi|nccl]
 #include <unistd.h>
 
 #include <chrono>
@@ -13,7 +14,8 @@ int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
   try {
     fsdp::InitOptions options;
-    options.backend = fsdp::Backend::Mpi;
+    const bool nccl = argc > 2 && std::string(argv[2]) == "nccl";
+    options.backend = nccl ? fsdp::Backend::Nccl : fsdp::Backend::Mpi;
     options.timeout = std::chrono::seconds(2);
     auto comm = fsdp::init(options);
     if (scenario == "peer-hangs" || scenario == "peer-exits") {
@@ -22,8 +24,9 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::seconds(30));
         return 0;
       }
-      at::Tensor t = at::ones({1});
+      at::Tensor t = at::ones({1}, at::TensorOptions().device(comm->device()));
       comm->all_reduce(t, fsdp::ReduceOp::Sum);
+      t.cpu();   // NCCL is asynchronous: wait here, as a training step would
       return 0;  // not reached: rank 1 never joins
     }
     if (scenario == "init-mpi") return 0;

@@ -57,6 +57,8 @@ class Communicator {
 
   // "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
   std::string describe() const;
+  // What a backend reports when a collective outlives the timeout.
+  std::string timeout_message(const std::string& what) const;
 
  protected:
   struct Gather {

@@ -1,5 +1,6 @@
 #include "fsdp/communicator.h"
 
+#include <iomanip>
 #include <sstream>
 
 namespace fsdp {
@@ -12,6 +13,15 @@ std::string Communicator::describe() const {
   std::ostringstream s;
   s << "rank " << rank_ << " of group '" << group_name_ << "' (" << world_size_ << " ranks, "
     << backend() << ")";
+  return s.str();
+}
+
+std::string Communicator::timeout_message(const std::string& what) const {
+  std::ostringstream s;
+  s << "fsdp: " << what << " on " << describe() << " did not complete within " << std::fixed
+    << std::setprecision(1) << timeout_.count() / 1000.0
+    << " s: another rank has exited, is stuck, or called a different collective. Raise the "
+       "limit with FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
   return s.str();
 }
 

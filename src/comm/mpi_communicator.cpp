@@ -3,8 +3,6 @@
 #include <ATen/ops/empty.h>
 
 #include <cstdlib>
-#include <iomanip>
-#include <sstream>
 #include <thread>
 
 namespace fsdp {
@@ -108,12 +106,7 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const std::string
     if (std::chrono::steady_clock::now() > deadline) {
       timed_out_ = true;
       g_failed_collective = true;
-      std::ostringstream s;
-      s << "fsdp: " << what << " on " << describe() << " did not complete within " << std::fixed
-        << std::setprecision(1) << timeout().count() / 1000.0
-        << " s: another rank has exited, is stuck, or called a different collective. "
-           "Raise the limit with FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
-      throw CollectiveError(s.str());
+      throw CollectiveError(timeout_message(what));
     }
     // Spin briefly for latency, then back off so idle ranks leave the CPU to busy ones.
     if (polls > 200) std::this_thread::sleep_for(std::chrono::microseconds(50));

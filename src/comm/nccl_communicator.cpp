@@ -115,15 +115,11 @@ void NcclCommunicator::watchdog_loop() {
       ncclCommGetAsyncError(comm_, &async_error);
       bool late = std::chrono::steady_clock::now() - oldest.start > timeout();
       if (late || async_error != ncclSuccess) {
-        std::fprintf(stderr,
-                     "fsdp: %s on %s %s: another rank has exited, is stuck, or called a different "
-                     "collective. Aborting this process. Raise the limit with FSDP_TIMEOUT_S if "
-                     "ranks are just slow.\n",
-                     oldest.what.c_str(), describe().c_str(),
-                     late ? ("did not complete within " +
-                             std::to_string(timeout().count() / 1000.0) + " s")
-                                .c_str()
-                          : (std::string("failed: ") + ncclGetErrorString(async_error)).c_str());
+        const std::string message =
+            late ? timeout_message(oldest.what)
+                 : "fsdp: " + oldest.what + " on " + describe() + " failed: " +
+                       ncclGetErrorString(async_error) + " (" + ncclGetLastError(comm_) + ")";
+        std::fprintf(stderr, "%s Aborting this process.\n", message.c_str());
         std::fflush(stderr);
         ncclCommAbort(comm_);
         std::_Exit(EXIT_FAILURE);
