@@ -82,22 +82,33 @@ void NcclCommunicator::check_device(const at::Tensor& t, const std::string& what
                           std::to_string(device_));
 }
 
-void NcclCommunicator::launched(std::string what) {
-  cudaEvent_t event;
-  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
-  check_cuda(cudaEventRecord(event, c10::cuda::getCurrentCUDAStream(device_).stream()),
-             "cudaEventRecord");
+void NcclCommunicator::run(std::string what, const std::function<void(cudaStream_t)>& enqueue) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
   {
+    // Watched from before the call: NCCL's first collective on a connection
+    // blocks the CPU until the peer arrives, so a dead peer can hang us here.
     std::lock_guard<std::mutex> lock(mutex_);
-    in_flight_.push_back({event, std::move(what), std::chrono::steady_clock::now()});
+    in_flight_.push_back({nullptr, what, std::chrono::steady_clock::now()});
   }
   wake_.notify_all();
+  cudaEvent_t event = nullptr;
+  try {
+    enqueue(stream);
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(event, stream), "cudaEventRecord");
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_.pop_back();
+    if (event) cudaEventDestroy(event);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  in_flight_.back().event = event;
 }
 
-// Polls the oldest collective's event. A collective that is still running
-// after the timeout means a peer died or diverged: report which one, abort the
-// communicator (which unblocks the GPU) and end the process, as the CPU side
-// may be blocked in a CUDA call that would otherwise never return.
+// Polls the oldest collective. One still enqueuing or running after the
+// timeout means a peer died or diverged: report which, and end the process,
+// as the CPU side may be blocked in a call that would otherwise never return.
 void NcclCommunicator::watchdog_loop() {
   cudaSetDevice(device_);
   std::unique_lock<std::mutex> lock(mutex_);
@@ -105,8 +116,8 @@ void NcclCommunicator::watchdog_loop() {
     wake_.wait_for(lock, std::chrono::milliseconds(100));
     while (!in_flight_.empty()) {
       InFlight& oldest = in_flight_.front();
-      cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(oldest.event));
-      if (state == cudaSuccess) {
+      if (oldest.event &&
+          cudaEventQuery(static_cast<cudaEvent_t>(oldest.event)) == cudaSuccess) {
         cudaEventDestroy(static_cast<cudaEvent_t>(oldest.event));
         in_flight_.pop_front();
         continue;
@@ -121,7 +132,9 @@ void NcclCommunicator::watchdog_loop() {
                        ncclGetErrorString(async_error) + " (" + ncclGetLastError(comm_) + ")";
         std::fprintf(stderr, "%s Aborting this process.\n", message.c_str());
         std::fflush(stderr);
-        ncclCommAbort(comm_);
+        // Aborting frees the GPU from the stuck kernel; a thread still inside
+        // an NCCL call (no event yet) may hold NCCL's locks, so then just exit.
+        if (oldest.event) ncclCommAbort(comm_);
         std::_Exit(EXIT_FAILURE);
       }
       break;
@@ -131,53 +144,55 @@ void NcclCommunicator::watchdog_loop() {
 
 void NcclCommunicator::do_all_gather(const std::vector<Gather>& ops) {
   std::string what = "all_gather";
-  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  check(ncclGroupStart(), "ncclGroupStart");
   for (size_t i = 0; i < ops.size(); ++i) {
     check_device(ops[i].input, "all_gather");
     check_device(ops[i].output, "all_gather");
-    check(ncclAllGather(ops[i].input.data_ptr(), ops[i].output.data_ptr(), ops[i].input.numel(),
-                        nccl_type(ops[i].input.scalar_type()), comm_, stream),
-          "all_gather");
     what += (i ? " + " : " of ") + bytes_of(ops[i].input);
   }
-  check(ncclGroupEnd(), what);
-  launched(std::move(what));
+  run(what, [&](cudaStream_t stream) {
+    check(ncclGroupStart(), "ncclGroupStart");
+    for (const auto& op : ops)
+      check(ncclAllGather(op.input.data_ptr(), op.output.data_ptr(), op.input.numel(),
+                          nccl_type(op.input.scalar_type()), comm_, stream),
+            "all_gather");
+    check(ncclGroupEnd(), what);
+  });
 }
 
 void NcclCommunicator::do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) {
   std::string what = op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)";
-  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  check(ncclGroupStart(), "ncclGroupStart");
   for (size_t i = 0; i < ops.size(); ++i) {
     check_device(ops[i].input, "reduce_scatter");
     check_device(ops[i].output, "reduce_scatter");
-    check(ncclReduceScatter(ops[i].input.data_ptr(), ops[i].output.data_ptr(),
-                            ops[i].output.numel(), nccl_type(ops[i].input.scalar_type()),
-                            nccl_op(op), comm_, stream),
-          "reduce_scatter");
     what += (i ? " + " : " of ") + bytes_of(ops[i].input);
   }
-  check(ncclGroupEnd(), what);
-  launched(std::move(what));
+  run(what, [&](cudaStream_t stream) {
+    check(ncclGroupStart(), "ncclGroupStart");
+    for (const auto& s : ops)
+      check(ncclReduceScatter(s.input.data_ptr(), s.output.data_ptr(), s.output.numel(),
+                              nccl_type(s.input.scalar_type()), nccl_op(op), comm_, stream),
+            "reduce_scatter");
+    check(ncclGroupEnd(), what);
+  });
 }
 
 void NcclCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_device(tensor, "all_reduce");
-  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                      nccl_type(tensor.scalar_type()), nccl_op(op), comm_, stream),
-        "all_reduce");
-  launched("all_reduce of " + bytes_of(tensor));
+  run("all_reduce of " + bytes_of(tensor), [&](cudaStream_t stream) {
+    check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                        nccl_type(tensor.scalar_type()), nccl_op(op), comm_, stream),
+          "all_reduce");
+  });
 }
 
 void NcclCommunicator::do_broadcast(const at::Tensor& tensor, int root) {
   check_device(tensor, "broadcast");
-  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                      nccl_type(tensor.scalar_type()), root, comm_, stream),
-        "broadcast");
-  launched("broadcast of " + bytes_of(tensor) + " from rank " + std::to_string(root));
+  run("broadcast of " + bytes_of(tensor) + " from rank " + std::to_string(root),
+      [&](cudaStream_t stream) {
+        check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                            nccl_type(tensor.scalar_type()), root, comm_, stream),
+              "broadcast");
+      });
 }
 
 // A barrier blocks the CPU: all-reduce one element, then wait for it (the

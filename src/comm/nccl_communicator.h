@@ -7,7 +7,10 @@
 #include <nccl.h>
 
 #include <condition_variable>
+#include <cuda_runtime_api.h>
+
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -37,14 +40,14 @@ class NcclCommunicator : public Communicator {
 
  private:
   struct InFlight {
-    void* event;  // cudaEvent_t recorded after the collective
+    void* event;  // cudaEvent_t recorded after the collective; null while enqueuing
     std::string what;
     std::chrono::steady_clock::time_point start;
   };
   void check(ncclResult_t result, const std::string& what) const;
   void check_device(const at::Tensor& t, const std::string& what) const;
-  // Records an event after the collective for the watchdog.
-  void launched(std::string what);
+  // Enqueues a collective on the current stream under the watchdog's eye.
+  void run(std::string what, const std::function<void(cudaStream_t)>& enqueue);
   void watchdog_loop();
 
   ncclComm_t comm_ = nullptr;
