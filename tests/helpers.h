@@ -72,6 +72,7 @@ struct TrainSetup {
   double clip = 0;  // 0: no clipping
   bool optimizer_before_shard = false;
   bool sgd = false;  // plain SGD (lr 0.1) instead of AdamW
+  int micro_batches = 1;  // gradient accumulation: backward per slice, one step
 };
 
 inline TrainResult train(const TrainSetup& s) {
@@ -90,9 +91,15 @@ inline TrainResult train(const TrainSetup& s) {
   TrainResult result;
   for (int step = 0; step < s.steps; ++step) {
     optimizer->zero_grad();
-    at::Tensor loss = sharded ? s.loss(step, rank * s.rows_per_rank, s.rows_per_rank)
-                              : s.loss(step, 0, s.rows_per_rank * world_size);
-    loss.backward();
+    const int64_t rows = sharded ? s.rows_per_rank : s.rows_per_rank * world_size;
+    const int64_t first = sharded ? rank * s.rows_per_rank : 0;
+    const int64_t slice = rows / s.micro_batches;
+    at::Tensor loss = torch::zeros({}, on_device());
+    for (int m = 0; m < s.micro_batches; ++m) {
+      at::Tensor part = s.loss(step, first + m * slice, slice) / s.micro_batches;
+      part.backward();
+      loss += part.detach();
+    }
     if (s.clip > 0) {
       if (sharded) {
         result.grad_norms.push_back(clip_grad_norm_(*s.module, s.clip));

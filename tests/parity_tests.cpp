@@ -28,6 +28,16 @@ TEST(Parity, SgdMatchesSingleProcessClosely) {
   EXPECT_LT(got.losses.back(), got.losses.front());
 }
 
+// Two backward passes before the step: the second reduce-scatter adds to the
+// sharded gradients of the first.
+TEST(Parity, GradientAccumulationMatchesOneBigBatch) {
+  auto want = reference(tiny_llama(), 0, /*sgd=*/true);
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  s.sgd = true;
+  s.micro_batches = 2;
+  expect_same_run(train(s), want, kSgdTolerance);
+}
+
 TEST(Parity, NestedGroupsMatchSingleProcess) {
   auto want = reference(tiny_llama());
   auto got = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
