@@ -144,3 +144,74 @@ TEST(Parity, Bf16MixedPrecisionTracksFp32) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+// Runs two layers in an order that flips every step, so each recorded order
+// is wrong for the next step: prefetch must fall back without a wrong,
+// missing or duplicate all-gather.
+class FlippingNetImpl : public torch::nn::Module {
+ public:
+  FlippingNetImpl() {
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+    c = register_module("c", torch::nn::Linear(6, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x, int64_t step) {
+    auto h = step % 2 ? fsdp::forward(b, torch::tanh(fsdp::forward(a, x)))
+                      : fsdp::forward(a, torch::tanh(fsdp::forward(b, x)));
+    return fsdp::forward(c, torch::tanh(h));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(FlippingNet);
+
+TEST(Parity, ChangingOrderFallsBackSafely) {
+  auto setup = [](bool sharded) {
+    torch::manual_seed(3);
+    FlippingNet net;
+    net->to(device());
+    TrainSetup s;
+    s.module = net.ptr();
+    s.steps = 6;
+    s.sgd = true;
+    s.loss = [net](int64_t step, int64_t first, int64_t count) mutable {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + step);
+      auto x = torch::randn({32, 6}, gen).narrow(0, first, count).to(device());
+      return fsdp::forward(net, x, step).pow(2).mean();
+    };
+    if (sharded)
+      s.shard = [net]() mutable {
+        fully_shard(net->a);
+        fully_shard(net->b);
+        fully_shard(net->c);
+        fully_shard(net);
+      };
+    return s;
+  };
+  const long departures = runtime_stats().order_departures;
+  auto want = train(setup(false));
+  auto got = train(setup(true));
+  expect_same_run(got, want, kSgdTolerance);
+  EXPECT_GE(runtime_stats().order_departures - departures, 4);
+}
+
+// Prefetch depth and the in-flight caps change when work is issued, never
+// what is computed.
+TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {
+  const RuntimeOptions defaults = runtime_options();
+  auto run = [](RuntimeOptions o) {
+    set_runtime_options(o);
+    return train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); }));
+  };
+  const long prefetches = runtime_stats().prefetches;
+  auto base = run(defaults);
+  EXPECT_GT(runtime_stats().prefetches, prefetches) << "steps after the first prefetch";
+  for (RuntimeOptions o : {RuntimeOptions{0, 0, 0}, RuntimeOptions{2, 1, 1}, RuntimeOptions{3, 0, 0}})
+    expect_identical_run(run(o), base);
+  set_runtime_options(defaults);
+}
+
+}  // namespace
+}  // namespace fsdp::testing

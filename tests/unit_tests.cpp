@@ -5,6 +5,8 @@
 #include <map>
 
 #include "fsdp/launch.h"
+#include "sched/execution_order.h"
+#include "sched/inflight_queue.h"
 #include "shard/flat_copy.h"
 #include "shard/shard_layout.h"
 #include "train/data.h"
@@ -66,6 +68,92 @@ TEST(FlatCopy, WholeRanksOfPadding) {
   fsdp::scatter_rows_rank_major(dst, torch::ones({1, 3}), l);
   EXPECT_TRUE(torch::equal(dst[0], torch::ones({3})));
   EXPECT_TRUE(torch::equal(dst.narrow(0, 1, 3), torch::zeros({3, 3})));
+}
+
+TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {
+  fsdp::ExecutionOrder order;
+  order.begin_pass();
+  EXPECT_TRUE(order.observe(3));
+  EXPECT_TRUE(order.next(3, 1).empty());
+}
+
+TEST(ExecutionOrder, PrefetchFollowsTheRecordedOrderToTheRequestedDepth) {
+  fsdp::ExecutionOrder order;
+  order.begin_pass();
+  for (int g : {0, 1, 2, 3}) order.observe(g);
+  order.observe(1);  // a group running twice counts at its first appearance
+  order.end_pass();
+  order.begin_pass();
+  EXPECT_TRUE(order.observe(0));
+  EXPECT_EQ(order.next(0, 1), (std::vector<int>{1}));
+  EXPECT_EQ(order.next(0, 2), (std::vector<int>{1, 2}));
+  EXPECT_EQ(order.next(2, 5), (std::vector<int>{3}));
+  EXPECT_TRUE(order.next(3, 1).empty());
+  EXPECT_TRUE(order.next(0, 0).empty());
+  EXPECT_TRUE(order.next(9, 1).empty());  // not in the record
+}
+
+TEST(ExecutionOrder, ADepartureStopsPrefetchAndIsRecordedForTheNextPass) {
+  fsdp::ExecutionOrder order;
+  order.begin_pass();
+  for (int g : {0, 1, 2}) order.observe(g);
+  order.end_pass();
+  order.begin_pass();
+  EXPECT_TRUE(order.observe(0));
+  EXPECT_FALSE(order.observe(2));  // 1 expected
+  EXPECT_EQ(order.departures(), 1);
+  EXPECT_TRUE(order.next(2, 1).empty());  // no guessing for the rest of the pass
+  EXPECT_FALSE(order.observe(1));
+  order.end_pass();
+  EXPECT_EQ(order.recorded(), (std::vector<int>{0, 2, 1}));
+  order.begin_pass();
+  EXPECT_TRUE(order.observe(0));
+  EXPECT_EQ(order.next(0, 1), (std::vector<int>{2}));
+  EXPECT_EQ(order.departures(), 1);
+}
+
+// A stand-in for device work: done when the fake clock passes `finishes_at`.
+struct FakeWork {
+  int finishes_at;
+  int* clock;
+  std::vector<int>* waited;
+  bool done() const { return *clock >= finishes_at; }
+  void wait() const {
+    waited->push_back(finishes_at);
+    *clock = std::max(*clock, finishes_at);
+  }
+};
+
+TEST(InflightQueue, BlocksOnTheOldestOnlyWhenAtTheCap) {
+  int clock = 0;
+  std::vector<int> waited;
+  fsdp::InflightQueue<FakeWork> queue(2);
+  queue.make_room();
+  queue.push({10, &clock, &waited});
+  queue.make_room();
+  queue.push({20, &clock, &waited});
+  EXPECT_EQ(queue.waits(), 0);
+  queue.make_room();  // two in flight: wait for the one finishing at 10
+  EXPECT_EQ(waited, (std::vector<int>{10}));
+  EXPECT_EQ(queue.waits(), 1);
+  EXPECT_EQ(queue.size(), 1u);
+  queue.push({30, &clock, &waited});
+  clock = 25;  // the device moved on: the finished item is dropped without waiting
+  queue.make_room();
+  EXPECT_EQ(queue.waits(), 1);
+  EXPECT_EQ(queue.size(), 1u);
+}
+
+TEST(InflightQueue, ZeroMeansUnlimited) {
+  int clock = 0;
+  std::vector<int> waited;
+  fsdp::InflightQueue<FakeWork> queue(0);
+  for (int i = 1; i <= 100; ++i) {
+    queue.make_room();
+    queue.push({i, &clock, &waited});
+  }
+  EXPECT_EQ(queue.waits(), 0);
+  EXPECT_EQ(queue.size(), 100u);
 }
 
 struct FakeEnv {

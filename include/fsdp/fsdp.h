@@ -5,3 +5,4 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "fsdp/options.h"
+#include "fsdp/runtime_options.h"

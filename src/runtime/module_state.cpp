@@ -68,15 +68,33 @@ void ModuleState::start_step(uint64_t step, bool is_root) {
 }
 
 void ModuleState::pre_forward() {
-  Runtime::get().enter_forward(*this);
+  Runtime& runtime = Runtime::get();
+  runtime.enter_forward(*this);
   trace("pre_forward", is_root_ ? "(root)" : "");
   try {
-    group_.unshard();
+    unshard();
+    for (ModuleState* next : runtime.forward_prefetch_targets(*this)) next->prefetch();
+    group_.wait_for_unshard();
   } catch (...) {
-    Runtime::get().exit_forward();
+    runtime.exit_forward();
     throw;
   }
 }
+
+void ModuleState::unshard() {
+  if (group_.is_unsharded()) return;
+  Runtime::get().before_all_gather();
+  group_.unshard();
+}
+
+void ModuleState::prefetch() {
+  if (group_.is_unsharded()) return;
+  trace("prefetch", "");
+  unshard();
+  Runtime::get().count_prefetch();
+}
+
+void ModuleState::reshard() { Runtime::get().after_reshard(group_.reshard()); }
 
 void ModuleState::abort_forward() { Runtime::get().exit_forward(); }
 
@@ -96,7 +114,7 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
   if (needs_backward) hook_gradient_accumulators();
   // The root's backward starts right after forward: keep its parameters.
   const bool keep = needs_backward && (is_root_ || !reshard_after_forward_);
-  if (!keep) group_.reshard();
+  if (!keep) reshard();
 }
 
 // The accumulator is a parameter's leaf node in the graph. set_data to a new
@@ -115,17 +133,21 @@ void ModuleState::hook_gradient_accumulators() {
 
 void ModuleState::trace(const char* event, const char* detail) const {
   if (!tracing()) return;
-  std::fprintf(stderr, "fsdp trace: rank %d step %llu %s %s %s (thread %zx)\n",
-               group_.comm().rank(), static_cast<unsigned long long>(step_), module_name_.c_str(),
-               event, detail, std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  std::fprintf(stderr, "fsdp trace: rank %d step %llu group %d (%s) %s %s (thread %zx)\n",
+               group_.comm().rank(), static_cast<unsigned long long>(step_), id_,
+               module_name_.c_str(), event, detail,
+               std::hash<std::thread::id>{}(std::this_thread::get_id()));
 }
 
 void ModuleState::pre_backward() {
   trace("pre_backward", backward_started_ ? "(again)" : "");
   if (backward_started_) return;
   backward_started_ = true;
-  Runtime::get().ensure_end_of_backward_callback();
-  group_.unshard();
+  Runtime& runtime = Runtime::get();
+  runtime.enter_backward(*this);
+  unshard();
+  for (ModuleState* next : runtime.backward_prefetch_targets(*this)) next->prefetch();
+  group_.wait_for_unshard();
 }
 
 // AccumulateGrad runs once per parameter per backward, after every use of the
@@ -144,20 +166,20 @@ void ModuleState::post_backward() {
       if (p.param.requires_grad() && !p.param.grad().defined()) missing += " " + p.name;
     trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
-  group_.reduce_scatter_grads();
+  Runtime::get().issue_reduce_scatter(group_);
   reduced_ = true;
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
   // last use in backward has run: they stay unsharded until the end.
-  if (!has_frozen_params_) group_.reshard();
+  if (!has_frozen_params_) reshard();
 }
 
 void ModuleState::finish_backward() {
-  trace("finish_backward", reduced_ ? "" : "(reduce-scatter outstanding)");
+  trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
   if (backward_started_ && !reduced_) {
-    group_.reduce_scatter_grads();
+    Runtime::get().issue_reduce_scatter(group_);
     reduced_ = true;
   }
-  group_.reshard();
+  reshard();
   backward_started_ = false;
   reduced_ = false;
   gradients_ready_ = 0;

@@ -43,7 +43,14 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // Called for every group of the step by the end-of-backward callback.
   void finish_backward();
 
+  // All-gathers ahead of use (no-op when unsharded already).
+  void prefetch();
+  // Back to shards; the memory's release is reported to the run-ahead limit.
+  void reshard();
+
  private:
+  // Issues the all-gather within the run-ahead limit.
+  void unshard();
   void post_backward();
   void trace(const char* event, const char* detail) const;
   void start_step(uint64_t step, bool is_root);
@@ -58,6 +65,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // The accumulator each trainable parameter's gradient last went through;
   // held so that it (and our hook on it) survives between steps.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+
+  int id_ = -1;  // given by the Runtime; names the group in recorded orders
 
   // Per step.
   uint64_t step_ = 0;

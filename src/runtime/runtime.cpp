@@ -27,6 +27,7 @@ void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
                   std::shared_ptr<ModuleState> state) {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
+  state->id_ = next_id_++;
   const auto& params = state->group().params();
   for (size_t i = 0; i < params.size(); ++i)
     owners_[params[i].param.unsafeGetTensorImpl()] = ParamOwner{state, i};
@@ -47,32 +48,124 @@ std::optional<ParamOwner> Runtime::owner_of(const at::Tensor& param) const {
   return it->second;
 }
 
+std::vector<std::shared_ptr<ModuleState>> Runtime::all_states() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<ModuleState>> out;
+  for (const auto& [module, entry] : states_)
+    if (!entry.module.expired()) out.push_back(entry.state);
+  return out;
+}
+
 void Runtime::enter_forward(ModuleState& state) {
   const bool is_root = depth_ == 0;
   if (is_root) {
     ++step_;
     forward_order_.clear();
     callback_queued_ = false;
+    forward_pass_.begin_pass();
   }
-  if (state.step_ != step_) forward_order_.push_back(state.weak_from_this());
+  if (state.step_ != step_) {
+    forward_order_.push_back(state.weak_from_this());
+    if (!forward_pass_.observe(state.id_)) ++stats_.order_departures;
+  }
   state.start_step(step_, is_root);
   ++depth_;
 }
 
-void Runtime::exit_forward() { --depth_; }
+void Runtime::exit_forward() {
+  if (--depth_ > 0) return;
+  forward_pass_.end_pass();
+  reshard_strays(/*only_idle_this_step=*/true);
+}
 
-void Runtime::ensure_end_of_backward_callback() {
-  if (callback_queued_) return;
-  callback_queued_ = true;
-  torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+void Runtime::enter_backward(ModuleState& state) {
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    backward_pass_.begin_pass();
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+  }
+  if (!backward_pass_.observe(state.id_)) ++stats_.order_departures;
+}
+
+// A prefetched group that did not run (the order changed) holds memory for
+// nothing: give it back. Forward end: groups that did not run this step;
+// backward end: every group still unsharded.
+void Runtime::reshard_strays(bool only_idle_this_step) {
+  for (const auto& state : all_states())
+    if (state->group().is_unsharded() && (!only_idle_this_step || state->step_ != step_))
+      state->reshard();
+}
+
+std::vector<ModuleState*> Runtime::prefetch_targets(const ExecutionOrder& order,
+                                                    const ModuleState& state, bool backward) {
+  std::vector<ModuleState*> targets;
+  const auto ids = order.next(state.id_, options_.prefetch_depth);
+  if (ids.empty()) return targets;
+  for (const auto& candidate : all_states()) {
+    if (std::find(ids.begin(), ids.end(), candidate->id_) == ids.end()) continue;
+    // Guards against a stale order: never prefetch a group that already ran
+    // in this pass (it would be gathered again for nothing).
+    const bool ran = backward ? candidate->step_ != step_ || candidate->backward_started_
+                              : candidate->step_ == step_;
+    if (!ran) targets.push_back(candidate.get());
+  }
+  return targets;
+}
+
+std::vector<ModuleState*> Runtime::forward_prefetch_targets(const ModuleState& state) {
+  return prefetch_targets(forward_pass_, state, /*backward=*/false);
+}
+
+std::vector<ModuleState*> Runtime::backward_prefetch_targets(const ModuleState& state) {
+  return prefetch_targets(backward_pass_, state, /*backward=*/true);
+}
+
+void Runtime::before_all_gather() {
+  const long before = allgathers_.waits();
+  allgathers_.set_limit(options_.max_inflight_allgathers);
+  allgathers_.make_room();
+  stats_.allgather_waits += allgathers_.waits() - before;
+}
+
+void Runtime::after_reshard(std::shared_ptr<c10::Event> last_use) {
+  if (last_use) allgathers_.push(DeviceWork{std::move(last_use), {}});
+}
+
+void Runtime::issue_reduce_scatter(ParamGroup& group) {
+  const long before = reduce_scatters_.waits();
+  reduce_scatters_.set_limit(options_.max_inflight_reduce_scatters);
+  reduce_scatters_.make_room();
+  stats_.reduce_scatter_waits += reduce_scatters_.waits() - before;
+  reduce_scatters_.push(group.reduce_scatter_grads());
 }
 
 // Groups finish in reverse forward order, the order their backward ran in,
-// so all ranks issue any outstanding reduce-scatters in the same order.
+// so all ranks issue any outstanding reduce-scatters in the same order. Then
+// the compute stream waits for each reduce-scatter and takes its result as
+// the sharded gradients; after that every reduce-scatter input can go.
 void Runtime::end_of_backward() {
   callback_queued_ = false;
+  std::vector<std::shared_ptr<ModuleState>> groups;
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
-    if (auto state = it->lock()) state->finish_backward();
+    if (auto state = it->lock()) groups.push_back(std::move(state));
+  for (auto& state : groups) state->finish_backward();
+  for (auto& state : groups) state->group().commit_gradients();
+  reduce_scatters_.clear();
+  backward_pass_.end_pass();
+  reshard_strays(/*only_idle_this_step=*/false);
 }
+
+RuntimeOptions Runtime::options() const { return options_; }
+void Runtime::set_options(const RuntimeOptions& options) { options_ = options; }
+RuntimeStats Runtime::stats() const { return stats_; }
+
+void set_runtime_options(const RuntimeOptions& options) {
+  if (options.prefetch_depth < 0 || options.max_inflight_allgathers < 0 ||
+      options.max_inflight_reduce_scatters < 0)
+    throw std::invalid_argument("fsdp::set_runtime_options: prefetch depth and caps must be >= 0");
+  Runtime::get().set_options(options);
+}
+RuntimeOptions runtime_options() { return Runtime::get().options(); }
+RuntimeStats runtime_stats() { return Runtime::get().stats(); }
 
 }  // namespace fsdp

@@ -11,6 +11,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fsdp/runtime_options.h"
+#include "sched/execution_order.h"
+#include "sched/inflight_queue.h"
+#include "shard/streams.h"
+
 namespace torch::nn {
 class Module;
 }
@@ -36,11 +41,29 @@ class Runtime {
   // The state managing this parameter (by tensor identity), if any.
   std::optional<ParamOwner> owner_of(const at::Tensor& param) const;
 
-  // A forward at depth 0 starts a new step and is its root.
+  // A forward at depth 0 starts a new step and is its root; its end closes
+  // the forward pass (recording the order, resharding stray prefetches).
   void enter_forward(ModuleState& state);
   void exit_forward();
-  // Queues (once per backward) the callback that finishes every group.
-  void ensure_end_of_backward_callback();
+  // The first group of a backward queues the callback that finishes every
+  // group; each group's backward start is recorded in the backward order.
+  void enter_backward(ModuleState& state);
+
+  // Groups to all-gather ahead of `state`, from the recorded orders, minus
+  // any that already ran (or are running) in this pass.
+  std::vector<ModuleState*> forward_prefetch_targets(const ModuleState& state);
+  std::vector<ModuleState*> backward_prefetch_targets(const ModuleState& state);
+
+  // The CPU run-ahead limit around all-gathers and reduce-scatters.
+  void before_all_gather();
+  void after_reshard(std::shared_ptr<c10::Event> last_use);
+  void issue_reduce_scatter(class ParamGroup& group);
+  void count_prefetch() { ++stats_.prefetches; }
+
+  uint64_t step() const { return step_; }
+  RuntimeOptions options() const;
+  void set_options(const RuntimeOptions& options);
+  RuntimeStats stats() const;
 
  private:
   struct Entry {
@@ -49,14 +72,23 @@ class Runtime {
   };
   void end_of_backward();
   void drop_stale_locked();
+  void reshard_strays(bool only_idle_this_step);
+  std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
+                                             bool backward);
+  std::vector<std::shared_ptr<ModuleState>> all_states() const;
 
   mutable std::mutex mutex_;
   std::unordered_map<const torch::nn::Module*, Entry> states_;
   std::unordered_map<const void*, ParamOwner> owners_;  // key: TensorImpl*
   int depth_ = 0;
   uint64_t step_ = 0;
-  std::vector<std::weak_ptr<ModuleState>> forward_order_;
+  std::vector<std::weak_ptr<ModuleState>> forward_order_;  // groups of this step
   bool callback_queued_ = false;
+  int next_id_ = 0;
+  RuntimeOptions options_;
+  RuntimeStats stats_;
+  ExecutionOrder forward_pass_, backward_pass_;
+  InflightQueue<DeviceWork> allgathers_, reduce_scatters_;
 };
 
 }  // namespace fsdp

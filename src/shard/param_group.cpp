@@ -5,6 +5,9 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/GradMode.h>
 
+#include <c10/core/StreamGuard.h>
+
+#include <optional>
 #include <stdexcept>
 
 #include "shard/flat_copy.h"
@@ -39,9 +42,10 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 
 ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
                        std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision)
-    : comm_(std::move(comm)), device_(at::kCPU) {
+    : comm_(std::move(comm)),
+      device_(params.empty() ? comm_->device() : params.front().second.device()),
+      streams_(DeviceStreams::of(device_)) {
   const int world = comm_->world_size(), rank = comm_->rank();
-  if (!params.empty()) device_ = params.front().second.device();
   std::optional<at::ScalarType> common_dtype;
   for (auto& [name, t] : params) {
     if (t.device() != device_)
@@ -113,38 +117,58 @@ at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
 }
 
 void ParamGroup::unshard() {
-  if (unsharded_) return;
+  if (state_ != State::Sharded) return;
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
-  at::Tensor input = at::empty({shard_numel_}, opts);
-  for (const auto& p : params_)
-    input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
-  allocate_unsharded();
-  if (params_.size() == 1) {
-    // One parameter: the rank-major gather already is the parameter's layout.
-    comm_->all_gather(unsharded_flat_, input);
-  } else {
-    at::Tensor gathered = at::empty({world * shard_numel_}, opts);
-    comm_->all_gather(gathered, input);
-    at::Tensor by_rank = gathered.view({world, shard_numel_});
-    for (const auto& p : params_) {
-      const int64_t n = p.layout.shard_numel();
-      unsharded_flat_.narrow(0, p.offset * world, n * world)
-          .view({world, n})
-          .copy_(by_rank.narrow(1, p.offset, n));
+  {
+    // The copy-in reads the shards the optimizer last wrote on the compute
+    // stream; waiting for it also orders the reuse of any freed memory.
+    std::optional<c10::StreamGuard> on_side_stream;
+    if (streams_.active()) {
+      streams_.wait(streams_.all_gather(), streams_.compute());
+      on_side_stream.emplace(streams_.all_gather());
     }
+    at::Tensor input = at::empty({shard_numel_}, opts);
+    for (const auto& p : params_)
+      input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
+    allocate_unsharded();
+    if (params_.size() == 1) {
+      // One parameter: the rank-major gather already is the parameter's layout.
+      comm_->all_gather(unsharded_flat_, input);
+    } else {
+      at::Tensor gathered = at::empty({world * shard_numel_}, opts);
+      comm_->all_gather(gathered, input);
+      at::Tensor by_rank = gathered.view({world, shard_numel_});
+      for (const auto& p : params_) {
+        const int64_t n = p.layout.shard_numel();
+        unsharded_flat_.narrow(0, p.offset * world, n * world)
+            .view({world, n})
+            .copy_(by_rank.narrow(1, p.offset, n));
+      }
+    }
+    gathered_ = streams_.active() ? streams_.record(streams_.all_gather()) : nullptr;
   }
+  // Only metadata changes here: kernels that read the parameters are
+  // enqueued after wait_for_unshard() has ordered them after the gather.
   for (auto& p : params_) {
     p.stashed_grad = p.param.grad();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(unsharded_view(p));
   }
-  unsharded_ = true;
+  state_ = State::Gathering;
 }
 
-void ParamGroup::reshard() {
-  if (!unsharded_) return;
+void ParamGroup::wait_for_unshard() {
+  unshard();
+  if (state_ != State::Gathering) return;
+  if (gathered_) streams_.wait(streams_.compute(), *gathered_);
+  gathered_ = nullptr;
+  state_ = State::Unsharded;
+}
+
+std::shared_ptr<c10::Event> ParamGroup::reshard() {
+  if (state_ == State::Sharded) return nullptr;
   for (auto& p : params_) {
     TORCH_INTERNAL_ASSERT(!p.param.grad().defined(),
                           "fsdp: resharding '", p.name, "' would drop its unreduced gradient");
@@ -152,12 +176,19 @@ void ParamGroup::reshard() {
     p.param.mutable_grad() = std::move(p.stashed_grad);
     p.stashed_grad = at::Tensor();
   }
+  // The storage came from the all-gather stream, whose next work waits for
+  // the compute stream first (streams.h): dropping it now is safe. The event
+  // tells the CPU run-ahead limit when the GPU is really done with it.
+  const bool used_by_compute = state_ == State::Unsharded;
   free_unsharded();
-  unsharded_ = false;
+  gathered_ = nullptr;
+  state_ = State::Sharded;
+  return used_by_compute ? streams_.record(streams_.compute()) : nullptr;
 }
 
-void ParamGroup::reduce_scatter_grads() {
-  TORCH_INTERNAL_ASSERT(unsharded_, "fsdp: reduce_scatter_grads needs unsharded parameters");
+DeviceWork ParamGroup::reduce_scatter_grads() {
+  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: reduce_scatter_grads needs unsharded parameters");
+  TORCH_INTERNAL_ASSERT(!reduced_.defined(), "fsdp: the previous reduce-scatter was not committed");
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
   const int64_t count = static_cast<int64_t>(params_.size());
@@ -167,9 +198,12 @@ void ParamGroup::reduce_scatter_grads() {
   // gradients exist without another collective.
   const int64_t chunk = shard_numel_ + count;
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
+  // Copy-in on the compute stream, where autograd made the gradients: they
+  // can then be freed at once. The input itself lives until the
+  // reduce-scatter is done (the returned work holds it).
   at::Tensor input = at::empty({world, chunk}, opts);
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& p = params_[i];
+    auto& p = params_[i];
     at::Tensor dst = input.narrow(1, p.offset, p.layout.shard_numel());
     at::Tensor grad = p.param.grad();
     if (grad.defined())
@@ -177,28 +211,43 @@ void ParamGroup::reduce_scatter_grads() {
     else
       dst.zero_();
     input.select(1, shard_numel_ + i).fill_(grad.defined() ? 1 : 0);
+    p.param.mutable_grad() = at::Tensor();
   }
-  at::Tensor output = at::empty({chunk}, opts);
-  comm_->reduce_scatter(output, input.view(-1), ReduceOp::Avg);
-  at::Tensor had_grad = output.narrow(0, shard_numel_, count).gt(0).to(at::kCPU);
+  std::optional<c10::StreamGuard> on_side_stream;
+  if (streams_.active()) {
+    streams_.wait(streams_.reduce_scatter(), streams_.compute());
+    on_side_stream.emplace(streams_.reduce_scatter());
+  }
+  reduced_ = at::empty({chunk}, opts);
+  comm_->reduce_scatter(reduced_, input.view(-1), ReduceOp::Avg);
+  reduced_at_ = streams_.active() ? streams_.record(streams_.reduce_scatter()) : nullptr;
+  return DeviceWork{reduced_at_, {input}};
+}
+
+void ParamGroup::commit_gradients() {
+  if (!reduced_.defined()) return;
+  TORCH_INTERNAL_ASSERT(state_ == State::Sharded, "fsdp: commit gradients after resharding");
+  c10::NoGradGuard no_grad;
+  if (reduced_at_) streams_.wait(streams_.compute(), *reduced_at_);
+  const int64_t count = static_cast<int64_t>(params_.size());
+  at::Tensor had_grad = reduced_.narrow(0, shard_numel_, count).gt(0).to(at::kCPU);
   const bool* flags = had_grad.data_ptr<bool>();
   const int rank = comm_->rank();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    p.param.mutable_grad() = at::Tensor();
     if (!flags[i]) continue;
-    at::Tensor reduced = output.narrow(0, p.offset, p.layout.shard_numel())
-                             .view(p.padded_shard.sizes())
-                             .narrow(0, 0, p.layout.local_rows(rank));
-    if (reduced.scalar_type() == p.shard.scalar_type())
-      reduced = alias_without_view(reduced);
+    at::Tensor rows = reduced_.narrow(0, p.offset, p.layout.shard_numel())
+                          .view(p.padded_shard.sizes())
+                          .narrow(0, 0, p.layout.local_rows(rank));
+    rows = rows.scalar_type() == p.shard.scalar_type() ? alias_without_view(rows)
+                                                      : rows.to(p.shard.scalar_type());
+    if (p.param.grad().defined())
+      p.param.mutable_grad().add_(rows);
     else
-      reduced = reduced.to(p.shard.scalar_type());
-    if (p.stashed_grad.defined())
-      p.stashed_grad.add_(reduced);
-    else
-      p.stashed_grad = reduced;
+      p.param.mutable_grad() = rows;
   }
+  reduced_ = at::Tensor();
+  reduced_at_ = nullptr;
 }
 
 at::Tensor ParamGroup::gather_full(size_t i) const {

@@ -19,6 +19,7 @@
 #include "fsdp/communicator.h"
 #include "fsdp/options.h"
 #include "shard/shard_layout.h"
+#include "shard/streams.h"
 
 namespace fsdp {
 
@@ -41,24 +42,40 @@ class ParamGroup {
              std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision);
   ~ParamGroup();
 
-  // Collective. All-gathers the shards; parameters then hold full data.
+  // Collective. Issues the all-gather (on GPUs on the all-gather stream, and
+  // returns at once) and points the parameters at their unsharded views;
+  // their sharded gradients are set aside meanwhile.
   void unshard();
-  // Parameters go back to their shards; the unsharded memory is freed.
-  void reshard();
-  // Collective. Reduce-scatters (averages) the unsharded gradients into the
-  // sharded gradients, accumulating into existing ones. A parameter no rank
-  // produced a gradient for keeps its gradient undefined.
-  void reduce_scatter_grads();
+  // Unshards if needed and makes the compute stream wait for the
+  // all-gather: call before the parameters are used.
+  void wait_for_unshard();
+  // Parameters go back to their shards and the unsharded memory is freed.
+  // Returns the event marking the memory's last use on the compute stream
+  // (null on CPU, or when nothing on the compute stream used it).
+  std::shared_ptr<c10::Event> reshard();
+  // Collective. Copies the unsharded gradients rank-major into a
+  // reduce-scatter input on the compute stream, frees them, and issues the
+  // average over the world on the reduce-scatter stream. The returned work
+  // keeps the input alive until the reduce-scatter is done; the result
+  // becomes the sharded gradients at commit_gradients().
+  DeviceWork reduce_scatter_grads();
+  // The compute stream waits for this group's reduce-scatter; its result is
+  // added to the sharded gradients (set where none exist). A parameter that
+  // no rank produced a gradient for keeps its gradient undefined. Reads the
+  // per-parameter flags, so on GPUs it waits for the device.
+  void commit_gradients();
 
-  bool is_unsharded() const { return unsharded_; }
+  bool is_unsharded() const { return state_ != State::Sharded; }
   // Bytes of the unsharded parameter storage now allocated (0 when sharded).
   size_t unsharded_bytes() const { return unsharded_storage_.nbytes(); }
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
+  const at::Device& device() const { return device_; }
   // Collective. A full copy of parameter i (in its own dtype).
   at::Tensor gather_full(size_t i) const;
 
  private:
+  enum class State { Sharded, Gathering, Unsharded };
   void allocate_unsharded();
   void free_unsharded();
   at::Tensor unsharded_view(const ShardedParam& p) const;
@@ -68,10 +85,14 @@ class ParamGroup {
   at::ScalarType compute_dtype_;
   at::ScalarType reduce_dtype_;
   at::Device device_;
+  const DeviceStreams& streams_;
   int64_t shard_numel_ = 0;  // per rank, all parameters
   c10::Storage unsharded_storage_;
   at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
-  bool unsharded_ = false;
+  State state_ = State::Sharded;
+  std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
+  at::Tensor reduced_;                       // reduce-scatter output awaiting commit
+  std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective
 };
 
 }  // namespace fsdp

@@ -1,0 +1,32 @@
+// Process-wide scheduling knobs of the FSDP runtime, and what it counted.
+#pragma once
+
+namespace fsdp {
+
+struct RuntimeOptions {
+  // Groups all-gathered ahead of use, following the order recorded in the
+  // previous step (forward and backward separately). 0: no prefetch.
+  int prefetch_depth = 1;
+  // All-gathers the CPU may issue before the GPU has released the memory of
+  // earlier ones; past it the CPU waits on the oldest release instead of
+  // letting the allocator grow. 0: unlimited.
+  int max_inflight_allgathers = 2;
+  // Reduce-scatters (and their gradient buffers) in flight; past it the CPU
+  // waits for the oldest. 0: unlimited.
+  int max_inflight_reduce_scatters = 2;
+};
+
+void set_runtime_options(const RuntimeOptions& options);
+RuntimeOptions runtime_options();
+
+struct RuntimeStats {
+  long allgather_waits = 0;       // times the CPU blocked on max_inflight_allgathers
+  long reduce_scatter_waits = 0;  // times the CPU blocked on max_inflight_reduce_scatters
+  long prefetches = 0;            // all-gathers issued ahead of use
+  long order_departures = 0;      // passes whose order differed from the recorded one
+};
+
+// Totals since the process started (subtract two readings for one step).
+RuntimeStats runtime_stats();
+
+}  // namespace fsdp

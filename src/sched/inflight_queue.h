@@ -1,0 +1,47 @@
+// A cap on work in flight: the CPU may run ahead of the device by at most
+// `limit` items (all-gathers whose memory is not yet released, reduce-scatters
+// not yet finished). Past the cap the CPU blocks on the oldest item instead of
+// letting the allocator grow. Items are anything with done() and wait();
+// dropping an item releases what it keeps alive.
+#pragma once
+
+#include <deque>
+#include <utility>
+
+namespace fsdp {
+
+template <class Item>
+class InflightQueue {
+ public:
+  explicit InflightQueue(int limit = 0) : limit_(limit) {}
+  void set_limit(int limit) { limit_ = limit; }  // 0 = unlimited
+  int limit() const { return limit_; }
+
+  // Call before starting new work: drops finished items, then blocks on the
+  // oldest until fewer than `limit` remain.
+  void make_room() {
+    drop_finished();
+    while (limit_ > 0 && static_cast<int>(items_.size()) >= limit_) {
+      items_.front().wait();
+      items_.pop_front();
+      ++waits_;
+    }
+  }
+  void push(Item item) { items_.push_back(std::move(item)); }
+  // Drops every item; only when their work is known to be ordered before
+  // anything that could reuse what they keep alive.
+  void clear() { items_.clear(); }
+  void drop_finished() {
+    while (!items_.empty() && items_.front().done()) items_.pop_front();
+  }
+
+  size_t size() const { return items_.size(); }
+  long waits() const { return waits_; }  // times make_room() blocked
+
+ private:
+  std::deque<Item> items_;
+  int limit_;
+  long waits_ = 0;
+};
+
+}  // namespace fsdp
