@@ -2,6 +2,7 @@
 //   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
+#include <torch/serialize.h>
 
 #include <chrono>
 #include <cstdio>
@@ -33,6 +34,8 @@ struct Args {
   std::string backend = "auto";
   std::string log = "fsdp-train.jsonl";
   double timeout_s = 0;
+  fsdp::RuntimeOptions runtime;
+  std::string save_init;  // file for the initial full weights (rank 0)
 };
 
 struct Flag {
@@ -75,6 +78,16 @@ std::map<std::string, Flag> flags(Args& a) {
       {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", str(a.log)}},
       {"--timeout", {"seconds a collective may wait (default 300, or FSDP_TIMEOUT_S)",
                      num(a.timeout_s)}},
+      {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
+                            num(a.runtime.prefetch_depth)}},
+      {"--max-inflight-allgathers",
+       {"all-gathers the CPU may run ahead of the GPU, 0 = unlimited (default 2)",
+        num(a.runtime.max_inflight_allgathers)}},
+      {"--max-inflight-reduce-scatters",
+       {"reduce-scatters in flight before the CPU waits, 0 = unlimited (default 2)",
+        num(a.runtime.max_inflight_reduce_scatters)}},
+      {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)",
+                       str(a.save_init)}},
   };
 }
 
@@ -120,6 +133,15 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
   throw std::invalid_argument("dtype must be fp32, bf16 or auto, not '" + name + "'");
 }
 
+// Full weights by name, as a dict torch.load() reads (the PyTorch reference
+// benchmark starts from the same weights).
+void save_weights(torch::nn::Module& model, const std::string& path) {
+  c10::Dict<std::string, at::Tensor> weights;
+  for (const auto& item : model.named_parameters()) weights.insert(item.key(), item.value().detach().cpu());
+  auto bytes = torch::pickle_save(c10::IValue(weights));
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
 void train(const Args& args) {
   fsdp::InitOptions init;
   init.backend = args.backend == "mpi"    ? fsdp::Backend::Mpi
@@ -139,8 +161,10 @@ void train(const Args& args) {
   if (args.data != "synthetic" && config.vocab < 256)
     throw std::invalid_argument("--data FILE needs a vocabulary of at least 256 byte tokens");
 
+  fsdp::set_runtime_options(args.runtime);
   torch::manual_seed(args.seed);  // same initial weights on every rank
   fsdp::model::Llama model(config);
+  if (lead && !args.save_init.empty()) save_weights(*model, args.save_init);
   model->to(device);
   fsdp::ShardOptions shard;
   shard.reshard_after_forward = args.reshard_after_forward;
@@ -153,6 +177,7 @@ void train(const Args& args) {
                                                          .betas({0.9, 0.95})
                                                          .weight_decay(args.weight_decay));
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
+  fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
   std::ofstream log;
   if (lead) {
@@ -166,6 +191,7 @@ void train(const Args& args) {
   }
   const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";
   fsdp::train::take_memory_peaks(device);
+  auto stats_before = fsdp::runtime_stats();
   for (int step = 0; step < args.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double lr = schedule.at(step);
@@ -188,16 +214,25 @@ void train(const Args& args) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
     const auto mem = fsdp::train::take_memory_peaks(device);
+    const auto stats = fsdp::runtime_stats();
+    const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
+    const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
+    const long prefetches = stats.prefetches - stats_before.prefetches;
+    stats_before = stats;
     if (!lead) continue;
     std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
                 step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
                 mem.allocated_gib);
     if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
-    std::printf(" GiB\n");
+    std::printf(" GiB | waits ag %ld rs %ld\n", ag_waits, rs_waits);
     std::fflush(stdout);
     log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
         << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
         << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
+        << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
+        << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
+        << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << args.batch * args.seq * comm->world_size()
+        << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
         << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
   }
   if (lead) std::printf("fsdp-train: done, log in %s\n", args.log.c_str());

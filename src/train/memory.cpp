@@ -36,12 +36,22 @@ MemoryPeaks take_memory_peaks(const c10::Device& device) {
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     peaks.allocated_gib = stats.allocated_bytes[all].peak / kGiB;
     peaks.reserved_gib = stats.reserved_bytes[all].peak / kGiB;
+    peaks.active_gib = stats.active_bytes[all].peak / kGiB;
+    static long retries_before = 0;
+    peaks.alloc_retries = stats.num_alloc_retries - retries_before;
+    retries_before = stats.num_alloc_retries;
     alloc::resetPeakStats(device.index());
     return peaks;
   }
 #endif
   peaks.allocated_gib = peak_rss_gib();
   return peaks;
+}
+
+void release_cached_memory(const c10::Device& device) {
+#ifdef FSDP_WITH_NCCL
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
 }
 
 }  // namespace fsdp::train

@@ -8,9 +8,14 @@ namespace fsdp::train {
 struct MemoryPeaks {
   double allocated_gib = 0;  // device: peak allocated since the last reset; cpu: peak RSS
   double reserved_gib = 0;   // device: peak reserved by the caching allocator; cpu: 0
+  double active_gib = 0;     // device: peak of blocks in use or awaiting reuse on a stream
+  long alloc_retries = 0;    // device: cudaMalloc failures the allocator recovered from by freeing its cache
 };
 
 // Reads the peaks since the last call and starts a new measurement window.
 MemoryPeaks take_memory_peaks(const c10::Device& device);
+// Returns the caching allocator's unused blocks to the device (GPU only), so
+// that measurements start from what the model really holds.
+void release_cached_memory(const c10::Device& device);
 
 }  // namespace fsdp::train

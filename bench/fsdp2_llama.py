@@ -1,0 +1,206 @@
+"""PyTorch FSDP2 reference for the fsdp.cpp benchmark.
+
+The same model as src/model/llama.cpp (RMSNorm computed in float32, rotary
+embeddings on (i, i + d/2) pairs, causal scaled_dot_product_attention, SwiGLU,
+no biases), the same synthetic batches (src/train/data.cpp, same generator
+seeds), the same initial weights (read from fsdp-train --save-init), AdamW,
+warmup + cosine schedule and clipping. Writes one JSON line per step in
+fsdp-train's format.
+
+    torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --log out.jsonl
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.jit._pickle
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+PRESETS = {
+    "tiny": dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=176, theta=1e4),
+    "small": dict(vocab=32000, dim=512, n_layers=24, n_heads=8, n_kv_heads=8, ffn=1408, theta=1e4),
+    "1b": dict(vocab=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=5632, theta=1e4),
+    "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336, theta=5e5),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.h, self.kv, self.d = c["n_heads"], c["n_kv_heads"], c["dim"] // c["n_heads"]
+        self.wq = nn.Linear(c["dim"], self.h * self.d, bias=False)
+        self.wk = nn.Linear(c["dim"], self.kv * self.d, bias=False)
+        self.wv = nn.Linear(c["dim"], self.kv * self.d, bias=False)
+        self.wo = nn.Linear(self.h * self.d, c["dim"], bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.h, self.d).transpose(1, 2), cos, sin)
+        k = apply_rope(self.wk(x).view(b, t, self.kv, self.d).transpose(1, 2), cos, sin)
+        v = self.wv(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+
+class Mlp(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.w_gate = nn.Linear(c["dim"], c["ffn"], bias=False)
+        self.w_up = nn.Linear(c["dim"], c["ffn"], bias=False)
+        self.w_down = nn.Linear(c["ffn"], c["dim"], bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(c["dim"]), Attention(c)
+        self.mlp_norm, self.mlp = RMSNorm(c["dim"]), Mlp(c)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c, max_seq):
+        super().__init__()
+        self.tok_emb = nn.Embedding(c["vocab"], c["dim"])
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
+        self.norm = RMSNorm(c["dim"])
+        self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
+        half = c["dim"] // c["n_heads"] // 2
+        inv_freq = c["theta"] ** (-torch.arange(0, half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_emb(tokens)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        return self.head(self.norm(h))
+
+
+def synthetic_rows(vocab, seed, step, first, rows, seq):
+    """src/train/data.cpp's SyntheticTokens, row for row."""
+    out = torch.empty(rows, seq + 1, dtype=torch.long)
+    positions = torch.arange(seq + 1)
+    for r in range(rows):
+        g = torch.Generator().manual_seed(seed * 1000003 + step * 7919 + first + r)
+        start = torch.randint(0, vocab, (1,), generator=g)
+        stride = torch.randint(1, 5, (1,), generator=g)
+        out[r] = (positions * stride + start) % vocab
+    return out
+
+
+def lr_at(step, lr, min_lr, warmup, total):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if total <= warmup:
+        return lr
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="1b")
+    p.add_argument("--steps", type=int, default=13)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=3e-5)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--init", required=True, help="weights written by fsdp-train --save-init")
+    p.add_argument("--log", required=True)
+    args = p.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    c = PRESETS[args.model]
+
+    model = Llama(c, max(args.seq, 2048))
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        weights = torch.load(args.init)
+    missing = model.load_state_dict(weights, strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    model.to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=args.weight_decay)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+    log = open(args.log, "w") if rank == 0 else None
+    for step in range(args.steps):
+        start = time.perf_counter()
+        lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = synthetic_rows(c["vocab"], args.seed, step, rank * args.batch, args.batch,
+                                args.seq).to(device)
+        opt.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()
+        opt.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        loss_value = global_loss.item()
+        ms = (time.perf_counter() - start) * 1000
+        alloc = torch.cuda.max_memory_allocated(device) / 2**30
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        if log:
+            row = dict(step=step + 1, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
+                       step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
+                       peak_alloc_gib=alloc, peak_reserved_gib=reserved, world=world,
+                       model=args.model)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(f"fsdp2 step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
+                  f"peak alloc/reserved {alloc:.2f}/{reserved:.2f} GiB", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""fsdp.cpp vs PyTorch FSDP2, back to back on the same GPUs, from the same
+initial weights and data. Writes results.jsonl (one row per run) and
+results.md to --out.
+
+    python3 bench/run_bench.py --out DIR --commit SHA [--configs 1b,small] [--steps 13]
+
+Each run takes --steps steps; the first 3 are warm-up, the rest give medians.
+exposed_comm_ms = median step time on all GPUs minus the same system's median
+step time on one GPU with the same per-GPU batch (where every collective is a
+local copy): the time communication adds to a step.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
+WARMUP = 3
+CONFIGS = {
+    # name: (preset, seq, batch per GPU, extra fsdp-train flags)
+    "1b": ("1b", 2048, 4, []),
+    "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"]),
+    "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"]),
+    "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"]),
+    "small": ("small", 512, 2, []),
+}
+FSDP2_CONFIGS = {"1b", "small"}  # variants above are fsdp.cpp knobs
+
+
+def run(cmd, log_path):
+    print("+", " ".join(cmd), flush=True)
+    with open(log_path, "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        print(open(log_path).read()[-3000:], flush=True)
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+
+
+def summarize(jsonl, world):
+    rows = [json.loads(line) for line in open(jsonl)]
+    measured = rows[WARMUP:]
+    step_ms = statistics.median(r["step_ms"] for r in measured)
+    return dict(
+        step_ms=step_ms,
+        tok_s_gpu=statistics.median(r["tok_s"] for r in measured) / world,
+        peak_alloc_gib=max(r["peak_alloc_gib"] for r in measured),
+        peak_reserved_gib=max(r["peak_reserved_gib"] for r in measured),
+        loss_first=rows[0]["loss"],
+        loss_last=rows[-1]["loss"],
+        losses=[r["loss"] for r in rows],
+        allgather_waits=sum(r.get("allgather_waits", 0) for r in measured),
+        alloc_retries=sum(r.get("alloc_retries", 0) for r in measured),
+    )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--configs", default="1b,1b-depth0,1b-depth2,1b-nolimit,small")
+    p.add_argument("--steps", type=int, default=13)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    device = f"{gpus}x {torch.cuda.get_device_name(0)}"
+    common = dict(device=device, torch=torch.__version__, commit=args.commit,
+                  date=datetime.date.today().isoformat())
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    os.environ.update(env)
+
+    results = []
+    for config in args.configs.split(","):
+        preset, seq, batch, flags = CONFIGS[config]
+        init = os.path.join(args.out, f"init-{preset}.pt")
+        train = ["--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
+                 str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
+                 "--reduce-dtype", "fp32"]
+        base = config in FSDP2_CONFIGS
+        for world in ([gpus, 1] if base else [gpus]):
+            log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
+            run(["build/fsdp-run", "--gpu", "-n", str(world), "build/fsdp-train", *train, *flags,
+                 "--save-init", init, "--log", log], log.replace(".jsonl", ".log"))
+            row = dict(system="fsdp.cpp", config=config, world=world, **summarize(log, world))
+            row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
+            results.append(row)
+            if base:
+                log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
+                run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
+                     "--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
+                     str(batch), "--init", init, "--log", log2], log2.replace(".jsonl", ".log"))
+                results.append(dict(system="pytorch-fsdp2", config=config, world=world,
+                                    flops_per_token=row["flops_per_token"], **summarize(log2, world)))
+
+    by_key = {(r["system"], r["config"], r["world"]): r for r in results}
+    for r in results:
+        r["mfu"] = r["flops_per_token"] * r["tok_s_gpu"] / H200_BF16_DENSE_FLOPS
+        one = by_key.get((r["system"], r["config"], 1))
+        r["exposed_comm_ms"] = r["step_ms"] - one["step_ms"] if one and r["world"] > 1 else None
+        r.update(common)
+
+    with open(os.path.join(args.out, "results.jsonl"), "w") as f:
+        for r in results:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "losses"}) + "\n")
+    write_markdown(results, by_key, gpus, os.path.join(args.out, "results.md"), common)
+
+
+def write_markdown(results, by_key, gpus, path, common):
+    lines = [f"# fsdp.cpp vs PyTorch FSDP2: {common['device']}, torch {common['torch']}, "
+             f"commit {common['commit'][:10]}, {common['date']}", "",
+             "| system | config | GPUs | ms/step | tokens/s/GPU | MFU | peak alloc GiB | "
+             "peak reserved GiB | reserved/alloc | exposed comm ms | AG waits | loss first → last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        exposed = "" if r["exposed_comm_ms"] is None else f"{r['exposed_comm_ms']:.1f}"
+        lines.append(
+            f"| {r['system']} | {r['config']} | {r['world']} | {r['step_ms']:.1f} | "
+            f"{r['tok_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_alloc_gib']:.2f} | "
+            f"{r['peak_reserved_gib']:.2f} | {r['peak_reserved_gib'] / r['peak_alloc_gib']:.3f} | "
+            f"{exposed} | {r['allgather_waits']} | {r['loss_first']:.4f} → {r['loss_last']:.4f} |")
+    lines += ["", "## Against the targets (same run, same GPUs)", ""]
+    for config in ("1b", "small"):
+        ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
+        if not ours or not theirs:
+            continue
+        gap = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+        lines.append(
+            f"- {config}: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2; peak "
+            f"reserved {ours['peak_reserved_gib'] / theirs['peak_reserved_gib']:.2f}x FSDP2's; "
+            f"reserved/allocated {ours['peak_reserved_gib'] / ours['peak_alloc_gib']:.3f} "
+            f"(FSDP2 {theirs['peak_reserved_gib'] / theirs['peak_alloc_gib']:.3f}); largest loss "
+            f"difference over {len(ours['losses'])} steps {gap:.4f}")
+    open(path, "w").write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
