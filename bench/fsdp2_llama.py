@@ -7,7 +7,7 @@ seeds), the same initial weights (read from fsdp-train --save-init), AdamW,
 warmup + cosine schedule and clipping. Writes one JSON line per step in
 fsdp-train's format.
 
-    torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --log out.jsonl
+    torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
 """
 import argparse
 import json
@@ -145,7 +145,7 @@ def main():
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--init", required=True, help="weights written by fsdp-train --save-init")
-    p.add_argument("--log", required=True)
+    p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
     args = p.parse_args()
 
     dist.init_process_group("nccl")
@@ -169,7 +169,7 @@ def main():
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
 
-    log = open(args.log, "w") if rank == 0 else None
+    log = open(args.jsonl, "w") if rank == 0 else None
     for step in range(args.steps):
         start = time.perf_counter()
         lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)

@@ -93,7 +93,7 @@ def main():
                 run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
                      "--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
-                     str(batch), "--init", init, "--log", log2], log2.replace(".jsonl", ".log"))
+                     str(batch), "--init", init, "--jsonl", log2], log2.replace(".jsonl", ".log"))
                 results.append(dict(system="pytorch-fsdp2", config=config, world=world,
                                     flops_per_token=row["flops_per_token"], **summarize(log2, world)))
 
