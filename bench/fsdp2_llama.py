@@ -148,10 +148,12 @@ def main():
     p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
     args = p.parse_args()
 
-    dist.init_process_group("nccl")
+    on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     c = PRESETS[args.model]
 
     model = Llama(c, max(args.seq, 2048))
@@ -166,8 +168,9 @@ def main():
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=args.weight_decay)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
     log = open(args.jsonl, "w") if rank == 0 else None
     for step in range(args.steps):
@@ -187,9 +190,10 @@ def main():
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         loss_value = global_loss.item()
         ms = (time.perf_counter() - start) * 1000
-        alloc = torch.cuda.max_memory_allocated(device) / 2**30
-        reserved = torch.cuda.max_memory_reserved(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
+        alloc = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else 0.0
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
         if log:
             row = dict(step=step + 1, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                        step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
