@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.jit._pickle
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 PRESETS = {
@@ -90,8 +91,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, c, max_seq):
+    def __init__(self, c, max_seq, checkpoint_blocks=False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         self.tok_emb = nn.Embedding(c["vocab"], c["dim"])
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
         self.norm = RMSNorm(c["dim"])
@@ -107,7 +109,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         h = self.tok_emb(tokens)
         for block in self.blocks:
-            h = block(h, cos, sin)
+            if self.checkpoint_blocks:
+                h = torch.utils.checkpoint.checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
         return self.head(self.norm(h))
 
 
@@ -144,6 +149,7 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
     p.add_argument("--init", required=True, help="weights written by fsdp-train --save-init")
     p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
     args = p.parse_args()
@@ -156,7 +162,7 @@ def main():
         torch.cuda.set_device(device)
     c = PRESETS[args.model]
 
-    model = Llama(c, max(args.seq, 2048))
+    model = Llama(c, max(args.seq, 2048), args.checkpoint)
     with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
         weights = torch.load(args.init)
     missing = model.load_state_dict(weights, strict=False)

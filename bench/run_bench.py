@@ -22,14 +22,15 @@ import torch
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
 CONFIGS = {
-    # name: (preset, seq, batch per GPU, extra fsdp-train flags)
+    # name: (preset, seq, batch per GPU, extra flags for both systems)
     "1b": ("1b", 2048, 4, []),
+    "1b-ac": ("1b", 2048, 4, ["--checkpoint"]),
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"]),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"]),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"]),
     "small": ("small", 512, 2, []),
 }
-FSDP2_CONFIGS = {"1b", "small"}  # variants above are fsdp.cpp knobs
+FSDP2_CONFIGS = {"1b", "1b-ac", "small"}  # the other variants are fsdp.cpp knobs
 
 
 def run(cmd, log_path):
@@ -62,7 +63,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
-    p.add_argument("--configs", default="1b,1b-depth0,1b-depth2,1b-nolimit,small")
+    p.add_argument("--configs", default="1b,1b-ac,1b-depth0,1b-depth2,1b-nolimit,small")
+    p.add_argument("--one-gpu-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run base configs on one GPU (for exposed_comm_ms)")
     p.add_argument("--steps", type=int, default=13)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -81,7 +84,7 @@ def main():
                  str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
                  "--reduce-dtype", "fp32"]
         base = config in FSDP2_CONFIGS
-        for world in ([gpus, 1] if base else [gpus]):
+        for world in ([gpus, 1] if base and args.one_gpu_baseline else [gpus]):
             log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
             run(["build/fsdp-run", "--gpu", "-n", str(world), "build/fsdp-train", *train, *flags,
                  "--save-init", init, "--log", log], log.replace(".jsonl", ".log"))
@@ -93,7 +96,8 @@ def main():
                 run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
                      "--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
-                     str(batch), "--init", init, "--jsonl", log2], log2.replace(".jsonl", ".log"))
+                     str(batch), *flags, "--init", init, "--jsonl", log2],
+                    log2.replace(".jsonl", ".log"))
                 results.append(dict(system="pytorch-fsdp2", config=config, world=world,
                                     flops_per_token=row["flops_per_token"], **summarize(log2, world)))
 
@@ -124,7 +128,7 @@ def write_markdown(results, by_key, gpus, path, common):
             f"{r['peak_reserved_gib']:.2f} | {r['peak_reserved_gib'] / r['peak_alloc_gib']:.3f} | "
             f"{exposed} | {r['allgather_waits']} | {r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     lines += ["", "## Against the targets (same run, same GPUs)", ""]
-    for config in ("1b", "small"):
+    for config in ("1b", "1b-ac", "small"):
         ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
         if not ours or not theirs:
             continue

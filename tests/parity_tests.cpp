@@ -197,6 +197,23 @@ TEST(Parity, ChangingOrderFallsBackSafely) {
   EXPECT_GE(runtime_stats().order_departures - departures, 4);
 }
 
+// Recomputed blocks must find their parameters, keep them until their
+// gradients are reduced, and leave the recorded forward order alone.
+TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
+  auto want = reference(tiny_llama(), 0, /*sgd=*/true);
+  auto c = tiny_llama();
+  c.checkpoint_blocks = true;
+  auto s = llama_setup(seeded_llama(c), [](model::Llama& m) { shard_blocks_and_root(m); });
+  s.sgd = true;
+  expect_same_run(train(s), want, kSgdTolerance);
+  // With the order recorded, further steps follow it and are prefetched.
+  const auto before = runtime_stats();
+  for (int step = 0; step < 2; ++step)
+    s.loss(0, world()->rank() * s.rows_per_rank, s.rows_per_rank).backward();
+  EXPECT_EQ(runtime_stats().order_departures, before.order_departures);
+  EXPECT_GT(runtime_stats().prefetches, before.prefetches);
+}
+
 // Prefetch depth and the in-flight caps change when work is issued, never
 // what is computed.
 TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {

@@ -30,7 +30,7 @@ struct Args {
   uint64_t seed = 1234;
   std::string data = "synthetic";
   std::string param_dtype = "auto", reduce_dtype = "fp32";
-  bool reshard_after_forward = true, tie_embeddings = false;
+  bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
   std::string backend = "auto";
   std::string log = "fsdp-train.jsonl";
   double timeout_s = 0;
@@ -74,6 +74,9 @@ std::map<std::string, Flag> flags(Args& a) {
       {"--tie-embeddings",
        {"share the embedding matrix with the output head",
         [&a](const std::string&) { a.tie_embeddings = true; }, false}},
+      {"--checkpoint",
+       {"activation checkpointing: recompute every block in backward",
+        [&a](const std::string&) { a.checkpoint = true; }, false}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", str(a.backend)}},
       {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", str(a.log)}},
       {"--timeout", {"seconds a collective may wait (default 300, or FSDP_TIMEOUT_S)",
@@ -155,6 +158,7 @@ void train(const Args& args) {
 
   auto config = fsdp::model::LlamaConfig::preset(args.model);
   config.tie_embeddings = args.tie_embeddings;
+  config.checkpoint_blocks = args.checkpoint;
   config.max_seq = std::max(config.max_seq, args.seq);
   auto data = args.data == "synthetic" ? fsdp::train::synthetic_tokens(config.vocab, args.seed)
                                        : fsdp::train::file_tokens(args.data, args.seed);

@@ -1,6 +1,7 @@
 // fsdp.cpp: fully sharded data parallel training for libtorch.
 #pragma once
 
+#include "fsdp/checkpoint.h"
 #include "fsdp/communicator.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
 
 namespace fsdp::model {
@@ -160,7 +161,8 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
                                 std::to_string(config.max_seq));
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
   auto h = tok_emb(tokens);
-  for (auto& block : blocks) h = fsdp::forward(block, h, cos, sin);
+  for (auto& block : blocks)
+    h = config.checkpoint_blocks ? fsdp::checkpoint(block, h, cos, sin) : fsdp::forward(block, h, cos, sin);
   h = norm(h);
   return head ? head(h) : torch::nn::functional::linear(h, tok_emb->weight);
 }

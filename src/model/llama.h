@@ -24,6 +24,7 @@ struct LlamaConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
+  bool checkpoint_blocks = false;  // recompute each block's activations in backward
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
   static LlamaConfig preset(const std::string& name);

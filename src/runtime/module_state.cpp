@@ -70,11 +70,16 @@ void ModuleState::start_step(uint64_t step, bool is_root) {
 void ModuleState::pre_forward() {
   Runtime& runtime = Runtime::get();
   runtime.enter_forward(*this);
-  trace("pre_forward", is_root_ ? "(root)" : "");
+  trace("pre_forward", runtime.recomputing() ? "(recompute)" : is_root_ ? "(root)" : "");
   try {
-    unshard();
-    for (ModuleState* next : runtime.forward_prefetch_targets(*this)) next->prefetch();
-    group_.wait_for_unshard();
+    if (runtime.recomputing()) {
+      start_backward();  // a recompute is where this group's backward begins
+      group_.wait_for_unshard();
+    } else {
+      unshard();
+      for (ModuleState* next : runtime.forward_prefetch_targets(*this)) next->prefetch();
+      group_.wait_for_unshard();
+    }
   } catch (...) {
     runtime.exit_forward();
     throw;
@@ -112,8 +117,10 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   if (needs_backward) hook_gradient_accumulators();
-  // The root's backward starts right after forward: keep its parameters.
-  const bool keep = needs_backward && (is_root_ || !reshard_after_forward_);
+  // The root's backward starts right after forward, and a recompute's right
+  // after it: keep their parameters.
+  const bool keep = needs_backward &&
+                    (is_root_ || !reshard_after_forward_ || Runtime::get().recomputing());
   if (!keep) reshard();
 }
 
@@ -141,6 +148,10 @@ void ModuleState::trace(const char* event, const char* detail) const {
 
 void ModuleState::pre_backward() {
   trace("pre_backward", backward_started_ ? "(again)" : "");
+  start_backward();
+}
+
+void ModuleState::start_backward() {
   if (backward_started_) return;
   backward_started_ = true;
   Runtime& runtime = Runtime::get();

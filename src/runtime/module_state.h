@@ -51,6 +51,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
  private:
   // Issues the all-gather within the run-ahead limit.
   void unshard();
+  // Once per backward: record it, unshard, prefetch the next groups in backward order.
+  void start_backward();
   void post_backward();
   void trace(const char* event, const char* detail) const;
   void start_step(uint64_t step, bool is_root);

@@ -57,6 +57,10 @@ std::vector<std::shared_ptr<ModuleState>> Runtime::all_states() const {
 }
 
 void Runtime::enter_forward(ModuleState& state) {
+  if (recomputing()) {
+    ++depth_;
+    return;
+  }
   const bool is_root = depth_ == 0;
   if (is_root) {
     ++step_;
@@ -73,7 +77,7 @@ void Runtime::enter_forward(ModuleState& state) {
 }
 
 void Runtime::exit_forward() {
-  if (--depth_ > 0) return;
+  if (--depth_ > 0 || recomputing()) return;
   forward_pass_.end_pass();
   reshard_strays(/*only_idle_this_step=*/true);
 }

@@ -60,6 +60,15 @@ class Runtime {
   void issue_reduce_scatter(class ParamGroup& group);
   void count_prefetch() { ++stats_.prefetches; }
 
+  // While alive, forwards are activation-checkpoint recomputations inside
+  // backward: not a new step, not part of the forward order.
+  class RecomputeScope {
+   public:
+    RecomputeScope() { ++get().recomputing_; }
+    ~RecomputeScope() { --get().recomputing_; }
+  };
+  bool recomputing() const { return recomputing_ > 0; }
+
   uint64_t step() const { return step_; }
   RuntimeOptions options() const;
   void set_options(const RuntimeOptions& options);
@@ -84,6 +93,7 @@ class Runtime {
   uint64_t step_ = 0;
   std::vector<std::weak_ptr<ModuleState>> forward_order_;  // groups of this step
   bool callback_queued_ = false;
+  int recomputing_ = 0;
   int next_id_ = 0;
   RuntimeOptions options_;
   RuntimeStats stats_;
