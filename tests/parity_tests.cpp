@@ -225,8 +225,39 @@ TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {
   const long prefetches = runtime_stats().prefetches;
   auto base = run(defaults);
   EXPECT_GT(runtime_stats().prefetches, prefetches) << "steps after the first prefetch";
-  for (RuntimeOptions o : {RuntimeOptions{0, 0, 0}, RuntimeOptions{2, 1, 1}, RuntimeOptions{3, 0, 0}})
+  for (RuntimeOptions o : {RuntimeOptions{0, 0, 0}, RuntimeOptions{2, 1, 1}, RuntimeOptions{3, 0, 0},
+                           RuntimeOptions{1, 2, 2, 1.0}, RuntimeOptions{0, 1, 1, 0.02}})
     expect_identical_run(run(o), base);
+  set_runtime_options(defaults);
+}
+
+// Small groups (here the nested norm groups, a few hundred bytes each) go
+// out together: fewer collectives, the same numbers.
+TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
+  const RuntimeOptions defaults = runtime_options();
+  auto run = [](double bucket_mb, RuntimeStats* counted) {
+    RuntimeOptions o = runtime_options();
+    o.bucket_mb = bucket_mb;
+    set_runtime_options(o);
+    const RuntimeStats before = runtime_stats();
+    auto result = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
+      for (auto& b : m->blocks) {
+        fully_shard(b->attn_norm);
+        fully_shard(b->mlp_norm);
+        fully_shard(b);
+      }
+      fully_shard(m);
+    }));
+    counted->all_gathers = runtime_stats().all_gathers - before.all_gathers;
+    counted->reduce_scatters = runtime_stats().reduce_scatters - before.reduce_scatters;
+    return result;
+  };
+  RuntimeStats alone, bucketed;
+  auto base = run(0, &alone);
+  auto merged = run(1e-3, &bucketed);  // 1 kB: the norm groups, not the blocks
+  expect_identical_run(merged, base);
+  EXPECT_LT(bucketed.all_gathers, alone.all_gathers);
+  EXPECT_LT(bucketed.reduce_scatters, alone.reduce_scatters);
   set_runtime_options(defaults);
 }
 

@@ -89,6 +89,8 @@ std::map<std::string, Flag> flags(Args& a) {
       {"--max-inflight-reduce-scatters",
        {"reduce-scatters in flight before the CPU waits, 0 = unlimited (default 2)",
         num(a.runtime.max_inflight_reduce_scatters)}},
+      {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
+                       num(a.runtime.bucket_mb)}},
       {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)",
                        str(a.save_init)}},
   };

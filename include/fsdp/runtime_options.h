@@ -14,6 +14,11 @@ struct RuntimeOptions {
   // Reduce-scatters (and their gradient buffers) in flight; past it the CPU
   // waits for the oldest. 0: unlimited.
   int max_inflight_reduce_scatters = 2;
+  // Bucketing: a group smaller than this (unsharded, in MB) is all-gathered
+  // together with the small groups expected next, and small groups'
+  // reduce-scatters wait to go out together until this many MB are ready, in
+  // one coalesced collective each. 0: every group on its own.
+  double bucket_mb = 0;
 };
 
 void set_runtime_options(const RuntimeOptions& options);
@@ -24,6 +29,8 @@ struct RuntimeStats {
   long reduce_scatter_waits = 0;  // times the CPU blocked on max_inflight_reduce_scatters
   long prefetches = 0;            // all-gathers issued ahead of use
   long order_departures = 0;      // passes whose order differed from the recorded one
+  long all_gathers = 0;           // all-gather collectives issued (a bucket counts once)
+  long reduce_scatters = 0;       // reduce-scatter collectives issued (a bucket counts once)
 };
 
 // Totals since the process started (subtract two readings for one step).

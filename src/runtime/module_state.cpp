@@ -87,9 +87,7 @@ void ModuleState::pre_forward() {
 }
 
 void ModuleState::unshard() {
-  if (group_.is_unsharded()) return;
-  Runtime::get().before_all_gather();
-  group_.unshard();
+  if (!group_.is_unsharded()) Runtime::get().all_gather(*this);
 }
 
 void ModuleState::prefetch() {
@@ -177,7 +175,7 @@ void ModuleState::post_backward() {
       if (p.param.requires_grad() && !p.param.grad().defined()) missing += " " + p.name;
     trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
-  Runtime::get().issue_reduce_scatter(group_);
+  Runtime::get().reduce_scatter(group_);
   reduced_ = true;
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
   // last use in backward has run: they stay unsharded until the end.
@@ -187,7 +185,7 @@ void ModuleState::post_backward() {
 void ModuleState::finish_backward() {
   trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
   if (backward_started_ && !reduced_) {
-    Runtime::get().issue_reduce_scatter(group_);
+    Runtime::get().reduce_scatter(group_);
     reduced_ = true;
   }
   reshard();

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
+
 #include "runtime/module_state.h"
 
 namespace fsdp {
@@ -124,23 +126,61 @@ std::vector<ModuleState*> Runtime::backward_prefetch_targets(const ModuleState& 
   return prefetch_targets(backward_pass_, state, /*backward=*/true);
 }
 
-void Runtime::before_all_gather() {
+size_t Runtime::bucket_bytes() const {
+  return static_cast<size_t>(options_.bucket_mb * 1024.0 * 1024.0);
+}
+
+void Runtime::all_gather(ModuleState& state) {
+  std::vector<ParamGroup*> groups{&state.group()};
+  const size_t limit = bucket_bytes();
+  size_t bytes = state.group().unsharded_size_bytes();
+  if (limit > 0 && bytes < limit) {
+    // The groups expected next, while they are small, fit and have not run.
+    const bool backward = callback_queued_ || recomputing();
+    const auto& order = backward ? backward_pass_ : forward_pass_;
+    std::vector<std::shared_ptr<ModuleState>> states = all_states();
+    for (int id : order.next(state.id_, static_cast<int>(states.size()))) {
+      auto it = std::find_if(states.begin(), states.end(), [id](auto& s) { return s->id_ == id; });
+      if (it == states.end()) break;
+      ModuleState& next = **it;
+      const size_t next_bytes = next.group().unsharded_size_bytes();
+      const bool ran = backward ? next.backward_started_ || next.step_ != step_ : next.step_ == step_;
+      if (ran || next.group().is_unsharded() || &next.group().comm() != &state.group().comm() ||
+          bytes + next_bytes > limit)
+        break;
+      groups.push_back(&next.group());
+      bytes += next_bytes;
+    }
+  }
   const long before = allgathers_.waits();
   allgathers_.set_limit(options_.max_inflight_allgathers);
   allgathers_.make_room();
   stats_.allgather_waits += allgathers_.waits() - before;
+  ParamGroup::unshard_together(groups);
+  ++stats_.all_gathers;
 }
 
 void Runtime::after_reshard(std::shared_ptr<c10::Event> last_use) {
   if (last_use) allgathers_.push(DeviceWork{std::move(last_use), {}});
 }
 
-void Runtime::issue_reduce_scatter(ParamGroup& group) {
+void Runtime::reduce_scatter(ParamGroup& group) {
+  group.prepare_reduce_scatter();
+  reduce_bucket_.push_back(&group);
+  reduce_bucket_bytes_ += group.unsharded_size_bytes();
+  if (reduce_bucket_bytes_ >= bucket_bytes()) flush_reduce_scatters();
+}
+
+void Runtime::flush_reduce_scatters() {
+  if (reduce_bucket_.empty()) return;
   const long before = reduce_scatters_.waits();
   reduce_scatters_.set_limit(options_.max_inflight_reduce_scatters);
   reduce_scatters_.make_room();
   stats_.reduce_scatter_waits += reduce_scatters_.waits() - before;
-  reduce_scatters_.push(group.reduce_scatter_grads());
+  reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
+  ++stats_.reduce_scatters;
+  reduce_bucket_.clear();
+  reduce_bucket_bytes_ = 0;
 }
 
 // Groups finish in reverse forward order, the order their backward ran in,
@@ -153,6 +193,7 @@ void Runtime::end_of_backward() {
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
     if (auto state = it->lock()) groups.push_back(std::move(state));
   for (auto& state : groups) state->finish_backward();
+  flush_reduce_scatters();
   for (auto& state : groups) state->group().commit_gradients();
   reduce_scatters_.clear();
   backward_pass_.end_pass();
@@ -165,8 +206,9 @@ RuntimeStats Runtime::stats() const { return stats_; }
 
 void set_runtime_options(const RuntimeOptions& options) {
   if (options.prefetch_depth < 0 || options.max_inflight_allgathers < 0 ||
-      options.max_inflight_reduce_scatters < 0)
-    throw std::invalid_argument("fsdp::set_runtime_options: prefetch depth and caps must be >= 0");
+      options.max_inflight_reduce_scatters < 0 || options.bucket_mb < 0)
+    throw std::invalid_argument(
+        "fsdp::set_runtime_options: prefetch depth, caps and bucket size must be >= 0");
   Runtime::get().set_options(options);
 }
 RuntimeOptions runtime_options() { return Runtime::get().options(); }

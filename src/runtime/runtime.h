@@ -23,6 +23,7 @@ class Module;
 namespace fsdp {
 
 class ModuleState;
+class ParamGroup;
 
 struct ParamOwner {
   std::shared_ptr<ModuleState> state;
@@ -54,10 +55,14 @@ class Runtime {
   std::vector<ModuleState*> forward_prefetch_targets(const ModuleState& state);
   std::vector<ModuleState*> backward_prefetch_targets(const ModuleState& state);
 
-  // The CPU run-ahead limit around all-gathers and reduce-scatters.
-  void before_all_gather();
+  // All-gathers `state`'s group, with the small groups expected next when it
+  // is small itself (bucketing), within the CPU run-ahead limit.
+  void all_gather(ModuleState& state);
   void after_reshard(std::shared_ptr<c10::Event> last_use);
-  void issue_reduce_scatter(class ParamGroup& group);
+  // Prepares `group`'s gradients and issues its reduce-scatter, or holds it
+  // in the bucket until enough bytes are ready (flush_reduce_scatters).
+  void reduce_scatter(ParamGroup& group);
+  void flush_reduce_scatters();
   void count_prefetch() { ++stats_.prefetches; }
 
   // While alive, forwards are activation-checkpoint recomputations inside
@@ -85,6 +90,7 @@ class Runtime {
   std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
                                              bool backward);
   std::vector<std::shared_ptr<ModuleState>> all_states() const;
+  size_t bucket_bytes() const;
 
   mutable std::mutex mutex_;
   std::unordered_map<const torch::nn::Module*, Entry> states_;
@@ -99,6 +105,8 @@ class Runtime {
   RuntimeStats stats_;
   ExecutionOrder forward_pass_, backward_pass_;
   InflightQueue<DeviceWork> allgathers_, reduce_scatters_;
+  std::vector<ParamGroup*> reduce_bucket_;  // prepared, not yet issued
+  size_t reduce_bucket_bytes_ = 0;
 };
 
 }  // namespace fsdp

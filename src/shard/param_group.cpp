@@ -116,47 +116,78 @@ at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
       .view(p.full_shape);
 }
 
-void ParamGroup::unshard() {
-  if (state_ != State::Sharded) return;
+void ParamGroup::unshard() { unshard_together({this}); }
+
+void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
+  std::vector<ParamGroup*> groups;
+  for (ParamGroup* g : requested)
+    if (g->state_ == State::Sharded) groups.push_back(g);
+  if (groups.empty()) return;
+  const ParamGroup& first = *groups.front();
+  for (ParamGroup* g : groups)
+    TORCH_INTERNAL_ASSERT(g->comm_ == first.comm_ && g->device_ == first.device_,
+                          "fsdp: groups gathered together must share communicator and device");
+  const DeviceStreams& streams = first.streams_;
   c10::NoGradGuard no_grad;
-  const int world = comm_->world_size();
-  const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  std::shared_ptr<c10::Event> gathered;
   {
     // The copy-in reads the shards the optimizer last wrote on the compute
     // stream; waiting for it also orders the reuse of any freed memory.
     std::optional<c10::StreamGuard> on_side_stream;
-    if (streams_.active()) {
-      streams_.wait(streams_.all_gather(), streams_.compute());
-      on_side_stream.emplace(streams_.all_gather());
+    if (streams.active()) {
+      streams.wait(streams.all_gather(), streams.compute());
+      on_side_stream.emplace(streams.all_gather());
     }
-    at::Tensor input = at::empty({shard_numel_}, opts);
-    for (const auto& p : params_)
-      input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
-    allocate_unsharded();
-    if (params_.size() == 1) {
-      // One parameter: the rank-major gather already is the parameter's layout.
-      comm_->all_gather(unsharded_flat_, input);
-    } else {
-      at::Tensor gathered = at::empty({world * shard_numel_}, opts);
-      comm_->all_gather(gathered, input);
-      at::Tensor by_rank = gathered.view({world, shard_numel_});
-      for (const auto& p : params_) {
-        const int64_t n = p.layout.shard_numel();
-        unsharded_flat_.narrow(0, p.offset * world, n * world)
-            .view({world, n})
-            .copy_(by_rank.narrow(1, p.offset, n));
-      }
+    std::vector<at::Tensor> inputs, outputs;
+    for (ParamGroup* g : groups) {
+      auto [input, output] = g->prepare_gather();
+      inputs.push_back(std::move(input));
+      outputs.push_back(std::move(output));
     }
-    gathered_ = streams_.active() ? streams_.record(streams_.all_gather()) : nullptr;
+    first.comm_->all_gather_coalesced(outputs, inputs);
+    for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
+    gathered = streams.active() ? streams.record(streams.all_gather()) : nullptr;
   }
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
-  for (auto& p : params_) {
-    p.stashed_grad = p.param.grad();
-    p.param.mutable_grad() = at::Tensor();
-    p.param.set_data(unsharded_view(p));
+  for (ParamGroup* g : groups) {
+    for (auto& p : g->params_) {
+      p.stashed_grad = p.param.grad();
+      p.param.mutable_grad() = at::Tensor();
+      p.param.set_data(g->unsharded_view(p));
+    }
+    g->gathered_ = gathered;
+    g->state_ = State::Gathering;
   }
-  state_ = State::Gathering;
+}
+
+std::pair<at::Tensor, at::Tensor> ParamGroup::prepare_gather() {
+  const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  at::Tensor input = at::empty({shard_numel_}, opts);
+  for (const auto& p : params_)
+    input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
+  allocate_unsharded();
+  // One parameter: the rank-major gather already is the parameter's layout.
+  at::Tensor output = params_.size() == 1
+                          ? unsharded_flat_
+                          : at::empty({comm_->world_size() * shard_numel_}, opts);
+  return {input, output};
+}
+
+void ParamGroup::copy_out(const at::Tensor& gathered) {
+  if (gathered.is_same(unsharded_flat_)) return;
+  const int world = comm_->world_size();
+  at::Tensor by_rank = gathered.view({world, shard_numel_});
+  for (const auto& p : params_) {
+    const int64_t n = p.layout.shard_numel();
+    unsharded_flat_.narrow(0, p.offset * world, n * world)
+        .view({world, n})
+        .copy_(by_rank.narrow(1, p.offset, n));
+  }
+}
+
+size_t ParamGroup::unsharded_size_bytes() const {
+  return static_cast<size_t>(shard_numel_) * comm_->world_size() * c10::elementSize(compute_dtype_);
 }
 
 void ParamGroup::wait_for_unshard() {
@@ -186,9 +217,10 @@ std::shared_ptr<c10::Event> ParamGroup::reshard() {
   return used_by_compute ? streams_.record(streams_.compute()) : nullptr;
 }
 
-DeviceWork ParamGroup::reduce_scatter_grads() {
-  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: reduce_scatter_grads needs unsharded parameters");
-  TORCH_INTERNAL_ASSERT(!reduced_.defined(), "fsdp: the previous reduce-scatter was not committed");
+void ParamGroup::prepare_reduce_scatter() {
+  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: reduce-scatter needs unsharded parameters");
+  TORCH_INTERNAL_ASSERT(!reduced_.defined() && !reduce_input_.defined(),
+                        "fsdp: the previous reduce-scatter was not committed");
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
   const int64_t count = static_cast<int64_t>(params_.size());
@@ -196,32 +228,51 @@ DeviceWork ParamGroup::reduce_scatter_grads() {
   // 1 where this rank has a gradient. Reduced with the gradients, a flag
   // above zero means some rank had one, so all ranks agree on which
   // gradients exist without another collective.
-  const int64_t chunk = shard_numel_ + count;
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   // Copy-in on the compute stream, where autograd made the gradients: they
   // can then be freed at once. The input itself lives until the
   // reduce-scatter is done (the returned work holds it).
-  at::Tensor input = at::empty({world, chunk}, opts);
+  reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    at::Tensor dst = input.narrow(1, p.offset, p.layout.shard_numel());
+    at::Tensor dst = reduce_input_.narrow(1, p.offset, p.layout.shard_numel());
     at::Tensor grad = p.param.grad();
     if (grad.defined())
       scatter_rows_rank_major(dst, grad, p.layout);
     else
       dst.zero_();
-    input.select(1, shard_numel_ + i).fill_(grad.defined() ? 1 : 0);
+    reduce_input_.select(1, shard_numel_ + i).fill_(grad.defined() ? 1 : 0);
     p.param.mutable_grad() = at::Tensor();
   }
+}
+
+DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& groups) {
+  DeviceWork work;
+  if (groups.empty()) return work;
+  const ParamGroup& first = *groups.front();
+  const DeviceStreams& streams = first.streams_;
+  c10::NoGradGuard no_grad;
   std::optional<c10::StreamGuard> on_side_stream;
-  if (streams_.active()) {
-    streams_.wait(streams_.reduce_scatter(), streams_.compute());
-    on_side_stream.emplace(streams_.reduce_scatter());
+  if (streams.active()) {
+    streams.wait(streams.reduce_scatter(), streams.compute());
+    on_side_stream.emplace(streams.reduce_scatter());
   }
-  reduced_ = at::empty({chunk}, opts);
-  comm_->reduce_scatter(reduced_, input.view(-1), ReduceOp::Avg);
-  reduced_at_ = streams_.active() ? streams_.record(streams_.reduce_scatter()) : nullptr;
-  return DeviceWork{reduced_at_, {input}};
+  std::vector<at::Tensor> inputs, outputs;
+  for (ParamGroup* g : groups) {
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
+                          "fsdp: reduce-scatter of a group without prepared gradients");
+    inputs.push_back(g->reduce_input_.view(-1));
+    outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
+  }
+  first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg);
+  work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    groups[i]->reduced_ = outputs[i];
+    groups[i]->reduced_at_ = work.event;
+    work.keep_alive.push_back(std::move(groups[i]->reduce_input_));
+    groups[i]->reduce_input_ = at::Tensor();
+  }
+  return work;
 }
 
 void ParamGroup::commit_gradients() {

@@ -46,6 +46,8 @@ class ParamGroup {
   // returns at once) and points the parameters at their unsharded views;
   // their sharded gradients are set aside meanwhile.
   void unshard();
+  // The same for several groups in one coalesced collective (bucketing).
+  static void unshard_together(const std::vector<ParamGroup*>& groups);
   // Unshards if needed and makes the compute stream wait for the
   // all-gather: call before the parameters are used.
   void wait_for_unshard();
@@ -53,12 +55,14 @@ class ParamGroup {
   // Returns the event marking the memory's last use on the compute stream
   // (null on CPU, or when nothing on the compute stream used it).
   std::shared_ptr<c10::Event> reshard();
-  // Collective. Copies the unsharded gradients rank-major into a
-  // reduce-scatter input on the compute stream, frees them, and issues the
-  // average over the world on the reduce-scatter stream. The returned work
-  // keeps the input alive until the reduce-scatter is done; the result
-  // becomes the sharded gradients at commit_gradients().
-  DeviceWork reduce_scatter_grads();
+  // Copies the unsharded gradients rank-major into a reduce-scatter input on
+  // the compute stream and frees them (the group can reshard right after).
+  void prepare_reduce_scatter();
+  // Collective. Averages the prepared inputs of `groups` over the world in
+  // one coalesced reduce-scatter on the reduce-scatter stream. The returned
+  // work keeps the inputs alive until it is done; each group's result
+  // becomes its sharded gradients at commit_gradients().
+  static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
   // The compute stream waits for this group's reduce-scatter; its result is
   // added to the sharded gradients (set where none exist). A parameter that
   // no rank produced a gradient for keeps its gradient undefined. Reads the
@@ -68,6 +72,8 @@ class ParamGroup {
   bool is_unsharded() const { return state_ != State::Sharded; }
   // Bytes of the unsharded parameter storage now allocated (0 when sharded).
   size_t unsharded_bytes() const { return unsharded_storage_.nbytes(); }
+  // Bytes the group takes when unsharded (what bucketing compares).
+  size_t unsharded_size_bytes() const;
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
   const at::Device& device() const { return device_; }
@@ -76,6 +82,10 @@ class ParamGroup {
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
+  // Input and output of this group's part of an all-gather (all-gather stream).
+  std::pair<at::Tensor, at::Tensor> prepare_gather();
+  // Rank-major gathered data into the parameter-major unsharded storage.
+  void copy_out(const at::Tensor& gathered);
   void allocate_unsharded();
   void free_unsharded();
   at::Tensor unsharded_view(const ShardedParam& p) const;
@@ -91,6 +101,7 @@ class ParamGroup {
   at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
   State state_ = State::Sharded;
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
+  at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
   at::Tensor reduced_;                       // reduce-scatter output awaiting commit
   std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective
 };
