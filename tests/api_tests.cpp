@@ -1,4 +1,7 @@
 // What fully_shard does to a module, and the errors it gives for bad input.
+#include <fstream>
+#include <iterator>
+
 #include "helpers.h"
 #include "runtime/module_state.h"
 
@@ -57,6 +60,35 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
       EXPECT_EQ(p.param.grad().sizes(), p.shard.sizes()) << p.name << " gradient is sharded";
     }
   }
+}
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// One step of three groups: a forward and a backward span per group, an
+// all-gather per group in forward and per block in backward (the root stays
+// gathered), a reduce-scatter per group, on three tracks.
+TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  start_trace();
+  auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
+  torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
+                                       tokens.narrow(1, 1, 8).reshape({-1}))
+      .backward();
+  const std::string path = ::testing::TempDir() + "fsdp_trace_" + std::to_string(world()->rank()) + ".json";
+  write_trace(path);
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(json.rfind("{\"traceEvents\":[", 0), 0u);
+  EXPECT_EQ(count(json, "\"name\":\"forward #"), 3u);
+  EXPECT_EQ(count(json, "\"name\":\"backward #"), 3u);
+  EXPECT_EQ(count(json, "\"name\":\"all-gather #"), 5u);
+  EXPECT_EQ(count(json, "\"name\":\"reduce-scatter #"), 3u);
+  EXPECT_EQ(count(json, "\"thread_name\""), 3u);
 }
 
 TEST(Api, ShardingAModuleTwiceIsAnError) {

@@ -36,6 +36,8 @@ struct Args {
   double timeout_s = 0;
   fsdp::RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)
+  std::string trace, memory_snapshot;
+  int trace_steps = 2;
 };
 
 struct Flag {
@@ -91,6 +93,11 @@ std::map<std::string, Flag> flags(Args& a) {
         num(a.runtime.max_inflight_reduce_scatters)}},
       {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
                        num(a.runtime.bucket_mb)}},
+      {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", str(a.trace)}},
+      {"--trace-steps", {"steps the trace covers, from the second (default 2)", num(a.trace_steps)}},
+      {"--memory-snapshot",
+       {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)",
+        str(a.memory_snapshot)}},
       {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)",
                        str(a.save_init)}},
   };
@@ -198,11 +205,15 @@ void train(const Args& args) {
   const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";
   fsdp::train::take_memory_peaks(device);
   auto stats_before = fsdp::runtime_stats();
+  const std::string rank_suffix = "-rank" + std::to_string(comm->rank());
+  if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
+    std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   for (int step = 0; step < args.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double lr = schedule.at(step);
     for (auto& group : optimizer.param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    if (!args.trace.empty() && step == std::min(1, args.steps - 1)) fsdp::start_trace();
     auto tokens = data->rows(step, comm->rank() * args.batch, args.batch, args.seq).to(device);
     auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
 
@@ -219,6 +230,8 @@ void train(const Args& args) {
     const double loss_value = global_loss.item<double>();  // also waits for the GPU
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
+    if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
+      fsdp::write_trace(args.trace + rank_suffix + ".json");
     const auto mem = fsdp::train::take_memory_peaks(device);
     const auto stats = fsdp::runtime_stats();
     const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
@@ -241,6 +254,8 @@ void train(const Args& args) {
         << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
         << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
   }
+  if (!args.memory_snapshot.empty())
+    fsdp::train::write_memory_snapshot(device, args.memory_snapshot + rank_suffix + ".pickle");
   if (lead) std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
   fsdp::shutdown();
 }

@@ -1,6 +1,8 @@
 // Process-wide scheduling knobs of the FSDP runtime, and what it counted.
 #pragma once
 
+#include <string>
+
 namespace fsdp {
 
 struct RuntimeOptions {
@@ -35,5 +37,12 @@ struct RuntimeStats {
 
 // Totals since the process started (subtract two readings for one step).
 RuntimeStats runtime_stats();
+
+// Chrome trace (Perfetto, chrome://tracing) of this rank's forward and
+// backward compute, all-gather and reduce-scatter spans, one track per
+// stream. start_trace() begins recording; write_trace() waits for the device,
+// writes the JSON and stops. Uses the default communicator's device and rank.
+void start_trace();
+void write_trace(const std::string& path);
 
 }  // namespace fsdp

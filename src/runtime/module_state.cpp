@@ -10,6 +10,7 @@
 
 #include "fsdp/fully_shard.h"
 #include "runtime/runtime.h"
+#include "shard/trace.h"
 
 namespace fsdp {
 namespace {
@@ -79,6 +80,8 @@ void ModuleState::pre_forward() {
       unshard();
       for (ModuleState* next : runtime.forward_prefetch_targets(*this)) next->prefetch();
       group_.wait_for_unshard();
+      compute_span_ =
+          Trace::get().begin("forward " + group_.label(), Trace::Track::Compute, compute_stream());
     }
   } catch (...) {
     runtime.exit_forward();
@@ -101,7 +104,14 @@ void ModuleState::reshard() { Runtime::get().after_reshard(group_.reshard()); }
 
 void ModuleState::abort_forward() { Runtime::get().exit_forward(); }
 
+std::optional<c10::Stream> ModuleState::compute_stream() const {
+  const auto& streams = DeviceStreams::of(group_.device());
+  if (!streams.active()) return std::nullopt;
+  return streams.compute();
+}
+
 void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
+  if (!Runtime::get().recomputing()) Trace::get().end(compute_span_, compute_stream());
   Runtime::get().exit_forward();
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
@@ -157,6 +167,7 @@ void ModuleState::start_backward() {
   unshard();
   for (ModuleState* next : runtime.backward_prefetch_targets(*this)) next->prefetch();
   group_.wait_for_unshard();
+  compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
 }
 
 // AccumulateGrad runs once per parameter per backward, after every use of the
@@ -175,6 +186,7 @@ void ModuleState::post_backward() {
       if (p.param.requires_grad() && !p.param.grad().defined()) missing += " " + p.name;
     trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
+  Trace::get().end(compute_span_, compute_stream());
   Runtime::get().reduce_scatter(group_);
   reduced_ = true;
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their

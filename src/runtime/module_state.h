@@ -55,6 +55,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   void start_backward();
   void post_backward();
   void trace(const char* event, const char* detail) const;
+  std::optional<c10::Stream> compute_stream() const;
   void start_step(uint64_t step, bool is_root);
   void hook_gradient_accumulators();
   friend class Runtime;
@@ -69,6 +70,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 
   int id_ = -1;  // given by the Runtime; names the group in recorded orders
+  int compute_span_ = -1;  // Chrome-trace span of the forward or backward running now
 
   // Per step.
   uint64_t step_ = 0;

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 
+#include "fsdp/launch.h"
 #include "runtime/module_state.h"
+#include "shard/trace.h"
 
 namespace fsdp {
 
@@ -30,6 +32,7 @@ void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
   state->id_ = next_id_++;
+  state->group().set_label("#" + std::to_string(state->id_) + " " + state->module_name());
   const auto& params = state->group().params();
   for (size_t i = 0; i < params.size(); ++i)
     owners_[params[i].param.unsafeGetTensorImpl()] = ParamOwner{state, i};
@@ -212,6 +215,11 @@ void set_runtime_options(const RuntimeOptions& options) {
   Runtime::get().set_options(options);
 }
 RuntimeOptions runtime_options() { return Runtime::get().options(); }
+
+void start_trace() { Trace::get().start(default_communicator()->device()); }
+void write_trace(const std::string& path) {
+  Trace::get().write(path, default_communicator()->rank());
+}
 RuntimeStats runtime_stats() { return Runtime::get().stats(); }
 
 }  // namespace fsdp

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "shard/flat_copy.h"
+#include "shard/trace.h"
 
 namespace fsdp {
 namespace {
@@ -36,6 +37,17 @@ std::vector<int64_t> rows_shape(const std::vector<int64_t>& full_shape, int64_t 
 at::Tensor alias_without_view(const at::Tensor& view) {
   return at::empty({0}, view.options())
       .set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
+}
+
+std::string bucket_label(const std::vector<ParamGroup*>& groups) {
+  std::string label;
+  for (const ParamGroup* g : groups) label += (label.empty() ? "" : " + ") + g->label();
+  return label;
+}
+
+std::optional<c10::Stream> side_stream(const DeviceStreams& streams, const c10::Stream* stream) {
+  if (!streams.active() || !stream) return std::nullopt;
+  return *stream;
 }
 
 }  // namespace
@@ -138,6 +150,8 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
       streams.wait(streams.all_gather(), streams.compute());
       on_side_stream.emplace(streams.all_gather());
     }
+    const int span = Trace::get().begin("all-gather " + bucket_label(groups), Trace::Track::AllGather,
+                                        side_stream(streams, streams.active() ? &streams.all_gather() : nullptr));
     std::vector<at::Tensor> inputs, outputs;
     for (ParamGroup* g : groups) {
       auto [input, output] = g->prepare_gather();
@@ -146,6 +160,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     }
     first.comm_->all_gather_coalesced(outputs, inputs);
     for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
+    Trace::get().end(span, side_stream(streams, streams.active() ? &streams.all_gather() : nullptr));
     gathered = streams.active() ? streams.record(streams.all_gather()) : nullptr;
   }
   // Only metadata changes here: kernels that read the parameters are
@@ -257,6 +272,9 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     streams.wait(streams.reduce_scatter(), streams.compute());
     on_side_stream.emplace(streams.reduce_scatter());
   }
+  const auto* rs_stream = streams.active() ? &streams.reduce_scatter() : nullptr;
+  const int span = Trace::get().begin("reduce-scatter " + bucket_label(groups),
+                                      Trace::Track::ReduceScatter, side_stream(streams, rs_stream));
   std::vector<at::Tensor> inputs, outputs;
   for (ParamGroup* g : groups) {
     TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
@@ -265,6 +283,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg);
+  Trace::get().end(span, side_stream(streams, rs_stream));
   work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
   for (size_t i = 0; i < groups.size(); ++i) {
     groups[i]->reduced_ = outputs[i];

@@ -77,6 +77,9 @@ class ParamGroup {
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
   const at::Device& device() const { return device_; }
+  // How traces name this group.
+  void set_label(std::string label) { label_ = std::move(label); }
+  const std::string& label() const { return label_; }
   // Collective. A full copy of parameter i (in its own dtype).
   at::Tensor gather_full(size_t i) const;
 
@@ -91,6 +94,7 @@ class ParamGroup {
   at::Tensor unsharded_view(const ShardedParam& p) const;
 
   std::vector<ShardedParam> params_;
+  std::string label_ = "group";
   std::shared_ptr<Communicator> comm_;
   at::ScalarType compute_dtype_;
   at::ScalarType reduce_dtype_;

@@ -5,6 +5,7 @@
 
 #ifdef FSDP_WITH_NCCL
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/cuda/memory_snapshot.h>
 #endif
 
 namespace fsdp::train {
@@ -52,6 +53,28 @@ void release_cached_memory(const c10::Device& device) {
 #ifdef FSDP_WITH_NCCL
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
+}
+
+
+bool start_memory_history(const c10::Device& device) {
+#ifdef FSDP_WITH_NCCL
+  if (device.is_cuda()) {
+    torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "python", 100000);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool write_memory_snapshot(const c10::Device& device, const std::string& path) {
+#ifdef FSDP_WITH_NCCL
+  if (device.is_cuda()) {
+    const std::string pickled = torch::cuda::_memory_snapshot_pickled();
+    std::ofstream(path, std::ios::binary).write(pickled.data(), static_cast<std::streamsize>(pickled.size()));
+    return true;
+  }
+#endif
+  return false;
 }
 
 }  // namespace fsdp::train

@@ -3,6 +3,8 @@
 
 #include <c10/core/Device.h>
 
+#include <string>
+
 namespace fsdp::train {
 
 struct MemoryPeaks {
@@ -17,5 +19,10 @@ MemoryPeaks take_memory_peaks(const c10::Device& device);
 // Returns the caching allocator's unused blocks to the device (GPU only), so
 // that measurements start from what the model really holds.
 void release_cached_memory(const c10::Device& device);
+// GPU only: start recording allocator history, and write it as a snapshot
+// that PyTorch's memory_viz page (pytorch.org/memory_viz) loads. Return false
+// on CPU.
+bool start_memory_history(const c10::Device& device);
+bool write_memory_snapshot(const c10::Device& device, const std::string& path);
 
 }  // namespace fsdp::train
