@@ -61,25 +61,22 @@ class Communicator {
   std::string timeout_message(const std::string& what) const;
 
  protected:
-  struct Gather {
-    at::Tensor output, input;
-  };
-  struct Scatter {
+  // One all-gather or reduce-scatter: world_size x more elements on the
+  // gathered side (the output of an all-gather, the input of a reduce-scatter).
+  struct Buffers {
     at::Tensor output, input;
   };
   // Backends implement batches; the checked public calls above funnel here.
-  virtual void do_all_gather(const std::vector<Gather>& ops) = 0;
-  virtual void do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) = 0;
+  virtual void do_all_gather(const std::vector<Buffers>& ops) = 0;
+  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) = 0;
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
-  std::vector<Gather> checked_gathers(const std::vector<at::Tensor>& outputs,
-                                      const std::vector<at::Tensor>& inputs) const;
-  std::vector<Scatter> checked_scatters(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& inputs) const;
+  std::vector<Buffers> checked(const char* op, const std::vector<at::Tensor>& outputs,
+                               const std::vector<at::Tensor>& inputs, bool output_gathered) const;
 
   int rank_;
   int world_size_;

@@ -43,37 +43,23 @@ void Communicator::check_tensor(const at::Tensor& t, const char* op, const char*
   if (!t.is_contiguous()) fail("must be contiguous (call .contiguous())");
 }
 
-std::vector<Communicator::Gather> Communicator::checked_gathers(
-    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) const {
-  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp: all_gather needs one output per input");
-  std::vector<Gather> ops;
+std::vector<Communicator::Buffers> Communicator::checked(const char* op,
+                                                        const std::vector<at::Tensor>& outputs,
+                                                        const std::vector<at::Tensor>& inputs,
+                                                        bool output_gathered) const {
+  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp: ", op, " needs one output per input");
+  std::vector<Buffers> ops;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(outputs[i], "all_gather", "output");
-    check_tensor(inputs[i], "all_gather", "input");
-    if (outputs[i].numel() != inputs[i].numel() * world_size_ ||
+    check_tensor(outputs[i], op, "output");
+    check_tensor(inputs[i], op, "input");
+    const at::Tensor& gathered = output_gathered ? outputs[i] : inputs[i];
+    const at::Tensor& chunk = output_gathered ? inputs[i] : outputs[i];
+    if (gathered.numel() != chunk.numel() * world_size_ ||
         outputs[i].scalar_type() != inputs[i].scalar_type())
-      throw CollectiveError("fsdp: all_gather on " + describe() + ": output must have world_size x " +
-                            "the input's elements and the same dtype; got " +
-                            std::to_string(outputs[i].numel()) + " vs " +
-                            std::to_string(inputs[i].numel()));
-    ops.push_back({outputs[i], inputs[i]});
-  }
-  return ops;
-}
-
-std::vector<Communicator::Scatter> Communicator::checked_scatters(
-    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) const {
-  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp: reduce_scatter needs one output per input");
-  std::vector<Scatter> ops;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(outputs[i], "reduce_scatter", "output");
-    check_tensor(inputs[i], "reduce_scatter", "input");
-    if (inputs[i].numel() != outputs[i].numel() * world_size_ ||
-        outputs[i].scalar_type() != inputs[i].scalar_type())
-      throw CollectiveError("fsdp: reduce_scatter on " + describe() +
-                            ": input must have world_size x the output's elements and the same " +
-                            "dtype; got " + std::to_string(inputs[i].numel()) + " vs " +
-                            std::to_string(outputs[i].numel()));
+      throw CollectiveError("fsdp: " + std::string(op) + " on " + describe() + ": the " +
+                            (output_gathered ? "output" : "input") +
+                            " must have world_size x the other's elements and the same dtype; got " +
+                            std::to_string(gathered.numel()) + " vs " + std::to_string(chunk.numel()));
     ops.push_back({outputs[i], inputs[i]});
   }
   return ops;
@@ -84,7 +70,7 @@ std::vector<Communicator::Scatter> Communicator::checked_scatters(
 // an odd-sized output unwritten on H200: bench/results/2026-11-22-gpu-tests.md.)
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
                                         const std::vector<at::Tensor>& inputs) {
-  auto ops = checked_gathers(outputs, inputs);
+  auto ops = checked("all_gather", outputs, inputs, /*output_gathered=*/true);
   if (world_size_ == 1) {
     for (auto& op : ops) op.output.copy_(op.input);
     return;
@@ -98,7 +84,7 @@ void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
 
 void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
                                             const std::vector<at::Tensor>& inputs, ReduceOp op) {
-  auto ops = checked_scatters(outputs, inputs);
+  auto ops = checked("reduce_scatter", outputs, inputs, /*output_gathered=*/false);
   if (world_size_ == 1) {
     for (auto& s : ops) s.output.copy_(s.input);  // sum and average of one are the input
     return;

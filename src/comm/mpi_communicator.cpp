@@ -113,7 +113,7 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const std::string
   }
 }
 
-void MpiCommunicator::do_all_gather(const std::vector<Gather>& ops) {
+void MpiCommunicator::do_all_gather(const std::vector<Buffers>& ops) {
   std::vector<MPI_Request> requests(ops.size());
   std::string what = "all_gather";
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -127,7 +127,7 @@ void MpiCommunicator::do_all_gather(const std::vector<Gather>& ops) {
   wait(requests, what);
 }
 
-void MpiCommunicator::do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) {
+void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) {
   // MPI reads `in` and writes `out`; for 16-bit floats these are float32
   // copies, and `out` goes back into `result` once the requests complete.
   struct Pending {

@@ -142,7 +142,7 @@ void NcclCommunicator::watchdog_loop() {
   }
 }
 
-void NcclCommunicator::do_all_gather(const std::vector<Gather>& ops) {
+void NcclCommunicator::do_all_gather(const std::vector<Buffers>& ops) {
   std::string what = "all_gather";
   for (size_t i = 0; i < ops.size(); ++i) {
     check_device(ops[i].input, "all_gather");
@@ -159,7 +159,7 @@ void NcclCommunicator::do_all_gather(const std::vector<Gather>& ops) {
   });
 }
 
-void NcclCommunicator::do_reduce_scatter(const std::vector<Scatter>& ops, ReduceOp op) {
+void NcclCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) {
   std::string what = op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)";
   for (size_t i = 0; i < ops.size(); ++i) {
     check_device(ops[i].input, "reduce_scatter");
