@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import threading
 import time
 
 import torch
@@ -128,6 +129,38 @@ def synthetic_rows(vocab, seed, step, first, rows, seq):
     return out
 
 
+class MemorySampler:
+    """The format of fsdp-train --memory-log: samples every 10 ms, step markers."""
+
+    def __init__(self, path, device):
+        self.out, self.device, self.start = open(path, "w"), device, time.perf_counter()
+        self.lock, self.stop = threading.Lock(), False
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def write(self, row):
+        with self.lock:
+            self.out.write(json.dumps(dict(t=time.perf_counter() - self.start, **row)) + "\n")
+
+    def loop(self):
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self.stop:
+            gpu = self.device.type == "cuda"
+            rss = int(open("/proc/self/statm").read().split()[1]) * page
+            self.write(dict(alloc_gib=torch.cuda.memory_allocated(self.device) / 2**30 if gpu else 0.0,
+                            reserved_gib=torch.cuda.memory_reserved(self.device) / 2**30 if gpu else 0.0,
+                            rss_gib=rss / 2**30))
+            time.sleep(0.01)
+
+    def mark_step(self, step, loss):
+        self.write(dict(step=step, loss=loss))
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.out.close()
+
+
 def lr_at(step, lr, min_lr, warmup, total):
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -152,6 +185,9 @@ def main():
     p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
     p.add_argument("--init", required=True, help="weights written by fsdp-train --save-init")
     p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
+    p.add_argument("--memory-log", help="sample memory into PATH-rankR.jsonl (fsdp-train's format)")
+    p.add_argument("--optimizer-before-shard", action="store_true",
+                   help="create AdamW before fully_shard, without any fix (the FSDP2 pitfall)")
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
@@ -168,17 +204,22 @@ def main():
     missing = model.load_state_dict(weights, strict=False)
     assert not missing.missing_keys and not missing.unexpected_keys, missing
     model.to(device)
+    def make_optimizer():
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                 weight_decay=args.weight_decay)
+
+    opt = make_optimizer() if args.optimizer_before_shard else None
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=args.weight_decay)
+    opt = opt or make_optimizer()
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
     log = open(args.jsonl, "w") if rank == 0 else None
+    sampler = MemorySampler(f"{args.memory_log}-rank{rank}.jsonl", device) if args.memory_log else None
     for step in range(args.steps):
         start = time.perf_counter()
         lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
@@ -190,11 +231,15 @@ def main():
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
+        # With the optimizer made before sharding its parameters are the
+        # replaced full tensors: clip what the model holds.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()
         opt.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         loss_value = global_loss.item()
+        if sampler:
+            sampler.mark_step(step + 1, loss_value)
         ms = (time.perf_counter() - start) * 1000
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else 0.0
@@ -209,6 +254,8 @@ def main():
             log.flush()
             print(f"fsdp2 step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
                   f"peak alloc/reserved {alloc:.2f}/{reserved:.2f} GiB", flush=True)
+    if sampler:
+        sampler.close()
     dist.destroy_process_group()
 
 

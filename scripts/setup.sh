@@ -40,12 +40,17 @@ if [ -z "$PYTHON" ]; then
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
   PYTHON="$VENV/bin/python"
 fi
+# The memory report's plots (bench/memreport.py, also a CI smoke test).
+"$PYTHON" -c 'import matplotlib' 2>/dev/null || "$PYTHON" -m pip install -q matplotlib \
+  || log "no matplotlib; the memory-report test will be skipped"
 TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 
-if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt; then
+PYTHON_PATH=$(command -v "$PYTHON")
+if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt \
+   || ! grep -qF "FSDP_PYTHON:FILEPATH=$PYTHON_PATH" build/CMakeCache.txt; then
   log "configuring build/ against $TORCH_PREFIX"
-  cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" >build-configure.log 2>&1 \
-    || { cat build-configure.log; exit 1; }
+  cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DFSDP_PYTHON="$PYTHON_PATH" \
+    >build-configure.log 2>&1 || { cat build-configure.log; exit 1; }
 fi
 log "building (ninja -j$JOBS)"
 cmake --build build -j "$JOBS"

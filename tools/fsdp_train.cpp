@@ -16,6 +16,7 @@
 #include "model/llama.h"
 #include "train/data.h"
 #include "train/memory.h"
+#include "train/memory_sampler.h"
 #include "train/schedule.h"
 
 namespace {
@@ -36,7 +37,8 @@ struct Args {
   double timeout_s = 0;
   fsdp::RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)
-  std::string trace, memory_snapshot;
+  std::string trace, memory_snapshot, memory_log;
+  bool optimizer_before_shard = false;
   int trace_steps = 2;
 };
 
@@ -98,6 +100,11 @@ std::map<std::string, Flag> flags(Args& a) {
       {"--memory-snapshot",
        {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)",
         str(a.memory_snapshot)}},
+      {"--memory-log", {"sample memory every 10 ms into PATH-rankR.jsonl, with step markers",
+                        str(a.memory_log)}},
+      {"--optimizer-before-shard",
+       {"create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
+        [&a](const std::string&) { a.optimizer_before_shard = true; }, false}},
       {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)",
                        str(a.save_init)}},
   };
@@ -183,12 +190,16 @@ void train(const Args& args) {
   shard.reshard_after_forward = args.reshard_after_forward;
   shard.mixed_precision.param_dtype = dtype_named(args.param_dtype, device.is_cuda());
   shard.mixed_precision.reduce_dtype = dtype_named(args.reduce_dtype, device.is_cuda());
+  auto make_optimizer = [&] {
+    return std::make_unique<torch::optim::AdamW>(
+        model->parameters(),
+        torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay));
+  };
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  if (args.optimizer_before_shard) optimizer = make_optimizer();
   for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
   fsdp::fully_shard(model, shard);
-
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(args.lr)
-                                                         .betas({0.9, 0.95})
-                                                         .weight_decay(args.weight_decay));
+  if (!optimizer) optimizer = make_optimizer();
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
@@ -206,28 +217,32 @@ void train(const Args& args) {
   fsdp::train::take_memory_peaks(device);
   auto stats_before = fsdp::runtime_stats();
   const std::string rank_suffix = "-rank" + std::to_string(comm->rank());
+  std::unique_ptr<fsdp::train::MemorySampler> sampler;
+  if (!args.memory_log.empty())
+    sampler = std::make_unique<fsdp::train::MemorySampler>(device, args.memory_log + rank_suffix + ".jsonl");
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   for (int step = 0; step < args.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double lr = schedule.at(step);
-    for (auto& group : optimizer.param_groups())
+    for (auto& group : optimizer->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     if (!args.trace.empty() && step == std::min(1, args.steps - 1)) fsdp::start_trace();
     auto tokens = data->rows(step, comm->rank() * args.batch, args.batch, args.seq).to(device);
     auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
 
-    optimizer.zero_grad();
+    optimizer->zero_grad();
     auto logits = fsdp::forward(model, inputs);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
                                                      targets.reshape({-1}));
     loss.backward();
     const double grad_norm = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : 0.0;
-    optimizer.step();
+    optimizer->step();
 
     auto global_loss = loss.detach().clone();
     comm->all_reduce(global_loss, fsdp::ReduceOp::Avg);
     const double loss_value = global_loss.item<double>();  // also waits for the GPU
+    if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
