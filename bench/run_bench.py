@@ -29,8 +29,11 @@ CONFIGS = {
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"]),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"]),
     "small": ("small", 512, 2, []),
+    # The scaling run (issue #5): 8B needs 4 or more GPUs.
+    "8b": ("8b", 2048, 2, []),
+    "8b-ac": ("8b", 2048, 2, ["--checkpoint"]),
 }
-FSDP2_CONFIGS = {"1b", "1b-ac", "small"}  # the other variants are fsdp.cpp knobs
+FSDP2_CONFIGS = {"1b", "1b-ac", "small", "8b", "8b-ac"}  # the others are fsdp.cpp knobs
 
 
 def run(cmd, log_path):
@@ -128,7 +131,7 @@ def write_markdown(results, by_key, gpus, path, common):
             f"{r['peak_reserved_gib']:.2f} | {r['peak_reserved_gib'] / r['peak_alloc_gib']:.3f} | "
             f"{exposed} | {r['allgather_waits']} | {r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     lines += ["", "## Against the targets (same run, same GPUs)", ""]
-    for config in ("1b", "1b-ac", "small"):
+    for config in ("1b", "1b-ac", "small", "8b", "8b-ac"):
         ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
         if not ours or not theirs:
             continue
