@@ -1,6 +1,8 @@
 #include "shard/param_group.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/split_with_sizes_copy.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/GradMode.h>
@@ -178,9 +180,11 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
 
 std::pair<at::Tensor, at::Tensor> ParamGroup::prepare_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  // One kernel for the copy-in and one for the copy-out of the whole group.
+  std::vector<at::Tensor> shards;
+  for (const auto& p : params_) shards.push_back(p.padded_shard.view(-1));
   at::Tensor input = at::empty({shard_numel_}, opts);
-  for (const auto& p : params_)
-    input.narrow(0, p.offset, p.layout.shard_numel()).copy_(p.padded_shard.view(-1));
+  if (!shards.empty()) at::cat_out(input, shards);
   allocate_unsharded();
   // One parameter: the rank-major gather already is the parameter's layout.
   at::Tensor output = params_.size() == 1
@@ -190,15 +194,16 @@ std::pair<at::Tensor, at::Tensor> ParamGroup::prepare_gather() {
 }
 
 void ParamGroup::copy_out(const at::Tensor& gathered) {
-  if (gathered.is_same(unsharded_flat_)) return;
+  if (params_.empty() || gathered.is_same(unsharded_flat_)) return;
   const int world = comm_->world_size();
-  at::Tensor by_rank = gathered.view({world, shard_numel_});
+  std::vector<at::Tensor> blocks;
+  std::vector<int64_t> sizes;
   for (const auto& p : params_) {
     const int64_t n = p.layout.shard_numel();
-    unsharded_flat_.narrow(0, p.offset * world, n * world)
-        .view({world, n})
-        .copy_(by_rank.narrow(1, p.offset, n));
+    blocks.push_back(unsharded_flat_.narrow(0, p.offset * world, n * world).view({world, n}));
+    sizes.push_back(n);
   }
+  at::split_with_sizes_copy_out(blocks, gathered.view({world, shard_numel_}), sizes, /*dim=*/1);
 }
 
 size_t ParamGroup::unsharded_size_bytes() const {
