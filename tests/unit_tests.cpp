@@ -49,25 +49,25 @@ TEST(ShardLayout, EveryRowIsOwnedExactlyOnce) {
     }
 }
 
-TEST(FlatCopy, ScattersRowsRankMajorWithZeroPadding) {
+TEST(RankMajor, UnevenRowsArePaddedWithZerosPerRank) {
   ShardLayout l{5, 2, 3};  // shard_rows 2: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + pad
-  auto src = torch::arange(10, torch::kFloat).view({5, 2});
-  // A strided destination, as inside a flat buffer holding other parameters.
-  auto buffer = torch::full({3, 6}, -1.0f);
-  auto dst = buffer.narrow(1, 1, 4);
-  fsdp::scatter_rows_rank_major(dst, src, l);
+  auto rows = torch::arange(10, torch::kFloat).view({5, 2});
   auto expected = torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat).view({3, 4});
-  EXPECT_TRUE(torch::equal(dst, expected));
-  EXPECT_TRUE(torch::equal(buffer.select(1, 0), torch::full({3}, -1.0f)));  // neighbours untouched
-  EXPECT_TRUE(torch::equal(buffer.select(1, 5), torch::full({3}, -1.0f)));
+  EXPECT_TRUE(torch::equal(fsdp::rank_major(rows, l), expected));
 }
 
-TEST(FlatCopy, WholeRanksOfPadding) {
-  ShardLayout l{1, 3, 4};
-  auto dst = torch::full({4, 3}, 7.0f);
-  fsdp::scatter_rows_rank_major(dst, torch::ones({1, 3}), l);
-  EXPECT_TRUE(torch::equal(dst[0], torch::ones({3})));
-  EXPECT_TRUE(torch::equal(dst.narrow(0, 1, 3), torch::zeros({3, 3})));
+TEST(RankMajor, WholeRanksOfPaddingAndZeroDimParameters) {
+  EXPECT_TRUE(torch::equal(fsdp::rank_major(torch::ones({1, 3}), ShardLayout{1, 3, 4}),
+                           torch::cat({torch::ones({1, 3}), torch::zeros({3, 3})})));
+  EXPECT_TRUE(torch::equal(fsdp::rank_major(torch::tensor(2.0f), ShardLayout{1, 1, 2}),
+                           torch::tensor({{2.0f}, {0.0f}})));
+}
+
+TEST(RankMajor, EvenRowsAreAViewWithoutCopy) {
+  auto rows = torch::arange(12, torch::kFloat).view({6, 2});
+  auto r = fsdp::rank_major(rows, ShardLayout{6, 2, 3});
+  EXPECT_EQ(r.data_ptr(), rows.data_ptr());
+  EXPECT_EQ(r.sizes(), (std::vector<int64_t>{3, 4}));
 }
 
 TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {

@@ -1,4 +1,4 @@
-// Copies between a parameter's rows and the rank-major layout collectives use.
+// The rank-major layout collectives use, for one parameter's rows.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,11 +7,9 @@
 
 namespace fsdp {
 
-// dst: [world, shard_numel] (may be strided along dim 0), src: the full
-// parameter or gradient (layout.rows x layout.row_numel elements). Writes
-// rank r's rows of src into dst[r] and zeros into the padding rows; casts to
-// dst's dtype.
-void scatter_rows_rank_major(const at::Tensor& dst, const at::Tensor& src,
-                             const ShardLayout& layout);
+// `rows` (the full parameter or gradient: layout.rows x layout.row_numel
+// elements) as [world, shard_numel]: row r holds rank r's rows, zero-padded.
+// A view when the rows divide evenly, else a padded copy.
+at::Tensor rank_major(const at::Tensor& rows, const ShardLayout& layout);
 
 }  // namespace fsdp

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/split_with_sizes_copy.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
@@ -9,6 +11,7 @@
 
 #include <c10/core/StreamGuard.h>
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 
@@ -250,20 +253,23 @@ void ParamGroup::prepare_reduce_scatter() {
   // gradients exist without another collective.
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   // Copy-in on the compute stream, where autograd made the gradients: they
-  // can then be freed at once. The input itself lives until the
-  // reduce-scatter is done (the returned work holds it).
-  reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto& p = params_[i];
-    at::Tensor dst = reduce_input_.narrow(1, p.offset, p.layout.shard_numel());
+  // can then be freed at once. One kernel writes (and casts) every
+  // parameter's rank-major rows and the flags; the input itself lives until
+  // the reduce-scatter is done (the returned work holds it).
+  std::vector<at::Tensor> pieces;
+  std::vector<float> flags;
+  for (auto& p : params_) {
     at::Tensor grad = p.param.grad();
-    if (grad.defined())
-      scatter_rows_rank_major(dst, grad, p.layout);
-    else
-      dst.zero_();
-    reduce_input_.select(1, shard_numel_ + i).fill_(grad.defined() ? 1 : 0);
-    p.param.mutable_grad() = at::Tensor();
+    flags.push_back(grad.defined() ? 1.0f : 0.0f);
+    pieces.push_back(grad.defined() ? rank_major(grad, p.layout)
+                                    : at::zeros({1}, opts).expand({world, p.layout.shard_numel()}));
   }
+  const bool all_have_grads = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
+  pieces.push_back(all_have_grads ? at::ones({1}, opts).expand({world, count})
+                                  : at::tensor(flags).to(opts).expand({world, count}));
+  reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
+  at::cat_out(reduce_input_, pieces, /*dim=*/1);
+  for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
 }
 
 DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& groups) {
