@@ -29,7 +29,6 @@ class NcclCommunicator : public Communicator {
   at::Device device() const override {
     return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_));
   }
-  int device_index() const { return device_; }
 
  protected:
   void do_all_gather(const std::vector<Buffers>& ops) override;

@@ -74,7 +74,6 @@ class Runtime {
   };
   bool recomputing() const { return recomputing_ > 0; }
 
-  uint64_t step() const { return step_; }
   RuntimeOptions options() const;
   void set_options(const RuntimeOptions& options);
   RuntimeStats stats() const;

@@ -15,7 +15,6 @@ class InflightQueue {
  public:
   explicit InflightQueue(int limit = 0) : limit_(limit) {}
   void set_limit(int limit) { limit_ = limit; }  // 0 = unlimited
-  int limit() const { return limit_; }
 
   // Call before starting new work: drops finished items, then blocks on the
   // oldest until fewer than `limit` remain.
