@@ -105,6 +105,13 @@ void Runtime::reshard_strays(bool only_idle_this_step) {
       state->reshard();
 }
 
+// In forward: the group's forward already ran this step. In backward: its
+// backward already started, or it did not run forward this step (so it has
+// no backward to run).
+bool Runtime::ran_in_pass(const ModuleState& state, bool backward) const {
+  return backward ? state.backward_started_ || state.step_ != step_ : state.step_ == step_;
+}
+
 std::vector<ModuleState*> Runtime::prefetch_targets(const ExecutionOrder& order,
                                                     const ModuleState& state, bool backward) {
   std::vector<ModuleState*> targets;
@@ -114,9 +121,7 @@ std::vector<ModuleState*> Runtime::prefetch_targets(const ExecutionOrder& order,
     if (std::find(ids.begin(), ids.end(), candidate->id_) == ids.end()) continue;
     // Guards against a stale order: never prefetch a group that already ran
     // in this pass (it would be gathered again for nothing).
-    const bool ran = backward ? candidate->step_ != step_ || candidate->backward_started_
-                              : candidate->step_ == step_;
-    if (!ran) targets.push_back(candidate.get());
+    if (!ran_in_pass(*candidate, backward)) targets.push_back(candidate.get());
   }
   return targets;
 }
@@ -127,6 +132,14 @@ std::vector<ModuleState*> Runtime::forward_prefetch_targets(const ModuleState& s
 
 std::vector<ModuleState*> Runtime::backward_prefetch_targets(const ModuleState& state) {
   return prefetch_targets(backward_pass_, state, /*backward=*/true);
+}
+
+// Applies the current cap and counts the times the CPU had to wait.
+void Runtime::make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits) {
+  const long before = queue.waits();
+  queue.set_limit(limit);
+  queue.make_room();
+  waits += queue.waits() - before;
 }
 
 size_t Runtime::bucket_bytes() const {
@@ -147,18 +160,14 @@ void Runtime::all_gather(ModuleState& state) {
       if (it == states.end()) break;
       ModuleState& next = **it;
       const size_t next_bytes = next.group().unsharded_size_bytes();
-      const bool ran = backward ? next.backward_started_ || next.step_ != step_ : next.step_ == step_;
-      if (ran || next.group().is_unsharded() || &next.group().comm() != &state.group().comm() ||
+      if (ran_in_pass(next, backward) || next.group().is_unsharded() || &next.group().comm() != &state.group().comm() ||
           bytes + next_bytes > limit)
         break;
       groups.push_back(&next.group());
       bytes += next_bytes;
     }
   }
-  const long before = allgathers_.waits();
-  allgathers_.set_limit(options_.max_inflight_allgathers);
-  allgathers_.make_room();
-  stats_.allgather_waits += allgathers_.waits() - before;
+  make_room(allgathers_, options_.max_inflight_allgathers, stats_.allgather_waits);
   ParamGroup::unshard_together(groups);
   ++stats_.all_gathers;
 }
@@ -176,10 +185,7 @@ void Runtime::reduce_scatter(ParamGroup& group) {
 
 void Runtime::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
-  const long before = reduce_scatters_.waits();
-  reduce_scatters_.set_limit(options_.max_inflight_reduce_scatters);
-  reduce_scatters_.make_room();
-  stats_.reduce_scatter_waits += reduce_scatters_.waits() - before;
+  make_room(reduce_scatters_, options_.max_inflight_reduce_scatters, stats_.reduce_scatter_waits);
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();

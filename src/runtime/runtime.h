@@ -90,6 +90,8 @@ class Runtime {
                                              bool backward);
   std::vector<std::shared_ptr<ModuleState>> all_states() const;
   size_t bucket_bytes() const;
+  bool ran_in_pass(const ModuleState& state, bool backward) const;
+  static void make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits);
 
   mutable std::mutex mutex_;
   std::unordered_map<const torch::nn::Module*, Entry> states_;

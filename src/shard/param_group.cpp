@@ -50,11 +50,6 @@ std::string bucket_label(const std::vector<ParamGroup*>& groups) {
   return label;
 }
 
-std::optional<c10::Stream> side_stream(const DeviceStreams& streams, const c10::Stream* stream) {
-  if (!streams.active() || !stream) return std::nullopt;
-  return *stream;
-}
-
 }  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
@@ -155,8 +150,10 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
       streams.wait(streams.all_gather(), streams.compute());
       on_side_stream.emplace(streams.all_gather());
     }
-    const int span = Trace::get().begin("all-gather " + bucket_label(groups), Trace::Track::AllGather,
-                                        side_stream(streams, streams.active() ? &streams.all_gather() : nullptr));
+    const std::optional<c10::Stream> traced =
+        streams.active() ? std::optional<c10::Stream>(streams.all_gather()) : std::nullopt;
+    const int span =
+        Trace::get().begin("all-gather " + bucket_label(groups), Trace::Track::AllGather, traced);
     std::vector<at::Tensor> inputs, outputs;
     for (ParamGroup* g : groups) {
       auto [input, output] = g->prepare_gather();
@@ -165,7 +162,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     }
     first.comm_->all_gather_coalesced(outputs, inputs);
     for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
-    Trace::get().end(span, side_stream(streams, streams.active() ? &streams.all_gather() : nullptr));
+    Trace::get().end(span, traced);
     gathered = streams.active() ? streams.record(streams.all_gather()) : nullptr;
   }
   // Only metadata changes here: kernels that read the parameters are
@@ -255,7 +252,7 @@ void ParamGroup::prepare_reduce_scatter() {
   // Copy-in on the compute stream, where autograd made the gradients: they
   // can then be freed at once. One kernel writes (and casts) every
   // parameter's rank-major rows and the flags; the input itself lives until
-  // the reduce-scatter is done (the returned work holds it).
+  // its reduce-scatter is done (reduce_scatter_together's work holds it).
   std::vector<at::Tensor> pieces;
   std::vector<float> flags;
   for (auto& p : params_) {
@@ -283,9 +280,10 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     streams.wait(streams.reduce_scatter(), streams.compute());
     on_side_stream.emplace(streams.reduce_scatter());
   }
-  const auto* rs_stream = streams.active() ? &streams.reduce_scatter() : nullptr;
+  const std::optional<c10::Stream> traced =
+      streams.active() ? std::optional<c10::Stream>(streams.reduce_scatter()) : std::nullopt;
   const int span = Trace::get().begin("reduce-scatter " + bucket_label(groups),
-                                      Trace::Track::ReduceScatter, side_stream(streams, rs_stream));
+                                      Trace::Track::ReduceScatter, traced);
   std::vector<at::Tensor> inputs, outputs;
   for (ParamGroup* g : groups) {
     TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
@@ -294,7 +292,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg);
-  Trace::get().end(span, side_stream(streams, rs_stream));
+  Trace::get().end(span, traced);
   work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
   for (size_t i = 0; i < groups.size(); ++i) {
     groups[i]->reduced_ = outputs[i];
