@@ -188,6 +188,8 @@ def main():
     p.add_argument("--memory-log", help="sample memory into PATH-rankR.jsonl (fsdp-train's format)")
     p.add_argument("--optimizer-before-shard", action="store_true",
                    help="create AdamW before fully_shard, without any fix (the FSDP2 pitfall)")
+    p.add_argument("--profile", help="profiler trace of the last --profile-steps steps to PATH-rankR.json")
+    p.add_argument("--profile-steps", type=int, default=2)
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
@@ -205,8 +207,9 @@ def main():
     assert not missing.missing_keys and not missing.unexpected_keys, missing
     model.to(device)
     def make_optimizer():
+        # fused=True: the kernel fsdp-train's FusedAdamW calls (CUDA and CPU).
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                 weight_decay=args.weight_decay)
+                                 weight_decay=args.weight_decay, fused=True)
 
     opt = make_optimizer() if args.optimizer_before_shard else None
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -220,27 +223,35 @@ def main():
 
     log = open(args.jsonl, "w") if rank == 0 else None
     sampler = MemorySampler(f"{args.memory_log}-rank{rank}.jsonl", device) if args.memory_log else None
+    profiler = None
     for step in range(args.steps):
-        start = time.perf_counter()
-        lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        tokens = synthetic_rows(c["vocab"], args.seed, step, rank * args.batch, args.batch,
-                                args.seq).to(device)
-        opt.zero_grad(set_to_none=True)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        # With the optimizer made before sharding its parameters are the
-        # replaced full tensors: clip what the model holds.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()
-        opt.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-        loss_value = global_loss.item()
-        if sampler:
-            sampler.mark_step(step + 1, loss_value)
-        ms = (time.perf_counter() - start) * 1000
+        if args.profile and step == max(0, args.steps - args.profile_steps):
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if on_gpu:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.start()
+        with torch.profiler.record_function(f"ProfilerStep#{step + 1}"):  # the step's span in a profile
+            start = time.perf_counter()
+            lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            tokens = synthetic_rows(c["vocab"], args.seed, step, rank * args.batch, args.batch,
+                                    args.seq).to(device)
+            opt.zero_grad(set_to_none=True)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            # With the optimizer made before sharding its parameters are the
+            # replaced full tensors: clip what the model holds.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()
+            opt.step()
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+            loss_value = global_loss.item()
+            if sampler:
+                sampler.mark_step(step + 1, loss_value)
+            ms = (time.perf_counter() - start) * 1000
         alloc = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else 0.0
         if on_gpu:
@@ -254,6 +265,9 @@ def main():
             log.flush()
             print(f"fsdp2 step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
                   f"peak alloc/reserved {alloc:.2f}/{reserved:.2f} GiB", flush=True)
+    if profiler:
+        profiler.stop()
+        profiler.export_chrome_trace(f"{args.profile}-rank{rank}.json")
     if sampler:
         sampler.close()
     dist.destroy_process_group()

@@ -4,10 +4,10 @@ results.md to --out.
 
     python3 bench/run_bench.py --out DIR --commit SHA [--configs 1b,small] [--steps 13]
 
-Each run takes --steps steps; the first 3 are warm-up, the rest give medians.
-exposed_comm_ms = median step time on all GPUs minus the same system's median
-step time on one GPU with the same per-GPU batch (where every collective is a
-local copy): the time communication adds to a step.
+Each run takes --steps timed steps (the first 3 are warm-up, the rest give
+medians), then --profile-steps more under the PyTorch profiler. From rank 0's
+profile (bench/profile_summary.py), per step: exposed_comm_ms, the time an NCCL
+kernel ran while no compute kernel did; gpu_idle_ms, the time no kernel ran.
 """
 import argparse
 import datetime
@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+import profile_summary
+
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
 CONFIGS = {
@@ -29,11 +31,12 @@ CONFIGS = {
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"]),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"]),
     "small": ("small", 512, 2, []),
+    "tiny": ("tiny", 64, 4, []),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): 8B needs 4 or more GPUs.
     "8b": ("8b", 2048, 2, []),
     "8b-ac": ("8b", 2048, 2, ["--checkpoint"]),
 }
-FSDP2_CONFIGS = {"1b", "1b-ac", "small", "8b", "8b-ac"}  # the others are fsdp.cpp knobs
+FSDP2_CONFIGS = {"1b", "1b-ac", "small", "8b", "8b-ac", "tiny"}  # the others are fsdp.cpp knobs
 
 
 def run(cmd, log_path):
@@ -45,9 +48,10 @@ def run(cmd, log_path):
         raise SystemExit(f"failed: {' '.join(cmd)}")
 
 
-def summarize(jsonl, world):
+def summarize(jsonl, world, steps, profile):
     rows = [json.loads(line) for line in open(jsonl)]
-    measured = rows[WARMUP:]
+    measured = rows[WARMUP:steps]
+    prof = profile_summary.summarize(profile + "-rank0.json") if os.path.exists(profile + "-rank0.json") else None
     step_ms = statistics.median(r["step_ms"] for r in measured)
     return dict(
         step_ms=step_ms,
@@ -59,6 +63,10 @@ def summarize(jsonl, world):
         losses=[r["loss"] for r in rows],
         allgather_waits=sum(r.get("allgather_waits", 0) for r in measured),
         alloc_retries=sum(r.get("alloc_retries", 0) for r in measured),
+        exposed_comm_ms=prof and prof["exposed_comm_ms"],
+        gpu_idle_ms=prof and prof["idle_ms"],
+        gpu_compute_ms=prof and prof["compute_ms"],
+        profile=prof,
     )
 
 
@@ -67,13 +75,14 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
     p.add_argument("--configs", default="1b,1b-ac,1b-depth0,1b-depth2,1b-nolimit,small")
-    p.add_argument("--one-gpu-baseline", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run base configs on one GPU (for exposed_comm_ms)")
     p.add_argument("--steps", type=int, default=13)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--build", default="build", help="build folder with fsdp-run and fsdp-train")
+    p.add_argument("--cpu", action="store_true", help="2 CPU ranks (MPI / gloo): checks the script")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    gpus = torch.cuda.device_count()
-    device = f"{gpus}x {torch.cuda.get_device_name(0)}"
+    gpus = 2 if args.cpu else torch.cuda.device_count()
+    device = "CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}"
     common = dict(device=device, torch=torch.__version__, commit=args.commit,
                   date=datetime.date.today().isoformat())
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
@@ -83,37 +92,45 @@ def main():
     for config in args.configs.split(","):
         preset, seq, batch, flags = CONFIGS[config]
         init = os.path.join(args.out, f"init-{preset}.pt")
-        train = ["--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
+        steps = args.steps + args.profile_steps
+        train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
                  str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
-                 "--reduce-dtype", "fp32"]
-        base = config in FSDP2_CONFIGS
-        for world in ([gpus, 1] if base and args.one_gpu_baseline else [gpus]):
-            log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
-            run(["build/fsdp-run", "--gpu", "-n", str(world), "build/fsdp-train", *train, *flags,
-                 "--save-init", init, "--log", log], log.replace(".jsonl", ".log"))
-            row = dict(system="fsdp.cpp", config=config, world=world, **summarize(log, world))
-            row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
-            results.append(row)
-            if base:
-                log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
-                run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
-                     "--model", preset, "--steps", str(args.steps), "--seq", str(seq), "--batch",
-                     str(batch), *flags, "--init", init, "--jsonl", log2],
-                    log2.replace(".jsonl", ".log"))
-                results.append(dict(system="pytorch-fsdp2", config=config, world=world,
-                                    flops_per_token=row["flops_per_token"], **summarize(log2, world)))
+                 "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
+        world = gpus
+        log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
+        profile = os.path.join(args.out, f"profile-fsdpcpp-{config}")
+        run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
+             os.path.join(args.build, "fsdp-train"), *train, *flags,
+             "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"))
+        row = dict(system="fsdp.cpp", config=config, world=world,
+                   **summarize(log, world, args.steps, profile))
+        row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
+        results.append(row)
+        if config in FSDP2_CONFIGS:
+            log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
+            profile2 = os.path.join(args.out, f"profile-fsdp2-{config}")
+            run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
+                 "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
+                 str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
+                 "--profile-steps", str(args.profile_steps)],
+                log2.replace(".jsonl", ".log"))
+            results.append(dict(system="pytorch-fsdp2", config=config, world=world,
+                                flops_per_token=row["flops_per_token"],
+                                **summarize(log2, world, args.steps, profile2)))
 
     by_key = {(r["system"], r["config"], r["world"]): r for r in results}
     for r in results:
         r["mfu"] = r["flops_per_token"] * r["tok_s_gpu"] / H200_BF16_DENSE_FLOPS
-        one = by_key.get((r["system"], r["config"], 1))
-        r["exposed_comm_ms"] = r["step_ms"] - one["step_ms"] if one and r["world"] > 1 else None
         r.update(common)
 
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in results:
-            f.write(json.dumps({k: v for k, v in r.items() if k != "losses"}) + "\n")
+            f.write(json.dumps({k: v for k, v in r.items() if k not in ("losses", "profile")}) + "\n")
+    with open(os.path.join(args.out, "profiles.md"), "w") as f:
+        for r in results:
+            if r["profile"]:
+                f.write(profile_markdown(r))
     write_markdown(results, by_key, gpus, os.path.join(args.out, "results.md"), common)
 
 
@@ -121,29 +138,42 @@ def write_markdown(results, by_key, gpus, path, common):
     lines = [f"# fsdp.cpp vs PyTorch FSDP2: {common['device']}, torch {common['torch']}, "
              f"commit {common['commit'][:10]}, {common['date']}", "",
              "| system | config | GPUs | ms/step | tokens/s/GPU | MFU | peak alloc GiB | "
-             "peak reserved GiB | reserved/alloc | exposed comm ms | AG waits | loss first → last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
+             "loss first → last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ms = lambda v: "" if v is None else f"{v:.1f}"
+    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # CPU runs have no device memory
     for r in results:
-        exposed = "" if r["exposed_comm_ms"] is None else f"{r['exposed_comm_ms']:.1f}"
         lines.append(
             f"| {r['system']} | {r['config']} | {r['world']} | {r['step_ms']:.1f} | "
             f"{r['tok_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_alloc_gib']:.2f} | "
-            f"{r['peak_reserved_gib']:.2f} | {r['peak_reserved_gib'] / r['peak_alloc_gib']:.3f} | "
-            f"{exposed} | {r['allgather_waits']} | {r['loss_first']:.4f} → {r['loss_last']:.4f} |")
+            f"{r['peak_reserved_gib']:.2f} | {ratio(r['peak_reserved_gib'], r['peak_alloc_gib'])} | "
+            f"{ms(r['exposed_comm_ms'])} | {ms(r['gpu_idle_ms'])} | {r['allgather_waits']} | "
+            f"{r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     lines += ["", "## Against the targets (same run, same GPUs)", ""]
-    for config in ("1b", "1b-ac", "small", "8b", "8b-ac"):
+    for config in ("1b", "1b-ac", "small", "8b", "8b-ac", "tiny"):
         ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
         if not ours or not theirs:
             continue
         gap = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
         lines.append(
             f"- {config}: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2; peak "
-            f"reserved {ours['peak_reserved_gib'] / theirs['peak_reserved_gib']:.2f}x FSDP2's; "
-            f"reserved/allocated {ours['peak_reserved_gib'] / ours['peak_alloc_gib']:.3f} "
-            f"(FSDP2 {theirs['peak_reserved_gib'] / theirs['peak_alloc_gib']:.3f}); largest loss "
+            f"reserved {ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x FSDP2's; "
+            f"reserved/allocated {ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
+            f"(FSDP2 {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); largest loss "
             f"difference over {len(ours['losses'])} steps {gap:.4f}")
     open(path, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def profile_markdown(r):
+    p = r["profile"]
+    lines = [f"## {r['system']} {r['config']} (rank 0, median of {p['steps']} profiled steps)", "",
+             f"step {p['step_ms']:.1f} ms: compute {p['compute_ms']:.1f}, NCCL {p['nccl_ms']:.1f}, "
+             f"exposed communication {p['exposed_comm_ms']:.1f}, GPU idle {p['idle_ms']:.1f}, "
+             f"{p['kernels']:.0f} kernels", "", "| ms/step | calls/step | kernel |", "|---|---|---|"]
+    lines += [f"| {k['ms']:.2f} | {k['calls']:.0f} | `{k['name']}` |" for k in p["top_kernels"]]
+    return "\n".join(lines) + "\n\n"
 
 
 if __name__ == "__main__":

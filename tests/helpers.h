@@ -102,7 +102,7 @@ inline TrainResult train(const TrainSetup& s) {
     }
     if (s.clip > 0) {
       if (sharded) {
-        result.grad_norms.push_back(clip_grad_norm_(*s.module, s.clip));
+        result.grad_norms.push_back(clip_grad_norm_(*s.module, s.clip).item<double>());
       } else {
         result.grad_norms.push_back(
             torch::nn::utils::clip_grad_norm_(s.module->parameters(), s.clip));

@@ -10,6 +10,7 @@
 #include "shard/flat_copy.h"
 #include "shard/shard_layout.h"
 #include "train/data.h"
+#include "train/fused_adamw.h"
 #include "train/schedule.h"
 
 namespace {
@@ -240,6 +241,39 @@ TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
   EXPECT_FALSE(torch::equal(whole, data->rows(4, 0, 6, 16)));
   EXPECT_LT(whole.max().item<int64_t>(), 50);
   EXPECT_GE(whole.min().item<int64_t>(), 0);
+}
+
+// The fused kernel must be libtorch's AdamW, update for update, including a
+// parameter that gets no gradient in some steps (its step count stays behind).
+TEST(FusedAdamW, MatchesLibtorchAdamW) {
+  torch::manual_seed(3);
+  const std::vector<at::Tensor> init = {torch::randn({5, 3}), torch::randn({7}), torch::randn({2, 2})};
+  auto copies = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& t : init) out.push_back(t.clone().requires_grad_(true));
+    return out;
+  };
+  auto fused_params = copies(), plain_params = copies();
+  const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1);
+  fsdp::train::FusedAdamW fused(fused_params, options);
+  torch::optim::AdamW plain(plain_params, options);
+  for (int step = 0; step < 6; ++step) {
+    for (size_t i = 0; i < init.size(); ++i) {
+      const bool skipped = i == 1 && step % 2 == 1;
+      auto grad = torch::randn_like(init[i]);
+      for (auto* params : {&fused_params, &plain_params}) {
+        auto& p = (*params)[i];
+        p.mutable_grad() = skipped ? at::Tensor() : grad.clone();
+      }
+    }
+    fused.step();
+    plain.step();
+  }
+  for (size_t i = 0; i < init.size(); ++i) {
+    EXPECT_FALSE(torch::allclose(fused_params[i], init[i])) << i;
+    EXPECT_TRUE(torch::allclose(fused_params[i], plain_params[i], 1e-6, 1e-6))
+        << i << ": " << (fused_params[i] - plain_params[i]).abs().max().item<double>();
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // fsdp-train: trains the Llama-style example model with fsdp.cpp.
 //   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
+#include <ATen/record_function.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
 #include <chrono>
@@ -15,8 +15,10 @@
 #include "fsdp/fsdp.h"
 #include "model/llama.h"
 #include "train/data.h"
+#include "train/fused_adamw.h"
 #include "train/memory.h"
 #include "train/memory_sampler.h"
+#include "train/profile.h"
 #include "train/schedule.h"
 
 namespace {
@@ -40,6 +42,8 @@ struct Args {
   std::string trace, memory_snapshot, memory_log;
   bool optimizer_before_shard = false;
   int trace_steps = 2;
+  std::string profile;
+  int profile_steps = 2;
 };
 
 struct Flag {
@@ -97,6 +101,10 @@ std::map<std::string, Flag> flags(Args& a) {
                        num(a.runtime.bucket_mb)}},
       {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", str(a.trace)}},
       {"--trace-steps", {"steps the trace covers, from the second (default 2)", num(a.trace_steps)}},
+      {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
+                     "GPU kernels per stream, to PATH-rankR.json", str(a.profile)}},
+      {"--profile-steps", {"steps the profile covers, at the end of the run (default 2)",
+                           num(a.profile_steps)}},
       {"--memory-snapshot",
        {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)",
         str(a.memory_snapshot)}},
@@ -113,7 +121,7 @@ std::map<std::string, Flag> flags(Args& a) {
 void print_help(std::map<std::string, Flag>& table) {
   std::cout << "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun)\n"
                "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
-               "and the root are fully_shard()ed, AdamW, warmup + cosine learning rate.\n\n";
+               "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n\n";
   for (auto& [name, f] : table)
     std::printf("  %-28s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), f.help.c_str());
   std::cout << "  --help                       this text\n";
@@ -191,11 +199,11 @@ void train(const Args& args) {
   shard.mixed_precision.param_dtype = dtype_named(args.param_dtype, device.is_cuda());
   shard.mixed_precision.reduce_dtype = dtype_named(args.reduce_dtype, device.is_cuda());
   auto make_optimizer = [&] {
-    return std::make_unique<torch::optim::AdamW>(
+    return std::make_unique<fsdp::train::FusedAdamW>(
         model->parameters(),
         torch::optim::AdamWOptions(args.lr).betas({0.9, 0.95}).weight_decay(args.weight_decay));
   };
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<fsdp::train::FusedAdamW> optimizer;
   if (args.optimizer_before_shard) optimizer = make_optimizer();
   for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
   fsdp::fully_shard(model, shard);
@@ -228,6 +236,10 @@ void train(const Args& args) {
     for (auto& group : optimizer->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     if (!args.trace.empty() && step == std::min(1, args.steps - 1)) fsdp::start_trace();
+    if (!args.profile.empty() && step == std::max(0, args.steps - args.profile_steps))
+      fsdp::train::start_profile(device);
+    at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
+    if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
     auto tokens = data->rows(step, comm->rank() * args.batch, args.batch, args.seq).to(device);
     auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
 
@@ -236,12 +248,13 @@ void train(const Args& args) {
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
                                                      targets.reshape({-1}));
     loss.backward();
-    const double grad_norm = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : 0.0;
+    const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
     optimizer->step();
 
     auto global_loss = loss.detach().clone();
     comm->all_reduce(global_loss, fsdp::ReduceOp::Avg);
     const double loss_value = global_loss.item<double>();  // also waits for the GPU
+    const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
@@ -269,6 +282,7 @@ void train(const Args& args) {
         << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
         << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
   }
+  if (!args.profile.empty()) fsdp::train::save_profile(args.profile + rank_suffix + ".json");
   if (!args.memory_snapshot.empty())
     fsdp::train::write_memory_snapshot(device, args.memory_snapshot + rank_suffix + ".pickle");
   if (lead) std::printf("fsdp-train: done, log in %s\n", args.log.c_str());

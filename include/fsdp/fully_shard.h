@@ -66,8 +66,10 @@ at::Tensor full_parameter(torch::nn::Module& root, const std::string& name);
 // Collective. Full copies of every parameter and buffer of `root`, by name.
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& root);
 // Collective. Scales the sharded gradients of `root` so that their global
-// L2 norm is at most max_norm; returns the norm before clipping.
-double clip_grad_norm_(torch::nn::Module& root, double max_norm);
+// L2 norm is at most max_norm; returns the norm before clipping as a float32
+// scalar tensor on the device. Like PyTorch's clip_grad_norm_ it never waits
+// for the device; call .item() only where the number is needed.
+at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm);
 
 namespace detail {
 

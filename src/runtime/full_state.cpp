@@ -1,10 +1,12 @@
 // Whole-model views of sharded state: full parameters, state dicts, and the
 // global gradient norm.
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
-#include <cmath>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -32,7 +34,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
   return out;
 }
 
-double clip_grad_norm_(torch::nn::Module& root, double max_norm) {
+at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   Communicator* comm = nullptr;
@@ -50,15 +52,16 @@ double clip_grad_norm_(torch::nn::Module& root, double max_norm) {
     comm = &owner->state->group().comm();
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  if (!comm) return 0.0;
-  // Shards hold disjoint rows (padding excluded), so the squared norms add up.
-  at::Tensor sum_sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
-  for (const auto& g : grads) sum_sq += g.to(at::kDouble).pow(2).sum();
+  if (!comm) return at::zeros({});
+  // Shards hold disjoint rows (padding excluded), so the squared norms add
+  // up. Everything stays on the device: no host sync, so the optimizer's
+  // kernels can be queued while backward still runs.
+  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(comm->device());
+  at::Tensor sum_sq = grads.empty() ? at::zeros({1}, on_device)
+                                    : at::stack(at::_foreach_norm(grads, 2, at::kFloat)).square().sum().reshape({1});
   comm->all_reduce(sum_sq, ReduceOp::Sum);
-  const double norm = std::sqrt(sum_sq.item<double>());
-  const double scale = max_norm / (norm + 1e-6);
-  if (scale < 1.0)
-    for (auto& g : grads) g.mul_(scale);
+  at::Tensor norm = sum_sq.sqrt().reshape({});
+  at::_foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp_max(1.0));
   return norm;
 }
 

@@ -1,0 +1,30 @@
+"""Checks profile_summary's interval arithmetic on a hand-made trace (ctest)."""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+import profile_summary  # noqa: E402
+
+
+def kernel(name, ts, dur, stream):
+    return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(stream=stream))
+
+
+# One 100 us step: compute 0-40 and 60-70 (stream 7), NCCL 30-80 (stream 20),
+# a copy 90-95 on the NCCL stream; a kernel after the step is ignored.
+trace = dict(traceEvents=[
+    dict(ph="X", cat="user_annotation", name="ProfilerStep#1", ts=0, dur=100),
+    kernel("sm90_gemm", 0, 40, 7), kernel("elementwise", 60, 10, 7),
+    kernel("ncclDevKernel_AllGather", 30, 50, 20), kernel("copy", 90, 5, 20),
+    kernel("sm90_gemm", 150, 10, 7)])
+with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(trace, f)
+s = profile_summary.summarize(f.name)
+os.unlink(f.name)
+expected = dict(step_ms=0.1, compute_ms=0.055, nccl_ms=0.05, exposed_comm_ms=0.03, idle_ms=0.015, kernels=4)
+for key, want in expected.items():
+    assert abs(s[key] - want) < 1e-9, (key, s[key], want)
+assert s["top_kernels"][0]["name"] == "ncclDevKernel_AllGather", s["top_kernels"]
+print("profile_summary: ok")

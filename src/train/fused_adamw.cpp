@@ -1,0 +1,59 @@
+#include "train/fused_adamw.h"
+
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adamw.h>
+
+#include <map>
+#include <stdexcept>
+
+namespace fsdp::train {
+
+FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options)
+    : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                std::make_unique<torch::optim::AdamWOptions>(options)) {
+  if (options.amsgrad()) throw std::invalid_argument("FusedAdamW: amsgrad is not supported");
+}
+
+at::Tensor FusedAdamW::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  struct Lists {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  };
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    // The kernel takes tensors of one device and dtype at a time.
+    std::map<std::pair<std::string, at::ScalarType>, Lists> batches;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined() || p.numel() == 0) continue;
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto s = std::make_unique<FusedAdamWState>();
+        s->step = at::zeros({}, p.options().dtype(at::kFloat));
+        s->exp_avg = at::zeros_like(p, at::MemoryFormat::Preserve);
+        s->exp_avg_sq = at::zeros_like(p, at::MemoryFormat::Preserve);
+        slot = std::move(s);
+      }
+      auto& s = static_cast<FusedAdamWState&>(*slot);
+      auto& lists = batches[{p.device().str(), p.scalar_type()}];
+      lists.params.push_back(p);
+      lists.grads.push_back(p.grad());
+      lists.exp_avgs.push_back(s.exp_avg);
+      lists.exp_avg_sqs.push_back(s.exp_avg_sq);
+      lists.steps.push_back(s.step);
+    }
+    for (auto& [key, l] : batches) {
+      at::_foreach_add_(l.steps, 1);
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps,
+                        o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                        /*amsgrad=*/false, /*maximize=*/false);
+    }
+  }
+  return loss;
+}
+
+}  // namespace fsdp::train
