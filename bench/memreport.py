@@ -8,9 +8,12 @@ weights and data.
 
 Writes memory.png (allocated and reserved over time; host RSS on CPU),
 loss.png, report.md, report.json and the raw samples (*-rank0.jsonl).
-Checks that fsdp.cpp trains identically with the optimizer made before or
-after sharding and that its losses agree with FSDP2's (optimizer after) within
-the tolerance; exits non-zero otherwise.
+Checks that fsdp.cpp trains the same with the optimizer made before or after
+sharding (bit-identical on CPU; on GPUs within the tolerance, since atomics in
+some backward kernels make no two GPU runs bit-identical: the report prints
+that run-to-run spread, between the limit-on and limit-off runs, which do the
+same arithmetic) and that its losses agree with FSDP2's (optimizer after)
+within the tolerance; exits non-zero otherwise.
 """
 import argparse
 import datetime
@@ -126,8 +129,10 @@ def plot(results, out, cpu):
 def report(results, args, gpus):
     after, before = results["fsdpcpp-opt-after"]["losses"], results["fsdpcpp-opt-before"]["losses"]
     fsdp2 = results["fsdp2-opt-after"]["losses"]
-    identical = after == before
-    gap = max(abs(a - b) for a, b in zip(after, fsdp2))
+    spread = lambda a, b: max(abs(x - y) for x, y in zip(a, b))
+    gap, order_gap = spread(after, fsdp2), spread(after, before)
+    same_order = after == before if args.cpu else order_gap <= LOSS_TOLERANCE
+    noise = spread(after, results["fsdpcpp-limit-off"]["losses"])
     device = "CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}"
     lines = [f"# Memory report: {device}, torch {torch.__version__}, commit {args.commit[:10]}, "
              f"{datetime.date.today().isoformat()}", "",
@@ -137,8 +142,12 @@ def report(results, args, gpus):
         lines.append(f"| {r['label']} | {r['peak_alloc_gib']:.2f} | {r['peak_reserved_gib']:.2f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     lines += ["",
-              f"- fsdp.cpp optimizer before == after: {'identical' if identical else 'DIFFERENT'} "
-              f"losses over {len(after)} steps",
+              f"- fsdp.cpp optimizer before == after: {'identical' if after == before else 'DIFFERENT'} "
+              f"losses over {len(after)} steps (largest difference {order_gap:.4f}; "
+              f"{'must be identical on CPU' if args.cpu else f'tolerance {LOSS_TOLERANCE}'}): "
+              f"{'same' if same_order else 'NOT THE SAME'}",
+              f"- run-to-run spread of fsdp.cpp (all-gather limit on vs off, same arithmetic): "
+              f"largest loss difference {noise:.4f}",
               f"- fsdp.cpp vs FSDP2 (optimizer after): largest loss difference {gap:.4f} "
               f"(tolerance {LOSS_TOLERANCE}): {'agree' if gap <= LOSS_TOLERANCE else 'DISAGREE'}"]
     text = "\n".join(lines) + "\n"
@@ -146,7 +155,7 @@ def report(results, args, gpus):
     json.dump({k: {kk: vv for kk, vv in v.items() if kk != "samples"} for k, v in results.items()},
               open(os.path.join(args.out, "report.json"), "w"), indent=1)
     print(text, flush=True)
-    return identical and gap <= LOSS_TOLERANCE
+    return same_order and gap <= LOSS_TOLERANCE
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ def is_nccl(name):
 
 def summarize(path, top=15):
     events = json.load(open(path))["traceEvents"]
-    steps = sorted((e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                    and e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     rows, totals = [], collections.defaultdict(lambda: [0, 0.0])
     for step in steps:

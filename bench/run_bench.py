@@ -23,26 +23,29 @@ import profile_summary
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 CONFIGS = {
-    # name: (preset, seq, batch per GPU, extra flags for both systems)
-    "1b": ("1b", 2048, 4, []),
-    "1b-ac": ("1b", 2048, 4, ["--checkpoint"]),
-    "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"]),
-    "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"]),
-    "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"]),
-    "small": ("small", 512, 2, []),
-    "tiny": ("tiny", 64, 4, []),  # the CPU smoke test of this script (--cpu)
+    # name: (preset, seq, batch per GPU, extra flags for both systems, extra environment)
+    "1b": ("1b", 2048, 4, [], {}),
+    "1b-ac": ("1b", 2048, 4, ["--checkpoint"], {}),
+    "1b-es": ("1b", 2048, 4, [], EXPANDABLE),  # the caching allocator's expandable segments
+    "1b-ac-es": ("1b", 2048, 4, ["--checkpoint"], EXPANDABLE),
+    "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
+    "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
+    "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
+    "small": ("small", 512, 2, [], {}),
+    "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): 8B needs 4 or more GPUs.
-    "8b": ("8b", 2048, 2, []),
-    "8b-ac": ("8b", 2048, 2, ["--checkpoint"]),
+    "8b": ("8b", 2048, 2, [], {}),
+    "8b-ac": ("8b", 2048, 2, ["--checkpoint"], {}),
 }
-FSDP2_CONFIGS = {"1b", "1b-ac", "small", "8b", "8b-ac", "tiny"}  # the others are fsdp.cpp knobs
+FSDP2_CONFIGS = {"1b", "1b-ac", "1b-es", "1b-ac-es", "small", "8b", "8b-ac", "tiny"}  # the others are fsdp.cpp knobs
 
 
-def run(cmd, log_path):
-    print("+", " ".join(cmd), flush=True)
+def run(cmd, log_path, env):
+    print("+", " ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd), flush=True)
     with open(log_path, "w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **env))
     if done.returncode != 0:
         print(open(log_path).read()[-3000:], flush=True)
         raise SystemExit(f"failed: {' '.join(cmd)}")
@@ -85,12 +88,11 @@ def main():
     device = "CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}"
     common = dict(device=device, torch=torch.__version__, commit=args.commit,
                   date=datetime.date.today().isoformat())
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    os.environ.update(env)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on shared machines
 
     results = []
     for config in args.configs.split(","):
-        preset, seq, batch, flags = CONFIGS[config]
+        preset, seq, batch, flags, extra_env = CONFIGS[config]
         init = os.path.join(args.out, f"init-{preset}.pt")
         steps = args.steps + args.profile_steps
         train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
@@ -101,7 +103,7 @@ def main():
         profile = os.path.join(args.out, f"profile-fsdpcpp-{config}")
         run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
              os.path.join(args.build, "fsdp-train"), *train, *flags,
-             "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"))
+             "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
         row = dict(system="fsdp.cpp", config=config, world=world,
                    **summarize(log, world, args.steps, profile))
         row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
@@ -114,7 +116,7 @@ def main():
                  "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
                  str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
                  "--profile-steps", str(args.profile_steps)],
-                log2.replace(".jsonl", ".log"))
+                log2.replace(".jsonl", ".log"), extra_env)
             results.append(dict(system="pytorch-fsdp2", config=config, world=world,
                                 flops_per_token=row["flops_per_token"],
                                 **summarize(log2, world, args.steps, profile2)))
@@ -151,7 +153,7 @@ def write_markdown(results, by_key, gpus, path, common):
             f"{ms(r['exposed_comm_ms'])} | {ms(r['gpu_idle_ms'])} | {r['allgather_waits']} | "
             f"{r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     lines += ["", "## Against the targets (same run, same GPUs)", ""]
-    for config in ("1b", "1b-ac", "small", "8b", "8b-ac", "tiny"):
+    for config in [c for c in CONFIGS if c in FSDP2_CONFIGS]:
         ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
         if not ours or not theirs:
             continue

@@ -203,7 +203,9 @@ void Runtime::end_of_backward() {
     if (auto state = it->lock()) groups.push_back(std::move(state));
   for (auto& state : groups) state->finish_backward();
   flush_reduce_scatters();
-  for (auto& state : groups) state->group().commit_gradients();
+  std::vector<ParamGroup*> committed;
+  for (auto& state : groups) committed.push_back(&state->group());
+  ParamGroup::commit_gradients(committed);
   reduce_scatters_.clear();
   backward_pass_.end_pass();
   reshard_strays(/*only_idle_this_step=*/false);

@@ -141,6 +141,15 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
                           "fsdp: groups gathered together must share communicator and device");
   const DeviceStreams& streams = first.streams_;
   c10::NoGradGuard no_grad;
+  // Every buffer comes from the compute stream's pool (allocated before the
+  // switch to the all-gather stream), so that unsharded parameters and
+  // activations share one pool and no side-stream pool keeps memory reserved.
+  std::vector<at::Tensor> inputs, outputs;
+  for (ParamGroup* g : groups) {
+    auto [input, output] = g->allocate_gather();
+    inputs.push_back(std::move(input));
+    outputs.push_back(std::move(output));
+  }
   std::shared_ptr<c10::Event> gathered;
   {
     // The copy-in reads the shards the optimizer last wrote on the compute
@@ -154,12 +163,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
         streams.active() ? std::optional<c10::Stream>(streams.all_gather()) : std::nullopt;
     const int span =
         Trace::get().begin("all-gather " + bucket_label(groups), Trace::Track::AllGather, traced);
-    std::vector<at::Tensor> inputs, outputs;
-    for (ParamGroup* g : groups) {
-      auto [input, output] = g->prepare_gather();
-      inputs.push_back(std::move(input));
-      outputs.push_back(std::move(output));
-    }
+    for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(inputs[i]);
     first.comm_->all_gather_coalesced(outputs, inputs);
     for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
     Trace::get().end(span, traced);
@@ -167,30 +171,36 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   }
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
-  for (ParamGroup* g : groups) {
+  for (size_t i = 0; i < groups.size(); ++i) {
+    ParamGroup* g = groups[i];
     for (auto& p : g->params_) {
       p.stashed_grad = p.param.grad();
       p.param.mutable_grad() = at::Tensor();
       p.param.set_data(g->unsharded_view(p));
     }
     g->gathered_ = gathered;
+    // Compute-pool blocks the all-gather stream still uses: kept until the
+    // compute stream has waited for `gathered`.
+    g->gather_buffers_ = {std::move(inputs[i]), std::move(outputs[i])};
     g->state_ = State::Gathering;
   }
 }
 
-std::pair<at::Tensor, at::Tensor> ParamGroup::prepare_gather() {
+std::pair<at::Tensor, at::Tensor> ParamGroup::allocate_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
-  // One kernel for the copy-in and one for the copy-out of the whole group.
-  std::vector<at::Tensor> shards;
-  for (const auto& p : params_) shards.push_back(p.padded_shard.view(-1));
-  at::Tensor input = at::empty({shard_numel_}, opts);
-  if (!shards.empty()) at::cat_out(input, shards);
   allocate_unsharded();
   // One parameter: the rank-major gather already is the parameter's layout.
   at::Tensor output = params_.size() == 1
                           ? unsharded_flat_
                           : at::empty({comm_->world_size() * shard_numel_}, opts);
-  return {input, output};
+  return {at::empty({shard_numel_}, opts), output};
+}
+
+// One kernel for the copy-in (and cast) of the whole group.
+void ParamGroup::copy_in(at::Tensor& input) const {
+  std::vector<at::Tensor> shards;
+  for (const auto& p : params_) shards.push_back(p.padded_shard.view(-1));
+  if (!shards.empty()) at::cat_out(input, shards);
 }
 
 void ParamGroup::copy_out(const at::Tensor& gathered) {
@@ -215,6 +225,7 @@ void ParamGroup::wait_for_unshard() {
   if (state_ != State::Gathering) return;
   if (gathered_) streams_.wait(streams_.compute(), *gathered_);
   gathered_ = nullptr;
+  gather_buffers_.clear();  // later compute work is ordered after the gather
   state_ = State::Unsharded;
 }
 
@@ -227,11 +238,14 @@ std::shared_ptr<c10::Event> ParamGroup::reshard() {
     p.param.mutable_grad() = std::move(p.stashed_grad);
     p.stashed_grad = at::Tensor();
   }
-  // The storage came from the all-gather stream, whose next work waits for
-  // the compute stream first (streams.h): dropping it now is safe. The event
-  // tells the CPU run-ahead limit when the GPU is really done with it.
+  // The buffers belong to the compute stream's pool: once the compute stream
+  // is ordered after the gather (a prefetch that was never used waits here),
+  // compute-stream work that reuses them runs after every read. The event
+  // tells the CPU run-ahead limit when the GPU is really done with them.
   const bool used_by_compute = state_ == State::Unsharded;
+  if (gathered_) streams_.wait(streams_.compute(), *gathered_);
   free_unsharded();
+  gather_buffers_.clear();
   gathered_ = nullptr;
   state_ = State::Sharded;
   return used_by_compute ? streams_.record(streams_.compute()) : nullptr;
@@ -275,6 +289,14 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   const ParamGroup& first = *groups.front();
   const DeviceStreams& streams = first.streams_;
   c10::NoGradGuard no_grad;
+  // Outputs from the compute stream's pool, like every buffer (see unshard_together).
+  std::vector<at::Tensor> inputs, outputs;
+  for (ParamGroup* g : groups) {
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
+                          "fsdp: reduce-scatter of a group without prepared gradients");
+    inputs.push_back(g->reduce_input_.view(-1));
+    outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
+  }
   std::optional<c10::StreamGuard> on_side_stream;
   if (streams.active()) {
     streams.wait(streams.reduce_scatter(), streams.compute());
@@ -284,13 +306,6 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
       streams.active() ? std::optional<c10::Stream>(streams.reduce_scatter()) : std::nullopt;
   const int span = Trace::get().begin("reduce-scatter " + bucket_label(groups),
                                       Trace::Track::ReduceScatter, traced);
-  std::vector<at::Tensor> inputs, outputs;
-  for (ParamGroup* g : groups) {
-    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
-                          "fsdp: reduce-scatter of a group without prepared gradients");
-    inputs.push_back(g->reduce_input_.view(-1));
-    outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
-  }
   first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg);
   Trace::get().end(span, traced);
   work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
@@ -303,18 +318,32 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   return work;
 }
 
-void ParamGroup::commit_gradients() {
-  if (!reduced_.defined()) return;
-  TORCH_INTERNAL_ASSERT(state_ == State::Sharded, "fsdp: commit gradients after resharding");
+void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
+  std::vector<ParamGroup*> groups;
+  for (ParamGroup* g : all)
+    if (g->reduced_.defined()) groups.push_back(g);
+  if (groups.empty()) return;
   c10::NoGradGuard no_grad;
-  if (reduced_at_) streams_.wait(streams_.compute(), *reduced_at_);
-  const int64_t count = static_cast<int64_t>(params_.size());
-  at::Tensor had_grad = reduced_.narrow(0, shard_numel_, count).gt(0).to(at::kCPU);
-  const bool* flags = had_grad.data_ptr<bool>();
+  std::vector<at::Tensor> flags;
+  for (ParamGroup* g : groups) {
+    TORCH_INTERNAL_ASSERT(g->state_ == State::Sharded, "fsdp: commit gradients after resharding");
+    if (g->reduced_at_) g->streams_.wait(g->streams_.compute(), *g->reduced_at_);
+    flags.push_back(g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())));
+  }
+  // One device-to-host copy for all groups: the step's only wait for the device.
+  at::Tensor had_grad = at::cat(flags).gt(0).to(at::kCPU);
+  const bool* flag = had_grad.data_ptr<bool>();
+  for (ParamGroup* g : groups) {
+    g->add_reduced_gradients(flag);
+    flag += g->params_.size();
+  }
+}
+
+void ParamGroup::add_reduced_gradients(const bool* had_grad) {
   const int rank = comm_->rank();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    if (!flags[i]) continue;
+    if (!had_grad[i]) continue;
     at::Tensor rows = reduced_.narrow(0, p.offset, p.layout.shard_numel())
                           .view(p.padded_shard.sizes())
                           .narrow(0, 0, p.layout.local_rows(rank));

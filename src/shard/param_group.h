@@ -63,11 +63,12 @@ class ParamGroup {
   // work keeps the inputs alive until it is done; each group's result
   // becomes its sharded gradients at commit_gradients().
   static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
-  // The compute stream waits for this group's reduce-scatter; its result is
+  // The compute stream waits for each group's reduce-scatter; its result is
   // added to the sharded gradients (set where none exist). A parameter that
   // no rank produced a gradient for keeps its gradient undefined. Reads the
-  // per-parameter flags, so on GPUs it waits for the device.
-  void commit_gradients();
+  // per-parameter flags of all groups at once, so on GPUs it waits for the
+  // device, once.
+  static void commit_gradients(const std::vector<ParamGroup*>& groups);
 
   bool is_unsharded() const { return state_ != State::Sharded; }
   // Bytes of the unsharded parameter storage now allocated (0 when sharded).
@@ -85,8 +86,12 @@ class ParamGroup {
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
-  // Input and output of this group's part of an all-gather (all-gather stream).
-  std::pair<at::Tensor, at::Tensor> prepare_gather();
+  // Input and output of this group's part of an all-gather; allocates the
+  // unsharded storage (the output itself where the group has one parameter).
+  std::pair<at::Tensor, at::Tensor> allocate_gather();
+  // The shards, cast, into the all-gather input.
+  void copy_in(at::Tensor& input) const;
+  void add_reduced_gradients(const bool* had_grad);
   // Rank-major gathered data into the parameter-major unsharded storage.
   void copy_out(const at::Tensor& gathered);
   void allocate_unsharded();
@@ -105,6 +110,7 @@ class ParamGroup {
   at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
   State state_ = State::Sharded;
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
+  std::vector<at::Tensor> gather_buffers_;   // input and output, until the compute stream waited
   at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
   at::Tensor reduced_;                       // reduce-scatter output awaiting commit
   std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective

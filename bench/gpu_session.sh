@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One lease on a GPU machine, in phases that each fit one device call (10 min):
+#   bash bench/gpu_session.sh bench OUT COMMIT [CONFIGS]  build, GPU tests, run_bench.py
+#   bash bench/gpu_session.sh memreport OUT COMMIT        memreport.py (build kept from 'bench')
+# Writes one tar per phase under OUT; weights and all but rank 0's profiles
+# stay on the machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?phase}; out=${2:?output folder}; commit=${3:-unknown}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+work=/tmp/fsdp-$phase
+rm -rf "$work" && mkdir -p "$work" "$out"
+case $phase in
+  bench)
+    TP=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+    cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TP" -DFSDP_PYTHON="$(command -v python3)" \
+      > "$work/build.log" 2>&1 && ninja -C build -j"$(nproc)" >> "$work/build.log" 2>&1 || {
+      tail -30 "$work/build.log"; exit 1; }
+    (cd build && ctest -R 'gpu|train' --output-on-failure) > "$work/gpu-tests.log" 2>&1
+    ok=$?; tail -8 "$work/gpu-tests.log"
+    [ $ok -eq 0 ] || { tar czf "$out/bench.tgz" -C /tmp "fsdp-$phase"; exit 1; }
+    python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small}" \
+      > "$work/run_bench.log" 2>&1
+    ok=$?; tail -40 "$work/run_bench.log" ;;
+  memreport)
+    python3 bench/memreport.py --out "$work" --commit "$commit" > "$work/memreport.log" 2>&1
+    ok=$?; tail -14 "$work/memreport.log" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+rm -f "$work"/init-*.pt "$work"/profile-*-rank[1-9]*.json
+gzip -f "$work"/profile-*.json 2>/dev/null
+tar czf "$out/$phase.tgz" -C /tmp "fsdp-$phase"
+exit $ok
