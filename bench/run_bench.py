@@ -34,6 +34,7 @@ CONFIGS = {
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
     "small": ("small", 512, 2, [], {}),
+    "small-bucket16": ("small", 512, 2, ["--bucket-mb", "16"], {}),
     "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): 8B needs 4 or more GPUs.
     "8b": ("8b", 2048, 2, [], {}),
