@@ -91,6 +91,42 @@ TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   EXPECT_EQ(count(json, "\"thread_name\""), 3u);
 }
 
+// Prefetches are issued in execution order on every rank (a regression: they
+// once followed the registry's address order, so ranks issued equal-sized
+// all-gathers in different orders and silently swapped blocks' weights).
+TEST(Api, AllGathersFollowTheExecutionOrder) {
+  const RuntimeOptions defaults = runtime_options();
+  RuntimeOptions o = defaults;
+  o.prefetch_depth = 3;
+  set_runtime_options(o);
+  auto c = tiny_llama();
+  c.n_layers = 8;
+  auto m = seeded_llama(c);
+  shard_blocks_and_root(m);  // groups: the blocks first, the root last
+  const int first = std::stoi(state_of(*m->blocks[0])->group().label().substr(1));  // "#<id> <module>"
+  auto step = [&] {
+    auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
+    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
+                                         tokens.narrow(1, 1, 8).reshape({-1}))
+        .backward();
+  };
+  step();  // records the order
+  start_trace();
+  step();
+  const std::string path = ::testing::TempDir() + "fsdp_order_" + std::to_string(world()->rank()) + ".json";
+  write_trace(path);
+  set_runtime_options(defaults);
+  std::ifstream in(path);
+  const std::string json((std::istreambuf_iterator<char>(in)), {});
+  std::vector<int> gathered;
+  const std::string tag = "\"name\":\"all-gather #";
+  for (size_t at = json.find(tag); at != std::string::npos; at = json.find(tag, at + 1))
+    gathered.push_back(std::stoi(json.substr(at + tag.size())) - first);
+  // Forward: the root, then the blocks in order; backward (the root stays
+  // gathered): the blocks in reverse.
+  EXPECT_THAT(gathered, ::testing::ElementsAre(8, 0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0));
+}
+
 TEST(Api, ShardingAModuleTwiceIsAnError) {
   auto m = seeded_llama(tiny_llama());
   fully_shard(m->blocks[0]);

@@ -117,13 +117,22 @@ std::vector<ModuleState*> Runtime::prefetch_targets(const ExecutionOrder& order,
   std::vector<ModuleState*> targets;
   const auto ids = order.next(state.id_, options_.prefetch_depth);
   if (ids.empty()) return targets;
-  for (const auto& candidate : all_states()) {
-    if (std::find(ids.begin(), ids.end(), candidate->id_) == ids.end()) continue;
+  const auto states = all_states();
+  // In execution order, never the registry's (ordered by address, which
+  // differs between processes): every rank must issue the same all-gathers
+  // in the same order, or equal-sized ones silently trade data.
+  for (int id : ids) {
+    ModuleState* candidate = find_state(states, id);
     // Guards against a stale order: never prefetch a group that already ran
     // in this pass (it would be gathered again for nothing).
-    if (!ran_in_pass(*candidate, backward)) targets.push_back(candidate.get());
+    if (candidate && !ran_in_pass(*candidate, backward)) targets.push_back(candidate);
   }
   return targets;
+}
+
+ModuleState* Runtime::find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id) {
+  auto it = std::find_if(states.begin(), states.end(), [id](const auto& s) { return s->id_ == id; });
+  return it == states.end() ? nullptr : it->get();
 }
 
 std::vector<ModuleState*> Runtime::forward_prefetch_targets(const ModuleState& state) {
@@ -156,9 +165,9 @@ void Runtime::all_gather(ModuleState& state) {
     const auto& order = backward ? backward_pass_ : forward_pass_;
     std::vector<std::shared_ptr<ModuleState>> states = all_states();
     for (int id : order.next(state.id_, static_cast<int>(states.size()))) {
-      auto it = std::find_if(states.begin(), states.end(), [id](auto& s) { return s->id_ == id; });
-      if (it == states.end()) break;
-      ModuleState& next = **it;
+      ModuleState* found = find_state(states, id);
+      if (!found) break;
+      ModuleState& next = *found;
       const size_t next_bytes = next.group().unsharded_size_bytes();
       if (ran_in_pass(next, backward) || next.group().is_unsharded() || &next.group().comm() != &state.group().comm() ||
           bytes + next_bytes > limit)

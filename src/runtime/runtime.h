@@ -89,6 +89,7 @@ class Runtime {
   std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
                                              bool backward);
   std::vector<std::shared_ptr<ModuleState>> all_states() const;
+  static ModuleState* find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id);
   size_t bucket_bytes() const;
   bool ran_in_pass(const ModuleState& state, bool backward) const;
   static void make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits);
