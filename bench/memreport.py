@@ -142,9 +142,9 @@ def report(results, args, gpus):
         lines.append(f"| {r['label']} | {r['peak_alloc_gib']:.2f} | {r['peak_reserved_gib']:.2f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} |")
     lines += ["",
-              f"- fsdp.cpp optimizer before == after: {'identical' if after == before else 'DIFFERENT'} "
-              f"losses over {len(after)} steps (largest difference {order_gap:.4f}; "
-              f"{'must be identical on CPU' if args.cpu else f'tolerance {LOSS_TOLERANCE}'}): "
+              f"- fsdp.cpp optimizer before vs after: "
+              f"{'identical' if after == before else f'largest loss difference {order_gap:.4f}'} over "
+              f"{len(after)} steps ({'must be identical on CPU' if args.cpu else f'tolerance {LOSS_TOLERANCE}'}): "
               f"{'same' if same_order else 'NOT THE SAME'}",
               f"- run-to-run spread of fsdp.cpp (all-gather limit on vs off, same arithmetic): "
               f"largest loss difference {noise:.4f}",
