@@ -28,7 +28,9 @@ CONFIGS = {
     # name: (preset, seq, batch per GPU, extra flags for both systems, extra environment)
     "1b": ("1b", 2048, 4, [], {}),
     "1b-ac": ("1b", 2048, 4, ["--checkpoint"], {}),
-    "1b-es": ("1b", 2048, 4, [], EXPANDABLE),  # the caching allocator's expandable segments
+    # Expandable segments on both sides (fsdp-train's default since 3cf0cd8's runs; so
+    # "1b" compares each system's default allocator settings).
+    "1b-es": ("1b", 2048, 4, [], EXPANDABLE),
     "1b-ac-es": ("1b", 2048, 4, ["--checkpoint"], EXPANDABLE),
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
