@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 
 #include "fsdp/fsdp.h"
@@ -28,6 +29,17 @@ int main(int argc, char** argv) {
       comm->all_reduce(t, fsdp::ReduceOp::Sum);
       t.cpu();   // NCCL is asynchronous: wait here, as a training step would
       return 0;  // not reached: rank 1 never joins
+    }
+    if (scenario == "swapped-order") {
+      // Equal-sized all-gathers of different things in a different order on
+      // each rank: without the check they would pair up and swap data.
+      comm->set_check_collectives(true);
+      at::Tensor in = at::ones({4}, at::TensorOptions().device(comm->device()));
+      at::Tensor out = at::empty({4 * comm->world_size()}, in.options());
+      const bool first = comm->rank() == 0;
+      comm->all_gather_coalesced({out}, {in}, first ? "#1 Block" : "#2 Block");
+      comm->all_gather_coalesced({out}, {in}, first ? "#2 Block" : "#1 Block");
+      return 0;  // not reached: the check throws on every rank
     }
     if (scenario == "init-mpi") return 0;
     fsdp::abort_job("fault_program: unknown scenario '" + scenario + "'");

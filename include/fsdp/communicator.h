@@ -49,11 +49,21 @@ class Communicator {
   void broadcast(const at::Tensor& tensor, int root);
   void barrier();
   // Several independent collectives issued together (one NCCL group, or
-  // concurrent non-blocking MPI requests), completed together.
+  // concurrent non-blocking MPI requests), completed together. `tag` names
+  // what is moved (e.g. the parameter groups) for the cross-rank check.
   void all_gather_coalesced(const std::vector<at::Tensor>& outputs,
-                            const std::vector<at::Tensor>& inputs);
+                            const std::vector<at::Tensor>& inputs, const std::string& tag = "");
   void reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
-                                const std::vector<at::Tensor>& inputs, ReduceOp op);
+                                const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                const std::string& tag = "");
+
+  // Debugging aid, off unless FSDP_CHECK_COLLECTIVES=1 (or set here): before
+  // every collective the ranks compare a hash of what they are about to issue
+  // (operation, sizes, dtypes, tag) and throw CollectiveError naming the
+  // first difference, instead of pairing mismatched collectives (a hang, or
+  // silently swapped data when the sizes agree). Costs one small all-gather
+  // and a wait for the device per collective.
+  void set_check_collectives(bool on) { check_collectives_ = on; }
 
   // "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
   std::string describe() const;
@@ -77,11 +87,14 @@ class Communicator {
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
   std::vector<Buffers> checked(const char* op, const std::vector<at::Tensor>& outputs,
                                const std::vector<at::Tensor>& inputs, bool output_gathered) const;
+  void check_same_on_all_ranks(const std::string& signature);
 
   int rank_;
   int world_size_;
   std::string group_name_;
   std::chrono::milliseconds timeout_;
+  bool check_collectives_ = false;
+  uint64_t collectives_issued_ = 0;
 };
 
 }  // namespace fsdp

@@ -1,5 +1,11 @@
 #include "fsdp/communicator.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdlib>
+#include <functional>
 #include <iomanip>
 #include <sstream>
 
@@ -7,7 +13,10 @@ namespace fsdp {
 
 Communicator::Communicator(int rank, int world_size, std::string group_name,
                            std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), group_name_(std::move(group_name)), timeout_(timeout) {}
+    : rank_(rank), world_size_(world_size), group_name_(std::move(group_name)), timeout_(timeout) {
+  const char* check = std::getenv("FSDP_CHECK_COLLECTIVES");
+  check_collectives_ = check && std::string(check) == "1";
+}
 
 std::string Communicator::describe() const {
   std::ostringstream s;
@@ -65,12 +74,49 @@ std::vector<Communicator::Buffers> Communicator::checked(const char* op,
   return ops;
 }
 
+namespace {
+
+std::string signature(const std::string& op, const std::vector<at::Tensor>& tensors,
+                      const std::string& tag) {
+  std::ostringstream s;
+  s << op << " of";
+  for (const auto& t : tensors) s << " " << t.numel() << " x " << c10::toString(t.scalar_type());
+  if (!tag.empty()) s << " (" << tag << ")";
+  return s.str();
+}
+
+const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
+
+}  // namespace
+
+// The ranks exchange a hash of the collective each is about to issue (one
+// all-gather, which pairs up across ranks whatever comes next); every rank
+// sees the same mismatch and throws, so none is left waiting.
+void Communicator::check_same_on_all_ranks(const std::string& what) {
+  if (!check_collectives_ || world_size_ == 1) return;
+  const uint64_t n = ++collectives_issued_;
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device());
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(what));
+  at::Tensor all = at::empty({world_size_}, opts);
+  do_all_gather({{all, at::full({1}, hash, opts)}});
+  at::Tensor hashes = all.cpu();
+  std::string differing;
+  for (int r = 0; r < world_size_; ++r)
+    if (hashes[r].item<int64_t>() != hash) differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+  if (!differing.empty())
+    throw CollectiveError("fsdp: collective #" + std::to_string(n) + " on " + describe() +
+                          " differs across ranks: this rank issues " + what + ", rank(s) " +
+                          differing + " something else. Every rank must issue the same "
+                          "collectives in the same order (FSDP_CHECK_COLLECTIVES=1 found this).");
+}
+
 // A group of one rank needs no backend: every collective is a local copy or
 // nothing. (NCCL 2.28's one-rank reduce-scatter also left the last element of
 // an odd-sized output unwritten on H200: bench/results/2026-11-22-gpu-tests.md.)
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& inputs) {
+                                        const std::vector<at::Tensor>& inputs, const std::string& tag) {
   auto ops = checked("all_gather", outputs, inputs, /*output_gathered=*/true);
+  check_same_on_all_ranks(signature("all_gather", inputs, tag));
   if (world_size_ == 1) {
     for (auto& op : ops) op.output.copy_(op.input);
     return;
@@ -83,8 +129,10 @@ void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input)
 }
 
 void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
-                                            const std::vector<at::Tensor>& inputs, ReduceOp op) {
+                                            const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                            const std::string& tag) {
   auto ops = checked("reduce_scatter", outputs, inputs, /*output_gathered=*/false);
+  check_same_on_all_ranks(signature(std::string("reduce_scatter(") + op_name(op) + ")", outputs, tag));
   if (world_size_ == 1) {
     for (auto& s : ops) s.output.copy_(s.input);  // sum and average of one are the input
     return;
@@ -98,6 +146,7 @@ void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
+  check_same_on_all_ranks(signature(std::string("all_reduce(") + op_name(op) + ")", {tensor}, ""));
   if (world_size_ > 1) do_all_reduce(tensor, op);
 }
 
@@ -106,10 +155,12 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
   if (root < 0 || root >= world_size_)
     throw CollectiveError("fsdp: broadcast on " + describe() + ": root " + std::to_string(root) +
                           " is not a rank of the group");
+  check_same_on_all_ranks(signature("broadcast from rank " + std::to_string(root), {tensor}, ""));
   if (world_size_ > 1) do_broadcast(tensor, root);
 }
 
 void Communicator::barrier() {
+  check_same_on_all_ranks("barrier");
   if (world_size_ > 1) do_barrier();
 }
 

@@ -161,10 +161,10 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     }
     const std::optional<c10::Stream> traced =
         streams.active() ? std::optional<c10::Stream>(streams.all_gather()) : std::nullopt;
-    const int span =
-        Trace::get().begin("all-gather " + bucket_label(groups), Trace::Track::AllGather, traced);
+    const std::string label = bucket_label(groups);
+    const int span = Trace::get().begin("all-gather " + label, Trace::Track::AllGather, traced);
     for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(inputs[i]);
-    first.comm_->all_gather_coalesced(outputs, inputs);
+    first.comm_->all_gather_coalesced(outputs, inputs, label);
     for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
     Trace::get().end(span, traced);
     gathered = streams.active() ? streams.record(streams.all_gather()) : nullptr;
@@ -304,9 +304,9 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   }
   const std::optional<c10::Stream> traced =
       streams.active() ? std::optional<c10::Stream>(streams.reduce_scatter()) : std::nullopt;
-  const int span = Trace::get().begin("reduce-scatter " + bucket_label(groups),
-                                      Trace::Track::ReduceScatter, traced);
-  first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg);
+  const std::string label = bucket_label(groups);
+  const int span = Trace::get().begin("reduce-scatter " + label, Trace::Track::ReduceScatter, traced);
+  first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
   Trace::get().end(span, traced);
   work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
   for (size_t i = 0; i < groups.size(); ++i) {
