@@ -44,6 +44,27 @@ at::Tensor alias_without_view(const at::Tensor& view) {
       .set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
 }
 
+// Runs `issue` on the side stream of `track` (on GPUs): the side stream first
+// waits for the compute stream's position (the first stream rule in
+// docs/design.md), and the work is one trace span. Returns the side stream's
+// event after it; null on CPU, where everything completed in the call.
+template <class Issue>
+std::shared_ptr<c10::Event> issue_on_side_stream(const DeviceStreams& streams, Trace::Track track,
+                                                 const std::string& span_name, Issue&& issue) {
+  std::optional<c10::Stream> side;
+  if (streams.active())
+    side = track == Trace::Track::AllGather ? streams.all_gather() : streams.reduce_scatter();
+  std::optional<c10::StreamGuard> on_side_stream;
+  if (side) {
+    streams.wait(*side, streams.compute());
+    on_side_stream.emplace(*side);
+  }
+  const int span = Trace::get().begin(span_name, track, side);
+  issue();
+  Trace::get().end(span, side);
+  return side ? streams.record(*side) : nullptr;
+}
+
 std::string bucket_label(const std::vector<ParamGroup*>& groups) {
   std::string label;
   for (const ParamGroup* g : groups) label += (label.empty() ? "" : " + ") + g->label();
@@ -150,25 +171,15 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     inputs.push_back(std::move(input));
     outputs.push_back(std::move(output));
   }
-  std::shared_ptr<c10::Event> gathered;
-  {
-    // The copy-in reads the shards the optimizer last wrote on the compute
-    // stream; waiting for it also orders the reuse of any freed memory.
-    std::optional<c10::StreamGuard> on_side_stream;
-    if (streams.active()) {
-      streams.wait(streams.all_gather(), streams.compute());
-      on_side_stream.emplace(streams.all_gather());
-    }
-    const std::optional<c10::Stream> traced =
-        streams.active() ? std::optional<c10::Stream>(streams.all_gather()) : std::nullopt;
-    const std::string label = bucket_label(groups);
-    const int span = Trace::get().begin("all-gather " + label, Trace::Track::AllGather, traced);
-    for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(inputs[i]);
-    first.comm_->all_gather_coalesced(outputs, inputs, label);
-    for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
-    Trace::get().end(span, traced);
-    gathered = streams.active() ? streams.record(streams.all_gather()) : nullptr;
-  }
+  // The copy-in reads the shards the optimizer last wrote on the compute
+  // stream; issue_on_side_stream's wait for it also orders the reuse of memory.
+  const std::string label = bucket_label(groups);
+  std::shared_ptr<c10::Event> gathered =
+      issue_on_side_stream(streams, Trace::Track::AllGather, "all-gather " + label, [&] {
+        for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(inputs[i]);
+        first.comm_->all_gather_coalesced(outputs, inputs, label);
+        for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
+      });
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -297,18 +308,10 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     inputs.push_back(g->reduce_input_.view(-1));
     outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
-  std::optional<c10::StreamGuard> on_side_stream;
-  if (streams.active()) {
-    streams.wait(streams.reduce_scatter(), streams.compute());
-    on_side_stream.emplace(streams.reduce_scatter());
-  }
-  const std::optional<c10::Stream> traced =
-      streams.active() ? std::optional<c10::Stream>(streams.reduce_scatter()) : std::nullopt;
   const std::string label = bucket_label(groups);
-  const int span = Trace::get().begin("reduce-scatter " + label, Trace::Track::ReduceScatter, traced);
-  first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
-  Trace::get().end(span, traced);
-  work.event = streams.active() ? streams.record(streams.reduce_scatter()) : nullptr;
+  work.event = issue_on_side_stream(streams, Trace::Track::ReduceScatter, "reduce-scatter " + label, [&] {
+    first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
+  });
   for (size_t i = 0; i < groups.size(); ++i) {
     groups[i]->reduced_ = outputs[i];
     groups[i]->reduced_at_ = work.event;
