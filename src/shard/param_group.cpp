@@ -287,6 +287,7 @@ void ParamGroup::prepare_reduce_scatter() {
                                     : at::zeros({1}, opts).expand({world, p.layout.shard_numel()}));
   }
   const bool all_have_grads = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
+  all_local_grads_ = all_have_grads;
   pieces.push_back(all_have_grads ? at::ones({1}, opts).expand({world, count})
                                   : at::tensor(flags).to(opts).expand({world, count}));
   reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
@@ -325,24 +326,29 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   std::vector<ParamGroup*> groups;
   for (ParamGroup* g : all)
     if (g->reduced_.defined()) groups.push_back(g);
-  if (groups.empty()) return;
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> flags;
+  std::vector<at::Tensor> flags;  // of the groups where this rank lacked some gradient
   for (ParamGroup* g : groups) {
     TORCH_INTERNAL_ASSERT(g->state_ == State::Sharded, "fsdp: commit gradients after resharding");
     if (g->reduced_at_) g->streams_.wait(g->streams_.compute(), *g->reduced_at_);
-    flags.push_back(g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())));
+    if (!g->all_local_grads_)
+      flags.push_back(g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())));
   }
-  // One device-to-host copy for all groups: the step's only wait for the device.
-  at::Tensor had_grad = at::cat(flags).gt(0).to(at::kCPU);
-  const bool* flag = had_grad.data_ptr<bool>();
+  // Where this rank had every gradient, every parameter has one: the common
+  // step reads no flags, never waits for the device here, and the optimizer
+  // queues up behind backward. Otherwise one device-to-host copy for all
+  // groups that lacked some.
+  const at::Tensor read = flags.empty() ? at::Tensor() : at::cat(flags).gt(0).to(at::kCPU);
+  const bool* next = read.defined() ? read.data_ptr<bool>() : nullptr;
   for (ParamGroup* g : groups) {
-    g->add_reduced_gradients(flag);
-    flag += g->params_.size();
+    std::vector<bool> had_grad(g->params_.size(), true);
+    if (!g->all_local_grads_)
+      for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = *next++;
+    g->add_reduced_gradients(had_grad);
   }
 }
 
-void ParamGroup::add_reduced_gradients(const bool* had_grad) {
+void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
   const int rank = comm_->rank();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];

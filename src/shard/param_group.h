@@ -65,9 +65,9 @@ class ParamGroup {
   static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
   // The compute stream waits for each group's reduce-scatter; its result is
   // added to the sharded gradients (set where none exist). A parameter that
-  // no rank produced a gradient for keeps its gradient undefined. Reads the
-  // per-parameter flags of all groups at once, so on GPUs it waits for the
-  // device, once.
+  // no rank produced a gradient for keeps its gradient undefined. Only where
+  // this rank lacked some gradient are the reduced flags read (one wait for
+  // the device for all such groups).
   static void commit_gradients(const std::vector<ParamGroup*>& groups);
 
   bool is_unsharded() const { return state_ != State::Sharded; }
@@ -91,7 +91,7 @@ class ParamGroup {
   std::pair<at::Tensor, at::Tensor> allocate_gather();
   // The shards, cast, into the all-gather input.
   void copy_in(at::Tensor& input) const;
-  void add_reduced_gradients(const bool* had_grad);
+  void add_reduced_gradients(const std::vector<bool>& had_grad);
   // Rank-major gathered data into the parameter-major unsharded storage.
   void copy_out(const at::Tensor& gathered);
   void allocate_unsharded();
@@ -112,6 +112,7 @@ class ParamGroup {
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
   std::vector<at::Tensor> gather_buffers_;   // input and output, until the compute stream waited
   at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
+  bool all_local_grads_ = false;             // this rank had every parameter's gradient
   at::Tensor reduced_;                       // reduce-scatter output awaiting commit
   std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective
 };
