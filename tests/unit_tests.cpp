@@ -50,25 +50,23 @@ TEST(ShardLayout, EveryRowIsOwnedExactlyOnce) {
     }
 }
 
+// Rank r's chunk of a reduce-scatter input: for each tensor, its rows
+// [r * shard_rows, ...) zero-padded to shard_rows = ceil(rows / world).
 TEST(RankMajor, UnevenRowsArePaddedWithZerosPerRank) {
-  ShardLayout l{5, 2, 3};  // shard_rows 2: rank 0 rows 0-1, rank 1 rows 2-3, rank 2 row 4 + pad
-  auto rows = torch::arange(10, torch::kFloat).view({5, 2});
-  auto expected = torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat).view({3, 4});
-  EXPECT_TRUE(torch::equal(fsdp::rank_major(rows, l), expected));
+  auto out = torch::empty({3, 4});
+  fsdp::rank_major_into(out, {torch::arange(10, torch::kFloat).view({5, 2})});  // shard_rows 2
+  EXPECT_TRUE(torch::equal(out, torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat).view({3, 4})));
 }
 
-TEST(RankMajor, WholeRanksOfPaddingAndZeroDimParameters) {
-  EXPECT_TRUE(torch::equal(fsdp::rank_major(torch::ones({1, 3}), ShardLayout{1, 3, 4}),
-                           torch::cat({torch::ones({1, 3}), torch::zeros({3, 3})})));
-  EXPECT_TRUE(torch::equal(fsdp::rank_major(torch::tensor(2.0f), ShardLayout{1, 1, 2}),
-                           torch::tensor({{2.0f}, {0.0f}})));
-}
-
-TEST(RankMajor, EvenRowsAreAViewWithoutCopy) {
-  auto rows = torch::arange(12, torch::kFloat).view({6, 2});
-  auto r = fsdp::rank_major(rows, ShardLayout{6, 2, 3});
-  EXPECT_EQ(r.data_ptr(), rows.data_ptr());
-  EXPECT_EQ(r.sizes(), (std::vector<int64_t>{3, 4}));
+TEST(RankMajor, SeveralTensorsWholeRanksOfPaddingZeroDimAndCast) {
+  auto out = torch::empty({4, 3 + 1 + 1}, torch::kFloat);
+  fsdp::rank_major_into(out, {torch::ones({1, 3}, torch::kBFloat16), torch::tensor(2.0).to(torch::kBFloat16),
+                              torch::full({4, 1}, 7.0, torch::kBFloat16)});
+  auto expected = torch::zeros({4, 5});
+  expected.index_put_({0, torch::indexing::Slice(0, 3)}, 1.0);  // the 1-row tensor: rank 0 only
+  expected.index_put_({0, 3}, 2.0);                             // the 0-dim one: one row
+  expected.index_put_({torch::indexing::Slice(), 4}, 7.0);      // one row per rank
+  EXPECT_TRUE(torch::equal(out, expected)) << out;
 }
 
 TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {

@@ -1,15 +1,17 @@
-// The rank-major layout collectives use, for one parameter's rows.
+// The rank-major layout collectives use, for parameters' rows.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include "shard/shard_layout.h"
+#include <vector>
 
 namespace fsdp {
 
-// `rows` (the full parameter or gradient: layout.rows x layout.row_numel
-// elements) as [world, shard_numel]: row r holds rank r's rows, zero-padded.
-// A view when the rows divide evenly, else a padded copy.
-at::Tensor rank_major(const at::Tensor& rows, const ShardLayout& layout);
+// Writes `rows` (full parameters or gradients of one dtype; a 0-dim tensor
+// counts as one row; empty ones are skipped) into `out`, [world, sum of the shards' elements], in the
+// layout of a reduce-scatter input: row r holds, for each tensor in turn,
+// rank r's rows zero-padded to ceil(rows / world) (ShardLayout). One kernel
+// (ATen's _chunk_cat, as PyTorch FSDP2 uses), casting to out's dtype.
+void rank_major_into(at::Tensor& out, const std::vector<at::Tensor>& rows);
 
 }  // namespace fsdp

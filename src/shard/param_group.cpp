@@ -1,5 +1,6 @@
 #include "shard/param_group.h"
 
+#include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
@@ -207,11 +208,16 @@ std::pair<at::Tensor, at::Tensor> ParamGroup::allocate_gather() {
   return {at::empty({shard_numel_}, opts), output};
 }
 
-// One kernel for the copy-in (and cast) of the whole group.
+// The copy-in (and cast) of the whole group as one multi-tensor kernel
+// (`cat` into another dtype would cast each shard in a kernel of its own).
 void ParamGroup::copy_in(at::Tensor& input) const {
   std::vector<at::Tensor> shards;
-  for (const auto& p : params_) shards.push_back(p.padded_shard.view(-1));
-  if (!shards.empty()) at::cat_out(input, shards);
+  std::vector<int64_t> sizes;
+  for (const auto& p : params_) {
+    shards.push_back(p.padded_shard.view(-1));
+    sizes.push_back(p.layout.shard_numel());
+  }
+  if (!shards.empty()) at::_foreach_copy_(input.split_with_sizes(sizes), shards);
 }
 
 void ParamGroup::copy_out(const at::Tensor& gathered) {
@@ -276,22 +282,22 @@ void ParamGroup::prepare_reduce_scatter() {
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
   // Copy-in on the compute stream, where autograd made the gradients: they
   // can then be freed at once. One kernel writes (and casts) every
-  // parameter's rank-major rows and the flags; the input itself lives until
-  // its reduce-scatter is done (reduce_scatter_together's work holds it).
+  // parameter's rank-major rows and the flags (a [world, count] tensor, so
+  // each rank's chunk ends with them); the input itself lives until its
+  // reduce-scatter is done (reduce_scatter_together's work holds it).
+  const auto grad_opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
   std::vector<at::Tensor> pieces;
   std::vector<float> flags;
   for (auto& p : params_) {
     at::Tensor grad = p.param.grad();
     flags.push_back(grad.defined() ? 1.0f : 0.0f);
-    pieces.push_back(grad.defined() ? rank_major(grad, p.layout)
-                                    : at::zeros({1}, opts).expand({world, p.layout.shard_numel()}));
+    pieces.push_back(grad.defined() ? grad : at::zeros(p.full_shape, grad_opts));
   }
-  const bool all_have_grads = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
-  all_local_grads_ = all_have_grads;
-  pieces.push_back(all_have_grads ? at::ones({1}, opts).expand({world, count})
-                                  : at::tensor(flags).to(opts).expand({world, count}));
+  all_local_grads_ = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
+  pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
+                                    : at::tensor(flags).to(grad_opts).expand({world, count}));
   reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
-  at::cat_out(reduce_input_, pieces, /*dim=*/1);
+  rank_major_into(reduce_input_, pieces);
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
 }
 
