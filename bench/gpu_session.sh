@@ -20,9 +20,14 @@ case $phase in
     (cd build && ctest -R 'gpu|train' --output-on-failure) > "$work/gpu-tests.log" 2>&1
     ok=$?; tail -8 "$work/gpu-tests.log"
     [ $ok -eq 0 ] || { tar czf "$out/bench.tgz" -C /tmp "fsdp-$phase"; exit 1; }
-    python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small}" \
+    python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small,1b-es}" \
       > "$work/run_bench.log" 2>&1
-    ok=$?; tail -40 "$work/run_bench.log" ;;
+    ok=$?; tail -40 "$work/run_bench.log"
+    # The allocator's history of a checkpointed 1B run (where reserved/allocated is highest).
+    build/fsdp-run --gpu build/fsdp-train --model 1b --seq 2048 --batch 4 --steps 4 --param-dtype bf16 \
+      --checkpoint --memory-snapshot "$work/snapshot-1b-ac" --log "$work/snapshot-1b-ac.jsonl" \
+      > "$work/snapshot-1b-ac.log" 2>&1 || tail -5 "$work/snapshot-1b-ac.log"
+    rm -f "$work"/snapshot-*-rank[1-9]*.pickle; gzip -f "$work"/snapshot-*.pickle 2>/dev/null ;;
   memreport)
     python3 bench/memreport.py --out "$work" --commit "$commit" > "$work/memreport.log" 2>&1
     ok=$?; tail -14 "$work/memreport.log" ;;
