@@ -3,12 +3,13 @@
 // streams: every operation completes before it returns and all of this is
 // inert.
 //
-// The rule that makes buffers safe to free without record_stream: every
-// operation issued on the all-gather or reduce-scatter stream first waits
-// for the compute stream's position at the time of issue. A block a side
-// stream allocated and the compute stream used can then be freed as soon as
-// the CPU is done with it: the next side-stream work that could reuse it is
-// ordered after every compute use issued before.
+// The rules that make buffers safe to free without record_stream (details in
+// docs/design.md): every operation issued on the all-gather or reduce-scatter
+// stream first waits for the compute stream's position at the time of issue,
+// so it may use memory just allocated from the compute stream's pool; and a
+// buffer a side stream used is dropped only once the compute stream has
+// waited for that use, so compute-stream work that gets the memory next runs
+// after it. All buffers come from the compute stream's pool.
 #pragma once
 
 #include <ATen/core/Tensor.h>
