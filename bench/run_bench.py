@@ -3,6 +3,7 @@ initial weights and data. Writes results.jsonl (one row per run) and
 results.md to --out.
 
     python3 bench/run_bench.py --out DIR --commit SHA [--configs 1b,small] [--steps 13]
+    python3 bench/run_bench.py --out DIR --configs 1b,1b-ac,8b,8b-ac --worlds 2,4,8   # scaling
 
 Each run takes --steps timed steps (the first 3 are warm-up, the rest give
 medians), then --profile-steps more under the PyTorch profiler. From rank 0's
@@ -76,6 +77,37 @@ def summarize(jsonl, world, steps, profile):
     )
 
 
+def run_config(config, world, args):
+    """fsdp.cpp (and FSDP2 where the config has a reference) on `world` GPUs: one row each."""
+    preset, seq, batch, flags, extra_env = CONFIGS[config]
+    init = os.path.join(args.out, f"init-{preset}.pt")
+    steps = args.steps + args.profile_steps
+    train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
+             str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
+             "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
+    log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
+    profile = os.path.join(args.out, f"profile-fsdpcpp-{config}-w{world}")
+    run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
+         os.path.join(args.build, "fsdp-train"), *train, *flags,
+         "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
+    row = dict(system="fsdp.cpp", config=config, world=world, **summarize(log, world, args.steps, profile))
+    row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
+    rows = [row]
+    if config in FSDP2_CONFIGS:
+        log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
+        profile2 = os.path.join(args.out, f"profile-fsdp2-{config}-w{world}")
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
+             "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
+             str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
+             "--profile-steps", str(args.profile_steps)],
+            log2.replace(".jsonl", ".log"), extra_env)
+        rows.append(dict(system="pytorch-fsdp2", config=config, world=world,
+                         flops_per_token=row["flops_per_token"],
+                         **summarize(log2, world, args.steps, profile2)))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -85,6 +117,8 @@ def main():
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--build", default="build", help="build folder with fsdp-run and fsdp-train")
     p.add_argument("--cpu", action="store_true", help="2 CPU ranks (MPI / gloo): checks the script")
+    p.add_argument("--worlds", help="GPU counts to run each config on, e.g. 2,4,8 (default: all GPUs); "
+                                    "with several, the table adds weak-scaling efficiency")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gpus = 2 if args.cpu else torch.cuda.device_count()
@@ -93,36 +127,13 @@ def main():
                   date=datetime.date.today().isoformat())
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on shared machines
 
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else [gpus]
+    if any(w < 1 or w > gpus for w in worlds):
+        raise SystemExit(f"--worlds {args.worlds}: this machine has {gpus} GPUs")
     results = []
     for config in args.configs.split(","):
-        preset, seq, batch, flags, extra_env = CONFIGS[config]
-        init = os.path.join(args.out, f"init-{preset}.pt")
-        steps = args.steps + args.profile_steps
-        train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
-                 str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
-                 "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
-        world = gpus
-        log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
-        profile = os.path.join(args.out, f"profile-fsdpcpp-{config}")
-        run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
-             os.path.join(args.build, "fsdp-train"), *train, *flags,
-             "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
-        row = dict(system="fsdp.cpp", config=config, world=world,
-                   **summarize(log, world, args.steps, profile))
-        row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
-        results.append(row)
-        if config in FSDP2_CONFIGS:
-            log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
-            profile2 = os.path.join(args.out, f"profile-fsdp2-{config}")
-            run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
-                 "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
-                 str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
-                 "--profile-steps", str(args.profile_steps)],
-                log2.replace(".jsonl", ".log"), extra_env)
-            results.append(dict(system="pytorch-fsdp2", config=config, world=world,
-                                flops_per_token=row["flops_per_token"],
-                                **summarize(log2, world, args.steps, profile2)))
+        for world in worlds:
+            results += run_config(config, world, args)
 
     by_key = {(r["system"], r["config"], r["world"]): r for r in results}
     for r in results:
@@ -136,10 +147,10 @@ def main():
         for r in results:
             if r["profile"]:
                 f.write(profile_markdown(r))
-    write_markdown(results, by_key, gpus, os.path.join(args.out, "results.md"), common)
+    write_markdown(results, by_key, worlds, os.path.join(args.out, "results.md"), common)
 
 
-def write_markdown(results, by_key, gpus, path, common):
+def write_markdown(results, by_key, worlds, path, common):
     lines = [f"# fsdp.cpp vs PyTorch FSDP2: {common['device']}, torch {common['torch']}, "
              f"commit {common['commit'][:10]}, {common['date']}", "",
              "| system | config | GPUs | ms/step | tokens/s/GPU | MFU | peak alloc GiB | "
@@ -156,19 +167,40 @@ def write_markdown(results, by_key, gpus, path, common):
             f"{ms(r['exposed_comm_ms'])} | {ms(r['gpu_idle_ms'])} | {r['allgather_waits']} | "
             f"{r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     lines += ["", "## Against the targets (same run, same GPUs)", ""]
-    for config in [c for c in CONFIGS if c in FSDP2_CONFIGS]:
-        ours, theirs = by_key.get(("fsdp.cpp", config, gpus)), by_key.get(("pytorch-fsdp2", config, gpus))
+    for config, world in [(c, w) for c in CONFIGS if c in FSDP2_CONFIGS for w in worlds]:
+        ours, theirs = by_key.get(("fsdp.cpp", config, world)), by_key.get(("pytorch-fsdp2", config, world))
         if not ours or not theirs:
             continue
         gap = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
         lines.append(
-            f"- {config}: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2; peak "
+            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2; peak "
             f"reserved {ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x FSDP2's; "
             f"reserved/allocated {ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
             f"(FSDP2 {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); largest loss "
             f"difference over {len(ours['losses'])} steps {gap:.4f}")
+    if len(worlds) > 1:
+        lines += scaling_markdown(results, by_key, worlds)
     open(path, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def scaling_markdown(results, by_key, worlds):
+    """Weak scaling (same batch per GPU): tokens/s/GPU and peak memory per GPU at each
+    world size, efficiency against the smallest."""
+    base = min(worlds)
+    lines = ["", f"## Weak scaling (per-GPU batch fixed; efficiency = tokens/s/GPU vs {base} GPUs)", "",
+             "| system | config | " + " | ".join(f"{w} GPUs: tok/s/GPU (eff), alloc/reserved GiB" for w in worlds) + " |",
+             "|---|---|" + "---|" * len(worlds)]
+    for system, config in dict.fromkeys((r["system"], r["config"]) for r in results):
+        first = by_key.get((system, config, base))
+        cells = []
+        for w in worlds:
+            r = by_key.get((system, config, w))
+            cells.append("" if not r else
+                         f"{r['tok_s_gpu']:,.0f} ({r['tok_s_gpu'] / first['tok_s_gpu']:.2f}), "
+                         f"{r['peak_alloc_gib']:.2f}/{r['peak_reserved_gib']:.2f}" if first else "")
+        lines.append(f"| {system} | {config} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def profile_markdown(r):
