@@ -87,7 +87,9 @@ class Communicator {
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
   std::vector<Buffers> checked(const char* op, const std::vector<at::Tensor>& outputs,
                                const std::vector<at::Tensor>& inputs, bool output_gathered) const;
-  void check_same_on_all_ranks(const std::string& signature);
+  // `signature_of()` builds the collective's signature, only while checking.
+  template <class Describe>
+  void check_same_on_all_ranks(Describe&& signature_of);
 
   int rank_;
   int world_size_;

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <iomanip>
 #include <sstream>
 
@@ -92,17 +93,20 @@ const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
 // The ranks exchange a hash of the collective each is about to issue (one
 // all-gather, which pairs up across ranks whatever comes next); every rank
 // sees the same mismatch and throws, so none is left waiting.
-void Communicator::check_same_on_all_ranks(const std::string& what) {
+template <class Describe>
+void Communicator::check_same_on_all_ranks(Describe&& signature_of) {
   if (!check_collectives_ || world_size_ == 1) return;
+  const std::string what = signature_of();
   const uint64_t n = ++collectives_issued_;
   const auto opts = at::TensorOptions().dtype(at::kLong).device(device());
   const auto hash = static_cast<int64_t>(std::hash<std::string>{}(what));
   at::Tensor all = at::empty({world_size_}, opts);
   do_all_gather({{all, at::full({1}, hash, opts)}});
-  at::Tensor hashes = all.cpu();
+  const at::Tensor hashes = all.cpu();
+  const int64_t* of_rank = hashes.data_ptr<int64_t>();
   std::string differing;
   for (int r = 0; r < world_size_; ++r)
-    if (hashes[r].item<int64_t>() != hash) differing += (differing.empty() ? "" : ", ") + std::to_string(r);
+    if (of_rank[r] != hash) differing += (differing.empty() ? "" : ", ") + std::to_string(r);
   if (!differing.empty())
     throw CollectiveError("fsdp: collective #" + std::to_string(n) + " on " + describe() +
                           " differs across ranks: this rank issues " + what + ", rank(s) " +
@@ -116,7 +120,7 @@ void Communicator::check_same_on_all_ranks(const std::string& what) {
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
                                         const std::vector<at::Tensor>& inputs, const std::string& tag) {
   auto ops = checked("all_gather", outputs, inputs, /*output_gathered=*/true);
-  check_same_on_all_ranks(signature("all_gather", inputs, tag));
+  check_same_on_all_ranks([&] { return signature("all_gather", inputs, tag); });
   if (world_size_ == 1) {
     for (auto& op : ops) op.output.copy_(op.input);
     return;
@@ -132,7 +136,8 @@ void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outpu
                                             const std::vector<at::Tensor>& inputs, ReduceOp op,
                                             const std::string& tag) {
   auto ops = checked("reduce_scatter", outputs, inputs, /*output_gathered=*/false);
-  check_same_on_all_ranks(signature(std::string("reduce_scatter(") + op_name(op) + ")", outputs, tag));
+  check_same_on_all_ranks(
+      [&] { return signature(std::string("reduce_scatter(") + op_name(op) + ")", outputs, tag); });
   if (world_size_ == 1) {
     for (auto& s : ops) s.output.copy_(s.input);  // sum and average of one are the input
     return;
@@ -146,7 +151,7 @@ void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
-  check_same_on_all_ranks(signature(std::string("all_reduce(") + op_name(op) + ")", {tensor}, ""));
+  check_same_on_all_ranks([&] { return signature(std::string("all_reduce(") + op_name(op) + ")", {tensor}, ""); });
   if (world_size_ > 1) do_all_reduce(tensor, op);
 }
 
@@ -155,12 +160,12 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
   if (root < 0 || root >= world_size_)
     throw CollectiveError("fsdp: broadcast on " + describe() + ": root " + std::to_string(root) +
                           " is not a rank of the group");
-  check_same_on_all_ranks(signature("broadcast from rank " + std::to_string(root), {tensor}, ""));
+  check_same_on_all_ranks([&] { return signature("broadcast from rank " + std::to_string(root), {tensor}, ""); });
   if (world_size_ > 1) do_broadcast(tensor, root);
 }
 
 void Communicator::barrier() {
-  check_same_on_all_ranks("barrier");
+  check_same_on_all_ranks([] { return std::string("barrier"); });
   if (world_size_ > 1) do_barrier();
 }
 
