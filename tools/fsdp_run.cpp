@@ -9,9 +9,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <dirent.h>
 #include <string>
 #include <vector>
@@ -34,19 +36,40 @@ int visible_gpus() {
   return n;
 }
 
-int free_port() {
+bool port_is_free(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  int on = 1;  // the store binds with SO_REUSEADDR too, so a port in TIME_WAIT counts as free
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::perror("fsdp-run: finding a free port");
-    std::exit(1);
-  }
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   close(fd);
-  return ntohs(addr.sin_port);
+  return ok;
+}
+
+// A port below the kernel's ephemeral range: a port from inside it can be handed
+// to an outgoing connection (even rank 1's own connect to the store, which then
+// connects to itself) before rank 0 listens on it, and rank 0 fails with EADDRINUSE.
+int free_port() {
+  int ephemeral_low = 32768, ephemeral_high = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &ephemeral_low, &ephemeral_high) != 2) ephemeral_low = 32768;
+    std::fclose(f);
+  }
+  // Below the range when there is room, else above it.
+  int low = ephemeral_low > 2048 ? std::max(1024, ephemeral_low - 10000) : ephemeral_high + 1;
+  int span = ephemeral_low > 2048 ? ephemeral_low - low : 65536 - low;
+  std::srand(static_cast<unsigned>(getpid()) ^ static_cast<unsigned>(time(nullptr)));
+  for (int attempt = 0; span > 0 && attempt < 200; ++attempt) {
+    int port = low + std::rand() % span;
+    if (port_is_free(port)) return port;
+  }
+  std::fprintf(stderr, "fsdp-run: no free port found outside the ephemeral range %d-%d; pass --port P\n",
+               ephemeral_low, ephemeral_high);
+  std::exit(1);
 }
 
 [[noreturn]] void usage(const char* why) {
