@@ -1,7 +1,7 @@
 """Per-step GPU time from a PyTorch profiler (kineto) Chrome trace: how long
 the GPU computed, communicated, did both at once, or sat idle.
 
-    python3 bench/profile_summary.py TRACE.json [TRACE.json ...] [--top 15]
+    python3 bench/profile_summary.py TRACE.json[.gz] [TRACE.json ...] [--top 15]
 
 Both fsdp-train --profile and bench/fsdp2_llama.py --profile write such
 traces, with one "ProfilerStep#N" span per step; each step ends by waiting
@@ -16,6 +16,7 @@ compute, whatever stream it ran on. Per step:
 """
 import argparse
 import collections
+import gzip
 import json
 import statistics
 
@@ -52,7 +53,7 @@ def is_nccl(name):
 
 
 def summarize(path, top=15):
-    events = json.load(open(path))["traceEvents"]
+    events = json.load((gzip.open if path.endswith(".gz") else open)(path, "rt"))["traceEvents"]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
