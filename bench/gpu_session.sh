@@ -2,7 +2,7 @@
 # One lease on a GPU machine, in phases that each fit one device call (10 min):
 #   bash bench/gpu_session.sh bench OUT COMMIT [CONFIGS]  build, GPU tests, run_bench.py
 #   bash bench/gpu_session.sh memreport OUT COMMIT        memreport.py (build kept from 'bench')
-# Writes one tar per phase under OUT; weights and all but rank 0's profiles
+# Writes one tar per phase under OUT (in 15 MiB parts); weights and all but rank 0's profiles
 # stay on the machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ case $phase in
       tail -30 "$work/build.log"; exit 1; }
     (cd build && ctest -R 'gpu|train' --output-on-failure) > "$work/gpu-tests.log" 2>&1
     ok=$?; tail -8 "$work/gpu-tests.log"
-    [ $ok -eq 0 ] || { tar czf "$out/bench.tgz" -C /tmp "fsdp-$phase"; exit 1; }
+    [ $ok -eq 0 ] || { tar czf "$out/bench.tgz.part00" -C /tmp "fsdp-$phase"; exit 1; }
     python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small,1b-es}" \
       > "$work/run_bench.log" 2>&1
     ok=$?; tail -40 "$work/run_bench.log"
@@ -35,5 +35,6 @@ case $phase in
 esac
 rm -f "$work"/init-*.pt "$work"/profile-*-rank[1-9]*.json
 gzip -f "$work"/profile-*.json 2>/dev/null
-tar czf "$out/$phase.tgz" -C /tmp "fsdp-$phase"
+# The device returns files of at most 16 MiB: parts to join with `cat phase.tgz.part* | tar xz`.
+tar czf - -C /tmp "fsdp-$phase" | split -b 15M -d - "$out/$phase.tgz.part"
 exit $ok
