@@ -4,6 +4,9 @@ results.md to --out.
 
     python3 bench/run_bench.py --out DIR --commit SHA [--configs 1b,small] [--steps 13]
     python3 bench/run_bench.py --out DIR --configs 1b,1b-ac,8b,8b-ac --worlds 2,4,8   # scaling
+    python3 bench/run_bench.py --out DIR --configs 1b,1b-ac --repeats 3   # FSDP2's speed varies by
+                                                                          # up to 20% run to run
+    python3 bench/run_bench.py --out DIR --configs 1b --combine RUN1 RUN2   # tables only
 
 Each run takes --steps timed steps (the first 3 are warm-up, the rest give
 medians), then --profile-steps more under the PyTorch profiler. From rank 0's
@@ -11,6 +14,7 @@ profile (bench/profile_summary.py), per step: exposed_comm_ms, the time an NCCL
 kernel ran while no compute kernel did; gpu_idle_ms, the time no kernel ran.
 """
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -62,7 +66,8 @@ def run(cmd, log_path, env):
 def summarize(jsonl, world, steps, profile):
     rows = [json.loads(line) for line in open(jsonl)]
     measured = rows[WARMUP:steps]
-    prof = profile_summary.summarize(profile + "-rank0.json") if os.path.exists(profile + "-rank0.json") else None
+    traces = [profile + "-rank0.json" + gz for gz in ("", ".gz") if os.path.exists(profile + "-rank0.json" + gz)]
+    prof = profile_summary.summarize(traces[0]) if traces else None
     step_ms = statistics.median(r["step_ms"] for r in measured)
     return dict(
         step_ms=step_ms,
@@ -81,7 +86,29 @@ def summarize(jsonl, world, steps, profile):
     )
 
 
-def run_config(config, world, args):
+def log_paths(folder, system, config, world, repeat):
+    """(step log, profile prefix) of one run; repeats after the first get an -rN suffix."""
+    name = f"{system}-{config}-w{world}" + (f"-r{repeat}" if repeat else "")
+    return os.path.join(folder, name + ".jsonl"), os.path.join(folder, "profile-" + name)
+
+
+def collect(config, world, folder, steps, repeat, logged_as=None):
+    """The rows of one configuration's runs whose logs are in `folder` (under the
+    names of repeat `logged_as`, by default `repeat`)."""
+    logged_as = repeat if logged_as is None else logged_as
+    log, profile = log_paths(folder, "fsdpcpp", config, world, logged_as)
+    row = dict(system="fsdp.cpp", config=config, world=world, repeat=repeat,
+               **summarize(log, world, steps, profile))
+    row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
+    rows = [row]
+    log2, profile2 = log_paths(folder, "fsdp2", config, world, logged_as)
+    if config in FSDP2_CONFIGS and os.path.exists(log2):
+        rows.append(dict(system="pytorch-fsdp2", config=config, world=world, repeat=repeat,
+                         flops_per_token=row["flops_per_token"], **summarize(log2, world, steps, profile2)))
+    return rows
+
+
+def run_config(config, world, args, repeat):
     """fsdp.cpp (and FSDP2 where the config has a reference) on `world` GPUs: one row each."""
     preset, seq, batch, flags, extra_env = CONFIGS[config]
     init = os.path.join(args.out, f"init-{preset}.pt")
@@ -89,27 +116,19 @@ def run_config(config, world, args):
     train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
-    log = os.path.join(args.out, f"fsdpcpp-{config}-w{world}.jsonl")
-    profile = os.path.join(args.out, f"profile-fsdpcpp-{config}-w{world}")
+    log, profile = log_paths(args.out, "fsdpcpp", config, world, repeat)
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
          "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
-    row = dict(system="fsdp.cpp", config=config, world=world, **summarize(log, world, args.steps, profile))
-    row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
-    rows = [row]
     if config in FSDP2_CONFIGS:
-        log2 = os.path.join(args.out, f"fsdp2-{config}-w{world}.jsonl")
-        profile2 = os.path.join(args.out, f"profile-fsdp2-{config}-w{world}")
+        log2, profile2 = log_paths(args.out, "fsdp2", config, world, repeat)
         run([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
              "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
              "--profile-steps", str(args.profile_steps)],
             log2.replace(".jsonl", ".log"), extra_env)
-        rows.append(dict(system="pytorch-fsdp2", config=config, world=world,
-                         flops_per_token=row["flops_per_token"],
-                         **summarize(log2, world, args.steps, profile2)))
-    return rows
+    return collect(config, world, args.out, args.steps, repeat)
 
 
 def main():
@@ -119,83 +138,128 @@ def main():
     p.add_argument("--configs", default="1b,1b-ac,1b-depth0,1b-depth2,1b-nolimit,small")
     p.add_argument("--steps", type=int, default=13)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every configuration N times (both systems each time); the comparison "
+                        "uses the median over the runs and shows the range of the per-run ratios")
     p.add_argument("--build", default="build", help="build folder with fsdp-run and fsdp-train")
     p.add_argument("--cpu", action="store_true", help="2 CPU ranks (MPI / gloo): checks the script")
     p.add_argument("--worlds", help="GPU counts to run each config on, e.g. 2,4,8 (default: all GPUs); "
                                     "with several, the table adds weak-scaling efficiency")
+    p.add_argument("--combine", nargs="+", metavar="DIR",
+                   help="run nothing: read the runs of --configs that earlier invocations left in each "
+                        "DIR (each run a repeat) and write the tables for them all to --out")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    gpus = 2 if args.cpu else torch.cuda.device_count()
-    device = "CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}"
-    common = dict(device=device, torch=torch.__version__, commit=args.commit,
-                  date=datetime.date.today().isoformat())
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on shared machines
-
-    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else [gpus]
-    if any(w < 1 or w > gpus for w in worlds):
-        raise SystemExit(f"--worlds {args.worlds}: this machine has {gpus} GPUs")
-    results = []
-    for config in args.configs.split(","):
-        for world in worlds:
-            results += run_config(config, world, args)
-
-    by_key = {(r["system"], r["config"], r["world"]): r for r in results}
+    results = combine(args) if args.combine else run_all(args)
     for r in results:
         r["mfu"] = r["flops_per_token"] * r["tok_s_gpu"] / H200_BF16_DENSE_FLOPS
-        r.update(common)
+    common = {k: ", ".join(dict.fromkeys(str(r[k]) for r in results)) for k in ("device", "torch", "commit", "date")}
+    worlds = sorted({r["world"] for r in results})
 
     with open(os.path.join(args.out, "results.jsonl"), "w") as f:
         for r in results:
-            f.write(json.dumps({k: v for k, v in r.items() if k not in ("losses", "profile")}) + "\n")
+            f.write(json.dumps({k: v for k, v in r.items() if k != "profile"}) + "\n")
     with open(os.path.join(args.out, "profiles.md"), "w") as f:
         for r in results:
             if r["profile"]:
                 f.write(profile_markdown(r))
-    write_markdown(results, by_key, worlds, os.path.join(args.out, "results.md"), common)
+    write_markdown(results, worlds, os.path.join(args.out, "results.md"), common)
 
 
-def write_markdown(results, by_key, worlds, path, common):
+def run_all(args):
+    gpus = 2 if args.cpu else torch.cuda.device_count()
+    common = dict(device="CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}",
+                  torch=torch.__version__, commit=args.commit, date=datetime.date.today().isoformat())
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on shared machines
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else [gpus]
+    if any(w < 1 or w > gpus for w in worlds):
+        raise SystemExit(f"--worlds {args.worlds}: this machine has {gpus} GPUs")
+    results = []
+    for repeat in range(args.repeats):
+        for config in args.configs.split(","):
+            for world in worlds:
+                results += [dict(r, **common) for r in run_config(config, world, args, repeat)]
+    return results
+
+
+def combine(args):
+    """The rows of earlier invocations' logs, each run a repeat of its own, with the
+    device, torch, commit and date its results.jsonl recorded."""
+    configs, results = args.configs.split(","), []
+    for folder in args.combine:
+        recorded = [json.loads(line) for line in open(os.path.join(folder, "results.jsonl"))]
+        for r in recorded:
+            if r["system"] == "fsdp.cpp" and r["config"] in configs:
+                repeat = sum(1 for x in results if x["system"] == "fsdp.cpp"
+                             and (x["config"], x["world"]) == (r["config"], r["world"]))
+                meta = {k: r[k] for k in ("device", "torch", "commit", "date")}
+                results += [dict(x, **meta) for x in
+                            collect(r["config"], r["world"], folder, args.steps, repeat, r.get("repeat", 0))]
+    return results
+
+
+def medians(results):
+    """One row per (system, config, world): the median of each number over the repeats."""
+    groups = collections.defaultdict(list)
+    for r in results:
+        groups[(r["system"], r["config"], r["world"])].append(r)
+    out = {}
+    for key, runs in groups.items():
+        m = dict(runs[0], runs=runs)
+        for field in ("step_ms", "tok_s_gpu", "mfu", "peak_alloc_gib", "peak_reserved_gib"):
+            m[field] = statistics.median(r[field] for r in runs)
+        out[key] = m
+    return out
+
+
+def write_markdown(results, worlds, path, common):
+    repeated = any(r["repeat"] for r in results)
     lines = [f"# fsdp.cpp vs PyTorch FSDP2: {common['device']}, torch {common['torch']}, "
              f"commit {common['commit'][:10]}, {common['date']}", "",
-             "| system | config | GPUs | ms/step | tokens/s/GPU | MFU | peak alloc GiB | "
-             "peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
+             "| system | config | GPUs | " + ("run | " if repeated else "") + "ms/step | tokens/s/GPU | MFU | "
+             "peak alloc GiB | peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
              "loss first → last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda v: "" if v is None else f"{v:.1f}"
     ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # CPU runs have no device memory
     for r in results:
         lines.append(
-            f"| {r['system']} | {r['config']} | {r['world']} | {r['step_ms']:.1f} | "
-            f"{r['tok_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_alloc_gib']:.2f} | "
+            f"| {r['system']} | {r['config']} | {r['world']} | " + (f"{r['repeat'] + 1} | " if repeated else "") +
+            f"{r['step_ms']:.1f} | {r['tok_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_alloc_gib']:.2f} | "
             f"{r['peak_reserved_gib']:.2f} | {ratio(r['peak_reserved_gib'], r['peak_alloc_gib'])} | "
             f"{ms(r['exposed_comm_ms'])} | {ms(r['gpu_idle_ms'])} | {r['allgather_waits']} | "
             f"{r['loss_first']:.4f} → {r['loss_last']:.4f} |")
-    lines += ["", "## Against the targets (same run, same GPUs)", ""]
+    by_key = medians(results)
+    lines += ["", "## Against the targets (same run, same GPUs" +
+              ("; medians over the runs, the per-run speed ratios in brackets" if repeated else "") + ")", ""]
     for config, world in [(c, w) for c in CONFIGS if c in FSDP2_CONFIGS for w in worlds]:
         ours, theirs = by_key.get(("fsdp.cpp", config, world)), by_key.get(("pytorch-fsdp2", config, world))
         if not ours or not theirs:
             continue
-        gap = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+        pairs = list(zip(ours["runs"], theirs["runs"]))
+        gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
+        per_run = sorted(x["tok_s_gpu"] / y["tok_s_gpu"] for x, y in pairs)
         lines.append(
-            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2; peak "
+            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2" +
+            (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak "
             f"reserved {ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x FSDP2's; "
             f"reserved/allocated {ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
             f"(FSDP2 {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); largest loss "
             f"difference over {len(ours['losses'])} steps {gap:.4f}")
     if len(worlds) > 1:
-        lines += scaling_markdown(results, by_key, worlds)
+        lines += scaling_markdown(by_key, worlds)
     open(path, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 
-def scaling_markdown(results, by_key, worlds):
+def scaling_markdown(by_key, worlds):
     """Weak scaling (same batch per GPU): tokens/s/GPU and peak memory per GPU at each
     world size, efficiency against the smallest."""
     base = min(worlds)
     lines = ["", f"## Weak scaling (per-GPU batch fixed; efficiency = tokens/s/GPU vs {base} GPUs)", "",
              "| system | config | " + " | ".join(f"{w} GPUs: tok/s/GPU (eff), alloc/reserved GiB" for w in worlds) + " |",
              "|---|---|" + "---|" * len(worlds)]
-    for system, config in dict.fromkeys((r["system"], r["config"]) for r in results):
+    for system, config in dict.fromkeys((system, config) for system, config, _ in by_key):
         first = by_key.get((system, config, base))
         cells = []
         for w in worlds:

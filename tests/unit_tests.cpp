@@ -274,4 +274,35 @@ TEST(FusedAdamW, MatchesLibtorchAdamW) {
   }
 }
 
+// init_state() allocates the moments up front in the parameters' current
+// (sharded) shapes, only for trainable parameters, and changes no update.
+TEST(FusedAdamW, InitStateUpFrontInCurrentShapes) {
+  torch::manual_seed(4);
+  auto trained = torch::randn({6, 4}).requires_grad_(true);
+  auto frozen = torch::randn({3});
+  auto reference = trained.detach().clone().requires_grad_(true);
+  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  fsdp::train::FusedAdamW eager({trained, frozen}, options), lazy({reference}, options);
+  // What sharding does to a parameter the optimizer already holds: new, smaller data.
+  {
+    at::NoGradGuard no_grad;
+    trained.set_data(trained.detach()[0].clone());
+    reference.set_data(reference.detach()[0].clone());
+  }
+  eager.init_state();
+  ASSERT_EQ(eager.state().size(), 1u);  // none for the frozen parameter
+  const auto& moments = static_cast<const fsdp::train::FusedAdamWState&>(
+      *eager.state().at(trained.unsafeGetTensorImpl()));
+  EXPECT_EQ(moments.exp_avg.sizes(), trained.sizes());
+  EXPECT_EQ(moments.exp_avg_sq.sizes(), trained.sizes());
+  for (int step = 0; step < 3; ++step) {
+    auto grad = torch::randn({4});
+    trained.mutable_grad() = grad.clone();
+    reference.mutable_grad() = grad.clone();
+    eager.step();
+    lazy.step();
+  }
+  EXPECT_TRUE(torch::equal(trained, reference));
+}
+
 }  // namespace

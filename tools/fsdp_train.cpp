@@ -209,6 +209,7 @@ void train(const Args& args) {
   for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
   fsdp::fully_shard(model, shard);
   if (!optimizer) optimizer = make_optimizer();
+  optimizer->init_state();  // next to the sharded parameters, before activations fragment the pool
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 

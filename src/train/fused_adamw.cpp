@@ -14,6 +14,25 @@ FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, const torch::optim::AdamW
   if (options.amsgrad()) throw std::invalid_argument("FusedAdamW: amsgrad is not supported");
 }
 
+FusedAdamWState& FusedAdamW::state_of(const at::Tensor& param) {
+  auto& slot = state_[param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto s = std::make_unique<FusedAdamWState>();
+    s->step = at::zeros({}, param.options().dtype(at::kFloat));
+    s->exp_avg = at::zeros_like(param, at::MemoryFormat::Preserve);
+    s->exp_avg_sq = at::zeros_like(param, at::MemoryFormat::Preserve);
+    slot = std::move(s);
+  }
+  return static_cast<FusedAdamWState&>(*slot);
+}
+
+void FusedAdamW::init_state() {
+  at::NoGradGuard no_grad;
+  for (auto& group : param_groups_)
+    for (auto& p : group.params())
+      if (p.requires_grad() && p.numel() > 0) state_of(p);
+}
+
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::Tensor loss;
   if (closure) {
@@ -30,15 +49,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     std::map<std::pair<std::string, at::ScalarType>, Lists> batches;
     for (auto& p : group.params()) {
       if (!p.grad().defined() || p.numel() == 0) continue;
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto s = std::make_unique<FusedAdamWState>();
-        s->step = at::zeros({}, p.options().dtype(at::kFloat));
-        s->exp_avg = at::zeros_like(p, at::MemoryFormat::Preserve);
-        s->exp_avg_sq = at::zeros_like(p, at::MemoryFormat::Preserve);
-        slot = std::move(s);
-      }
-      auto& s = static_cast<FusedAdamWState&>(*slot);
+      auto& s = state_of(p);
       auto& lists = batches[{p.device().str(), p.scalar_type()}];
       lists.params.push_back(p);
       lists.grads.push_back(p.grad());

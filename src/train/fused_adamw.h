@@ -18,6 +18,17 @@ class FusedAdamW : public torch::optim::Optimizer {
  public:
   FusedAdamW(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options);
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  // Allocates the moments of every trainable parameter now rather than in the
+  // first step(). Call it after sharding (the moments take the parameters'
+  // current, sharded shapes) and before the first forward: the moments are the
+  // largest long-lived tensors, and created in the first step they land in the
+  // holes that step's activations left, where they split the free memory for
+  // good (on the 1B model with checkpointing, 0.8 GiB reserved but unusable).
+  void init_state();
+
+ private:
+  FusedAdamWState& state_of(const at::Tensor& param);
 };
 
 }  // namespace fsdp::train
