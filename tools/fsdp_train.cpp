@@ -209,7 +209,9 @@ void train(const Args& args) {
   for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
   fsdp::fully_shard(model, shard);
   if (!optimizer) optimizer = make_optimizer();
-  optimizer->init_state();  // next to the sharded parameters, before activations fragment the pool
+  // Long-lived buffers first, next to the sharded parameters, before activations split the pool.
+  optimizer->init_state();
+  fsdp::train::allocate_library_workspaces(device);
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 

@@ -3,6 +3,9 @@
 #include <fstream>
 #include <string>
 
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
+
 #ifdef FSDP_WITH_NCCL
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
@@ -55,6 +58,12 @@ void release_cached_memory(const c10::Device& device) {
 #endif
 }
 
+void allocate_library_workspaces(const c10::Device& device) {
+  if (!device.is_cuda()) return;
+  // bf16, the model's compute dtype, so that the products take the same library path.
+  auto x = at::ones({64, 64}, at::TensorOptions(device).dtype(at::kBFloat16).requires_grad(true));
+  at::matmul(x, x).sum().backward();  // forward on this thread, backward on autograd's
+}
 
 bool start_memory_history(const c10::Device& device) {
 #ifdef FSDP_WITH_NCCL

@@ -19,6 +19,12 @@ MemoryPeaks take_memory_peaks(const c10::Device& device);
 // Returns the caching allocator's unused blocks to the device (GPU only), so
 // that measurements start from what the model really holds.
 void release_cached_memory(const c10::Device& device);
+// GPU only: makes cuBLAS allocate its workspaces now, one per thread that runs
+// matrix products (this one for forward, autograd's for backward). They live as
+// long as the process; allocated by the first step's first products instead,
+// each pins a block amid that step's activations, and the pool's free memory
+// stays split around it (seen in the 1B checkpointed run's allocator snapshot).
+void allocate_library_workspaces(const c10::Device& device);
 // GPU only: start recording allocator history, and write it as a snapshot
 // that PyTorch's memory_viz page (pytorch.org/memory_viz) loads. Return false
 // on CPU.
