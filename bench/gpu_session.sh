@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lease on a GPU machine, in phases that each fit one device call (10 min):
-#   bash bench/gpu_session.sh bench OUT COMMIT [CONFIGS]  build, GPU tests, run_bench.py
+#   bash bench/gpu_session.sh bench OUT COMMIT [CONFIGS] [REPEATS]  build, GPU tests, run_bench.py
 #   bash bench/gpu_session.sh memreport OUT COMMIT        memreport.py (build kept from 'bench')
 # Writes one tar per phase under OUT (in 15 MiB parts); weights and all but rank 0's profiles
 # stay on the machine.
@@ -20,8 +20,8 @@ case $phase in
     (cd build && ctest -R 'gpu|train' --output-on-failure) > "$work/gpu-tests.log" 2>&1
     ok=$?; tail -8 "$work/gpu-tests.log"
     [ $ok -eq 0 ] || { tar czf "$out/bench.tgz.part00" -C /tmp "fsdp-$phase"; exit 1; }
-    python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small,1b-es}" \
-      > "$work/run_bench.log" 2>&1
+    python3 bench/run_bench.py --out "$work" --commit "$commit" --configs "${4:-1b,1b-ac,small,1b-lowlr}" \
+      --repeats "${5:-1}" > "$work/run_bench.log" 2>&1
     ok=$?; tail -40 "$work/run_bench.log"
     # The allocator's history of a checkpointed 1B run (where reserved/allocated is highest).
     build/fsdp-run --gpu build/fsdp-train --model 1b --seq 2048 --batch 4 --steps 4 --param-dtype bf16 \
