@@ -142,7 +142,8 @@ def main():
                    help="run every configuration N times (both systems each time); the comparison "
                         "uses the median over the runs and shows the range of the per-run ratios")
     p.add_argument("--build", default="build", help="build folder with fsdp-run and fsdp-train")
-    p.add_argument("--cpu", action="store_true", help="2 CPU ranks (MPI / gloo): checks the script")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU ranks (MPI / gloo; 2 unless --worlds says otherwise): checks the script")
     p.add_argument("--worlds", help="GPU counts to run each config on, e.g. 2,4,8 (default: all GPUs); "
                                     "with several, the table adds weak-scaling efficiency")
     p.add_argument("--combine", nargs="+", metavar="DIR",
@@ -168,11 +169,11 @@ def main():
 
 def run_all(args):
     gpus = 2 if args.cpu else torch.cuda.device_count()
-    common = dict(device="CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}",
+    common = dict(device="CPU" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}",
                   torch=torch.__version__, commit=args.commit, date=datetime.date.today().isoformat())
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on shared machines
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else [gpus]
-    if any(w < 1 or w > gpus for w in worlds):
+    if any(w < 1 or (w > gpus and not args.cpu) for w in worlds):
         raise SystemExit(f"--worlds {args.worlds}: this machine has {gpus} GPUs")
     results = []
     for repeat in range(args.repeats):
