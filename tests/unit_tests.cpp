@@ -305,4 +305,23 @@ TEST(FusedAdamW, InitStateUpFrontInCurrentShapes) {
   EXPECT_TRUE(torch::equal(trained, reference));
 }
 
+// State created before sharding no longer fits the parameter: a clear error, not
+// a shape failure inside the fused kernel.
+TEST(FusedAdamW, StateOlderThanShardingIsRefused) {
+  auto param = torch::randn({6, 4}).requires_grad_(true);
+  fsdp::train::FusedAdamW optimizer({param}, torch::optim::AdamWOptions(1e-2));
+  optimizer.init_state();
+  {
+    at::NoGradGuard no_grad;
+    param.set_data(param.detach()[0].clone());
+  }
+  param.mutable_grad() = torch::ones({4});
+  try {
+    optimizer.step();
+    FAIL() << "step() accepted moments of the parameter's old shape";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("create the state after sharding"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

@@ -2,9 +2,11 @@
 
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <c10/util/StringUtil.h>
 
 #include <map>
 #include <stdexcept>
+#include <string>
 
 namespace fsdp::train {
 
@@ -50,6 +52,11 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined() || p.numel() == 0) continue;
       auto& s = state_of(p);
+      if (!s.exp_avg.sizes().equals(p.sizes()))
+        throw std::invalid_argument(
+            "FusedAdamW: a parameter of shape " + c10::str(p.sizes()) + " has moments of shape " +
+            c10::str(s.exp_avg.sizes()) + ": its state was created before the parameter changed shape "
+            "(fully_shard after init_state() or after a step); create the state after sharding");
       auto& lists = batches[{p.device().str(), p.scalar_type()}];
       lists.params.push_back(p);
       lists.grads.push_back(p.grad());
