@@ -191,6 +191,8 @@ void train(const Args& args) {
     throw std::invalid_argument("--data FILE needs a vocabulary of at least 256 byte tokens");
 
   fsdp::set_runtime_options(args.runtime);
+  fsdp::train::require_host_memory(4.0 * config.parameter_count(),
+                                   "the " + args.model + " model's float32 weights, built whole before sharding,");
   torch::manual_seed(args.seed);  // same initial weights on every rank
   fsdp::model::Llama model(config);
   if (lead && !args.save_init.empty()) save_weights(*model, args.save_init);

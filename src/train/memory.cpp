@@ -1,6 +1,10 @@
 #include "train/memory.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 
 #include <ATen/ops/matmul.h>
@@ -50,6 +54,32 @@ MemoryPeaks take_memory_peaks(const c10::Device& device) {
 #endif
   peaks.allocated_gib = peak_rss_gib();
   return peaks;
+}
+
+void require_host_memory(double bytes, const std::string& what) {
+  double available_kib = -1;
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    if (key == "MemAvailable:") {
+      meminfo >> available_kib;
+      break;
+    }
+  }
+  if (available_kib < 0) return;  // no figure to check against
+  int local = 1;
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    if (const char* v = std::getenv(name)) {
+      local = std::max(1, std::atoi(v));
+      break;
+    }
+  const double available = available_kib * 1024.0, needed = bytes * local;
+  if (needed <= available) return;
+  char message[512];
+  std::snprintf(message, sizeof(message),
+                "%s take %.1f GB of host memory in each of the %d process(es) on this machine, %.1f GB "
+                "in all, but %.1f GB is available: use a smaller model or fewer processes per machine",
+                what.c_str(), bytes / 1e9, local, needed / 1e9, available / 1e9);
+  throw std::runtime_error(message);
 }
 
 void release_cached_memory(const c10::Device& device) {

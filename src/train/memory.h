@@ -16,6 +16,11 @@ struct MemoryPeaks {
 
 // Reads the peaks since the last call and starts a new measurement window.
 MemoryPeaks take_memory_peaks(const c10::Device& device);
+// Throws when this machine's available memory cannot hold `bytes` in each of the
+// processes started on it (LOCAL_WORLD_SIZE, or Open MPI's local size), naming
+// `what` and the figures: refusing up front beats being killed by the kernel
+// half-way through building a model.
+void require_host_memory(double bytes, const std::string& what);
 // Returns the caching allocator's unused blocks to the device (GPU only), so
 // that measurements start from what the model really holds.
 void release_cached_memory(const c10::Device& device);
