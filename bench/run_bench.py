@@ -187,12 +187,13 @@ def combine(args):
     """The rows of earlier invocations' logs, each run a repeat of its own, with the
     device, torch, commit and date its results.jsonl recorded."""
     configs, results = args.configs.split(","), []
+    runs_so_far = collections.Counter()  # (config, world) -> repeats already read
     for folder in args.combine:
         recorded = [json.loads(line) for line in open(os.path.join(folder, "results.jsonl"))]
         for r in recorded:
             if r["system"] == "fsdp.cpp" and r["config"] in configs:
-                repeat = sum(1 for x in results if x["system"] == "fsdp.cpp"
-                             and (x["config"], x["world"]) == (r["config"], r["world"]))
+                repeat = runs_so_far[r["config"], r["world"]]
+                runs_so_far[r["config"], r["world"]] += 1
                 meta = {k: r[k] for k in ("device", "torch", "commit", "date")}
                 results += [dict(x, **meta) for x in
                             collect(r["config"], r["world"], folder, args.steps, repeat, r.get("repeat", 0))]

@@ -20,17 +20,17 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-double peak_rss_gib() {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "VmHWM:") {
-      double kib = 0;
-      status >> kib;
-      return kib * 1024.0 / kGiB;
+// The "Key: N kB" figure of a /proc file (status, meminfo) in KiB; -1 if absent.
+double proc_kib(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  for (std::string word; in >> word;) {
+    if (word == key) {
+      double kib = -1;
+      in >> kib;
+      return kib;
     }
   }
-  return 0;
+  return -1;
 }
 
 }  // namespace
@@ -52,19 +52,12 @@ MemoryPeaks take_memory_peaks(const c10::Device& device) {
     return peaks;
   }
 #endif
-  peaks.allocated_gib = peak_rss_gib();
+  peaks.allocated_gib = std::max(0.0, proc_kib("/proc/self/status", "VmHWM:")) * 1024.0 / kGiB;
   return peaks;
 }
 
 void require_host_memory(double bytes, const std::string& what) {
-  double available_kib = -1;
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string key; meminfo >> key;) {
-    if (key == "MemAvailable:") {
-      meminfo >> available_kib;
-      break;
-    }
-  }
+  const double available_kib = proc_kib("/proc/meminfo", "MemAvailable:");
   if (available_kib < 0) return;  // no figure to check against
   int local = 1;
   for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
