@@ -24,7 +24,7 @@ void require_host_memory(double bytes, const std::string& what);
 // Returns the caching allocator's unused blocks to the device (GPU only), so
 // that measurements start from what the model really holds.
 void release_cached_memory(const c10::Device& device);
-// GPU only: makes cuBLAS allocate its workspaces now, one per thread that runs
+// Makes cuBLAS allocate its workspaces now, one per thread that runs
 // matrix products (this one for forward, autograd's for backward). They live as
 // long as the process; allocated by the first step's first products instead,
 // each pins a block amid that step's activations, and the pool's free memory
