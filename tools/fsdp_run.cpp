@@ -2,7 +2,11 @@
 //   fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]
 // GPUs: N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT); if one fails the others are stopped. CPU: the
-// MPI backend needs mpirun, so it runs `mpirun -n N PROGRAM ARGS`.
+// MPI backend needs mpirun, so it runs `mpirun -q -n N PROGRAM ARGS`.
+// SIGINT and SIGTERM reach every rank (through mpirun on CPU); ranks still
+// running 10 s later are killed; fsdp-run then exits 128 + the signal (130, 143).
+// A rank's exit code 2 (a usage error, which the program has reported) is
+// passed on without a message.
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -10,6 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -72,19 +78,93 @@ int free_port() {
   std::exit(1);
 }
 
+const char* kUsage =
+    "usage: fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]\n"
+    "  -n N     ranks (default: one per visible GPU, or 2 without GPUs)\n"
+    "  --cpu    CPU ranks through mpirun (default without GPUs)\n"
+    "  --gpu    one process per GPU with torchrun-style variables\n"
+    "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
+    "SIGINT/SIGTERM reach every rank; exit code 128 + the signal.\n";
+
 [[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "fsdp-run: %s\nusage: fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]\n"
-               "  -n N     ranks (default: one per visible GPU, or 2 without GPUs)\n"
-               "  --cpu    CPU ranks through mpirun (default without GPUs)\n"
-               "  --gpu    one process per GPU with torchrun-style variables\n"
-               "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n",
-               why);
+  std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", why);
   std::exit(2);
 }
 
-[[noreturn]] void run_mpirun(int ranks, char** program_argv) {
-  std::vector<std::string> args = {"mpirun", "-n", std::to_string(ranks), "--oversubscribe",
+volatile sig_atomic_t g_signal = 0;    // the first SIGINT/SIGTERM received
+volatile sig_atomic_t g_signals = 0;   // how many
+std::vector<pid_t> g_children;         // filled before the handler is installed
+
+void forward_signal(int sig) {
+  if (!g_signal) g_signal = sig;
+  ++g_signals;
+  // A second signal means "now": kill instead of asking.
+  for (pid_t child : g_children) kill(child, g_signals > 1 ? SIGKILL : sig);
+}
+
+void install_signal_forwarding() {
+  struct sigaction action{};
+  action.sa_handler = forward_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+pid_t start(char** argv) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    execvp(argv[0], argv);
+    std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  if (pid < 0) {
+    std::perror("fsdp-run: fork");
+    std::exit(1);
+  }
+  return pid;
+}
+
+// Waits for every child. The first to fail stops the others (`on_failure` says so); after a
+// signal, children still running 10 s later are killed. Returns the exit code for fsdp-run.
+int wait_for_children(const std::vector<pid_t>& children, const char* (*describe)(size_t index)) {
+  int exit_code = 0;
+  size_t running = children.size();
+  std::chrono::steady_clock::time_point kill_at{};  // set once a signal came
+  bool killed = false;
+  while (running > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid <= 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (g_signal && kill_at == std::chrono::steady_clock::time_point{}) kill_at = now + std::chrono::seconds(10);
+      if (g_signal && !killed && now > kill_at) {
+        for (pid_t c : children) kill(c, SIGKILL);
+        killed = true;
+      }
+      usleep(20000);
+      continue;
+    }
+    --running;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code == 0 || exit_code != 0 || g_signal) continue;
+    exit_code = code;
+    const size_t index = std::find(children.begin(), children.end(), pid) - children.begin();
+    if (code != 2 && describe)
+      std::fprintf(stderr, "fsdp-run: %s exited with status %d; stopping the others\n", describe(index), code);
+    for (pid_t c : children)
+      if (c != pid) kill(c, SIGTERM);
+  }
+  if (g_signal) {
+    std::fprintf(stderr, "fsdp-run: %s; every rank has exited\n", g_signal == SIGINT ? "interrupted" : "terminated");
+    return 128 + g_signal;
+  }
+  return exit_code;
+}
+
+int run_mpirun(int ranks, char** program_argv) {
+  // -q: no Open MPI notes after a rank's own error message (MPI_Abort, non-zero exits).
+  std::vector<std::string> args = {"mpirun", "-q", "-n", std::to_string(ranks), "--oversubscribe",
                                    "--bind-to", "none"};
   if (geteuid() == 0) args.push_back("--allow-run-as-root");
   // Containers often forbid the cross-memory-attach copy path; shared memory works everywhere.
@@ -93,45 +173,37 @@ int free_port() {
   for (auto& a : args) argv.push_back(a.data());
   for (char** p = program_argv; *p; ++p) argv.push_back(*p);
   argv.push_back(nullptr);
-  execvp("mpirun", argv.data());
-  std::perror("fsdp-run: cannot start mpirun (install OpenMPI)");
-  std::exit(127);
+  g_children = {start(argv.data())};
+  install_signal_forwarding();
+  const int code = wait_for_children(g_children, nullptr);  // mpirun names the failed rank itself
+  if (code == 127 && !g_signal) std::fprintf(stderr, "fsdp-run: cannot start mpirun (install OpenMPI)\n");
+  return code;
 }
 
 int run_gpu_ranks(int ranks, int port, char** program_argv) {
-  std::vector<pid_t> children;
   for (int r = 0; r < ranks; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      execvp(program_argv[0], program_argv);
-      std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", program_argv[0], std::strerror(errno));
-      _exit(127);
-    }
-    children.push_back(pid);
+    setenv("RANK", std::to_string(r).c_str(), 1);
+    setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+    setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+    setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    g_children.push_back(start(program_argv));
   }
-  int exit_code = 0, running = ranks;
-  while (running > 0) {
-    int status = 0;
-    pid_t pid = wait(&status);
-    if (pid < 0) break;
-    --running;
-    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (code != 0 && exit_code == 0) {
-      exit_code = code;
-      int rank = 0;
-      while (children[rank] != pid) ++rank;
-      std::fprintf(stderr, "fsdp-run: rank %d exited with status %d; stopping the others\n", rank, code);
-      for (pid_t c : children)
-        if (c != pid) kill(c, SIGTERM);
-    }
-  }
-  return exit_code;
+  install_signal_forwarding();
+  return wait_for_children(g_children, [](size_t rank) {
+    static std::string name;
+    name = "rank " + std::to_string(rank);
+    return name.c_str();
+  });
+}
+
+// A whole decimal number in [low, high], or -1.
+int integer_in(const char* text, int low, int high) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(text, &end, 10);
+  return errno == 0 && end != text && *end == '\0' && v >= low && v <= high ? static_cast<int>(v) : -1;
 }
 
 }  // namespace
@@ -141,21 +213,29 @@ int main(int argc, char** argv) {
   enum { Auto, Cpu, Gpu } mode = Auto;
   for (; i < argc && argv[i][0] == '-'; ++i) {
     std::string a = argv[i];
-    if (a == "-n" && i + 1 < argc) ranks = std::atoi(argv[++i]);
-    else if (a == "--port" && i + 1 < argc) port = std::atoi(argv[++i]);
+    if (a == "-n" || a == "--port") {
+      if (i + 1 >= argc) usage((a + " needs a value").c_str());
+      const bool is_n = a == "-n";
+      const int v = integer_in(argv[++i], 1, is_n ? 4096 : 65535);
+      if (v < 0) usage(is_n ? "-n must be a whole number of ranks, at least 1" : "--port must be a TCP port (1-65535)");
+      (is_n ? ranks : port) = v;
+    }
     else if (a == "--cpu") mode = Cpu;
     else if (a == "--gpu") mode = Gpu;
-    else if (a == "-h" || a == "--help") usage("runs PROGRAM as N ranks");
+    else if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
     else usage(("unknown option " + a).c_str());
   }
   if (i >= argc) usage("no PROGRAM given");
   const int gpus = visible_gpus();
   if (mode == Auto) mode = gpus > 0 ? Gpu : Cpu;
   if (ranks == 0) ranks = mode == Gpu ? gpus : 2;
-  if (ranks < 1) usage("-n must be at least 1");
+  if (ranks == 0) usage("no GPU ranks to start: no GPU is visible (use --cpu)");
   if (mode == Gpu && ranks > gpus)
     usage(("asked for " + std::to_string(ranks) + " GPU ranks but " + std::to_string(gpus) +
            " GPU(s) are visible").c_str());
-  if (mode == Cpu) run_mpirun(ranks, argv + i);
+  if (mode == Cpu) return run_mpirun(ranks, argv + i);
   return run_gpu_ranks(ranks, port ? port : free_port(), argv + i);
 }

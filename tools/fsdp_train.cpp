@@ -8,13 +8,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <functional>
 #include <iostream>
-#include <map>
-#include <sstream>
 
 #include "fsdp/fsdp.h"
 #include "model/llama.h"
+#include "train/args.h"
 #include "train/data.h"
 #include "train/fused_adamw.h"
 #include "train/memory.h"
@@ -24,153 +22,26 @@
 
 namespace {
 
-struct Args {
-  std::string model = "tiny";
-  int steps = 20;
-  int64_t batch = 4;  // per rank
-  int64_t seq = 128;
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
-  int warmup = 5;
-  uint64_t seed = 1234;
-  std::string data = "synthetic";
-  std::string param_dtype = "auto", reduce_dtype = "fp32";
-  bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
-  std::string backend = "auto";
-  std::string log = "fsdp-train.jsonl";
-  double timeout_s = 0;
-  fsdp::RuntimeOptions runtime;
-  std::string save_init;  // file for the initial full weights (rank 0)
-  std::string trace, memory_snapshot, memory_log;
-  bool optimizer_before_shard = false;
-  int trace_steps = 2;
-  std::string profile;
-  int profile_steps = 2;
-};
-
-struct Flag {
-  std::string help;
-  std::function<void(const std::string&)> set;
-  bool takes_value = true;
-};
-
-std::map<std::string, Flag> flags(Args& a) {
-  auto num = [](auto& field) {
-    return [&field](const std::string& v) {
-      std::istringstream in(v);
-      if (!(in >> field) || !in.eof()) throw std::invalid_argument("not a number: '" + v + "'");
-    };
-  };
-  auto str = [](std::string& field) { return [&field](const std::string& v) { field = v; }; };
-  return {
-      {"--model", {"preset: tiny, small, 1b, 8b (default tiny)", str(a.model)}},
-      {"--steps", {"training steps (default 20)", num(a.steps)}},
-      {"--batch", {"sequences per rank per step (default 4)", num(a.batch)}},
-      {"--seq", {"tokens per sequence (default 128)", num(a.seq)}},
-      {"--lr", {"peak learning rate (default 3e-3)", num(a.lr)}},
-      {"--min-lr", {"final learning rate of the cosine decay (default 3e-4)", num(a.min_lr)}},
-      {"--warmup", {"linear warmup steps (default 5)", num(a.warmup)}},
-      {"--weight-decay", {"AdamW weight decay (default 0.1)", num(a.weight_decay)}},
-      {"--clip", {"global gradient-norm clip, 0 = off (default 1.0)", num(a.clip)}},
-      {"--seed", {"seed for weights and data (default 1234)", num(a.seed)}},
-      {"--data", {"'synthetic' or a text file read as bytes (default synthetic)", str(a.data)}},
-      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU (default auto)",
-                         str(a.param_dtype)}},
-      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16 (default fp32)", str(a.reduce_dtype)}},
-      {"--no-reshard-after-forward",
-       {"keep blocks unsharded from forward to backward", [&a](const std::string&) {
-          a.reshard_after_forward = false;
-        }, false}},
-      {"--tie-embeddings",
-       {"share the embedding matrix with the output head",
-        [&a](const std::string&) { a.tie_embeddings = true; }, false}},
-      {"--checkpoint",
-       {"activation checkpointing: recompute every block in backward",
-        [&a](const std::string&) { a.checkpoint = true; }, false}},
-      {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", str(a.backend)}},
-      {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", str(a.log)}},
-      {"--timeout", {"seconds a collective may wait (default 300, or FSDP_TIMEOUT_S)",
-                     num(a.timeout_s)}},
-      {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
-                            num(a.runtime.prefetch_depth)}},
-      {"--max-inflight-allgathers",
-       {"all-gathers the CPU may run ahead of the GPU, 0 = unlimited (default 2)",
-        num(a.runtime.max_inflight_allgathers)}},
-      {"--max-inflight-reduce-scatters",
-       {"reduce-scatters in flight before the CPU waits, 0 = unlimited (default 2)",
-        num(a.runtime.max_inflight_reduce_scatters)}},
-      {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
-                       num(a.runtime.bucket_mb)}},
-      {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", str(a.trace)}},
-      {"--trace-steps", {"steps the trace covers, from the second (default 2)", num(a.trace_steps)}},
-      {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
-                     "GPU kernels per stream, to PATH-rankR.json", str(a.profile)}},
-      {"--profile-steps", {"steps the profile covers, at the end of the run (default 2)",
-                           num(a.profile_steps)}},
-      {"--memory-snapshot",
-       {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)",
-        str(a.memory_snapshot)}},
-      {"--memory-log", {"sample memory every 10 ms into PATH-rankR.jsonl, with step markers",
-                        str(a.memory_log)}},
-      {"--optimizer-before-shard",
-       {"create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
-        [&a](const std::string&) { a.optimizer_before_shard = true; }, false}},
-      {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)",
-                       str(a.save_init)}},
-  };
-}
-
-void print_help(std::map<std::string, Flag>& table) {
-  std::cout << "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun)\n"
-               "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
-               "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n\n";
-  for (auto& [name, f] : table)
-    std::printf("  %-28s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), f.help.c_str());
-  std::cout << "  --help                       this text\n";
-}
-
-Args parse(int argc, char** argv) {
-  Args a;
-  auto table = flags(a);
-  for (int i = 1; i < argc; ++i) {
-    std::string name = argv[i];
-    if (name == "--help" || name == "-h") {
-      print_help(table);
-      std::exit(0);
-    }
-    auto it = table.find(name);
-    if (it == table.end()) throw std::invalid_argument("unknown flag " + name + " (see --help)");
-    std::string value;
-    if (it->second.takes_value) {
-      if (i + 1 >= argc) throw std::invalid_argument(name + " needs a value");
-      value = argv[++i];
-    }
-    try {
-      it->second.set(value);
-    } catch (const std::exception& e) {
-      throw std::invalid_argument(name + ": " + e.what());
-    }
-  }
-  if (a.steps < 1 || a.batch < 1 || a.seq < 1) throw std::invalid_argument("--steps, --batch, --seq must be positive");
-  return a;
-}
-
-c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
-  if (name == "fp32") return torch::kFloat;
-  if (name == "bf16") return torch::kBFloat16;
-  if (name == "auto") return on_gpu ? torch::kBFloat16 : torch::kFloat;
-  throw std::invalid_argument("dtype must be fp32, bf16 or auto, not '" + name + "'");
-}
-
 // Full weights by name, as a dict torch.load() reads (the PyTorch reference
 // benchmark starts from the same weights).
 void save_weights(torch::nn::Module& model, const std::string& path) {
   c10::Dict<std::string, at::Tensor> weights;
   for (const auto& item : model.named_parameters()) weights.insert(item.key(), item.value().detach().cpu());
-  auto bytes = torch::pickle_save(c10::IValue(weights));
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const auto bytes = torch::pickle_save(c10::IValue(weights));
+  fsdp::train::write_file(path, std::string(bytes.begin(), bytes.end()));
 }
 
-void train(const Args& args) {
+// The launch variables' rank (0 without a launcher), for messages printed before or without a
+// communicator.
+int launch_rank() {
+  try {
+    return fsdp::launch_env_from_process().rank;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+void train(const fsdp::train::TrainArgs& args) {
   fsdp::InitOptions init;
   init.backend = args.backend == "mpi"    ? fsdp::Backend::Mpi
                  : args.backend == "nccl" ? fsdp::Backend::Nccl
@@ -187,20 +58,16 @@ void train(const Args& args) {
   config.max_seq = std::max(config.max_seq, args.seq);
   auto data = args.data == "synthetic" ? fsdp::train::synthetic_tokens(config.vocab, args.seed)
                                        : fsdp::train::file_tokens(args.data, args.seed);
-  if (args.data != "synthetic" && config.vocab < 256)
-    throw std::invalid_argument("--data FILE needs a vocabulary of at least 256 byte tokens");
 
   fsdp::set_runtime_options(args.runtime);
-  fsdp::train::require_host_memory(4.0 * config.parameter_count(),
-                                   "the " + args.model + " model's float32 weights, built whole before sharding,");
   torch::manual_seed(args.seed);  // same initial weights on every rank
   fsdp::model::Llama model(config);
   if (lead && !args.save_init.empty()) save_weights(*model, args.save_init);
   model->to(device);
   fsdp::ShardOptions shard;
   shard.reshard_after_forward = args.reshard_after_forward;
-  shard.mixed_precision.param_dtype = dtype_named(args.param_dtype, device.is_cuda());
-  shard.mixed_precision.reduce_dtype = dtype_named(args.reduce_dtype, device.is_cuda());
+  shard.mixed_precision.param_dtype = fsdp::train::dtype_named(args.param_dtype, device.is_cuda());
+  shard.mixed_precision.reduce_dtype = fsdp::train::dtype_named(args.reduce_dtype, device.is_cuda());
   auto make_optimizer = [&] {
     return std::make_unique<fsdp::train::FusedAdamW>(
         model->parameters(),
@@ -218,8 +85,12 @@ void train(const Args& args) {
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
   std::ofstream log;
+  auto check_log = [&] {
+    if (!log) throw std::runtime_error("cannot write the log '" + args.log + "'");
+  };
   if (lead) {
     log.open(args.log);
+    check_log();
     std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %lld x %lld "
                 "tokens per rank | param %s, reduce %s",
                 comm->world_size(), comm->backend(), device.str().c_str(), args.model.c_str(),
@@ -232,10 +103,12 @@ void train(const Args& args) {
   const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";
   fsdp::train::take_memory_peaks(device);
   auto stats_before = fsdp::runtime_stats();
-  const std::string rank_suffix = "-rank" + std::to_string(comm->rank());
+  auto output = [&](const std::string& prefix, const char* extension) {
+    return fsdp::train::rank_path(prefix, comm->rank(), extension);
+  };
   std::unique_ptr<fsdp::train::MemorySampler> sampler;
   if (!args.memory_log.empty())
-    sampler = std::make_unique<fsdp::train::MemorySampler>(device, args.memory_log + rank_suffix + ".jsonl");
+    sampler = std::make_unique<fsdp::train::MemorySampler>(device, output(args.memory_log, ".jsonl"));
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   for (int step = 0; step < args.steps; ++step) {
@@ -267,7 +140,7 @@ void train(const Args& args) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
-      fsdp::write_trace(args.trace + rank_suffix + ".json");
+      fsdp::write_trace(output(args.trace, ".json"));
     const auto mem = fsdp::train::take_memory_peaks(device);
     const auto stats = fsdp::runtime_stats();
     const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
@@ -288,12 +161,20 @@ void train(const Args& args) {
         << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
         << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << args.batch * args.seq * comm->world_size()
         << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
+        << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
+        << ",\"rss_gib\":" << mem.rss_now_gib
         << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
+    log.flush();
+    check_log();
   }
-  if (!args.profile.empty()) fsdp::train::save_profile(args.profile + rank_suffix + ".json");
-  if (!args.memory_snapshot.empty())
-    fsdp::train::write_memory_snapshot(device, args.memory_snapshot + rank_suffix + ".pickle");
-  if (lead) std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
+  if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
+  if (!args.memory_snapshot.empty()) fsdp::train::write_memory_snapshot(device, output(args.memory_snapshot, ".pickle"));
+  if (sampler) sampler->close();
+  if (lead) {
+    log.close();
+    check_log();
+    std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
+  }
   fsdp::shutdown();
 }
 
@@ -306,10 +187,30 @@ int main(int argc, char** argv) {
   // 1.069 -> 1.023, bench/results/2026-11-22-h200x2-3cf0cd8). A value in the
   // environment, even empty, wins.
   setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
+  fsdp::train::TrainArgs args;
   try {
-    train(parse(argc, argv));
+    args = fsdp::train::parse_train_args(std::vector<std::string>(argv + 1, argv + argc));
+    if (args.help) {
+      std::cout << fsdp::train::train_help_text();
+      return 0;
+    }
+    fsdp::train::check_train_args_on_this_machine(args);
+  } catch (const fsdp::train::UsageError& e) {
+    // Every rank finds the same error before any of them joins the others: one says it.
+    if (launch_rank() == 0) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
+  }
+  if (args.dry_run) {
+    if (launch_rank() == 0)
+      std::printf("fsdp-train: dry run: the flags, files and memory check out for --model %s, %lld x %lld tokens "
+                  "per rank, %d steps; nothing trained\n",
+                  args.model.c_str(), (long long)args.batch, (long long)args.seq, args.steps);
+    return 0;
+  }
+  try {
+    train(args);
   } catch (const std::exception& e) {
-    fsdp::abort_job(std::string("fsdp-train: error: ") + e.what());
+    fsdp::abort_job("fsdp-train: error on rank " + std::to_string(launch_rank()) + ": " + fsdp::error_text(e));
   }
   return 0;
 }

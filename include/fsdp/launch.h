@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -48,6 +49,10 @@ std::shared_ptr<Communicator> init(const InitOptions& options = {});
 std::shared_ptr<Communicator> default_communicator();
 // Forgets the default communicator (it is destroyed once nothing else holds it).
 void shutdown();
+
+// An exception's message for a person: libtorch's errors without the C++ backtrace they carry
+// (set FSDP_BACKTRACE=1 to keep it, for debugging).
+std::string error_text(const std::exception& e);
 
 // Prints `message` and ends every rank of the job: MPI_Abort under MPI (so
 // mpirun stops the others), exit(1) otherwise. For fatal errors in tools.

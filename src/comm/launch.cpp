@@ -2,6 +2,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -216,12 +217,20 @@ void shutdown() {
   g_default.reset();
 }
 
+std::string error_text(const std::exception& e) {
+  const char* keep = std::getenv("FSDP_BACKTRACE");
+  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&e); torch_error && !(keep && *keep == '1'))
+    return torch_error->what_without_backtrace();
+  return e.what();
+}
+
 void abort_job(const std::string& message) {
   std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
-  int finalized = 0;
-  if (mpi_is_initialized() && (MPI_Finalized(&finalized), !finalized))
-    MPI_Abort(MPI_COMM_WORLD, 1);
+  int finalized = 0, processes = 1;
+  if (mpi_is_initialized() && (MPI_Finalized(&finalized), !finalized) &&
+      (MPI_Comm_size(MPI_COMM_WORLD, &processes), processes > 1))
+    MPI_Abort(MPI_COMM_WORLD, 1);  // mpirun stops the others
   std::exit(1);
 }
 

@@ -69,6 +69,8 @@ void Trace::write(const std::string& path, int rank) {
   }
   out << "]}\n";
   spans_.clear();
+  out.close();
+  if (!out) throw std::runtime_error("fsdp: could not write the whole trace file '" + path + "'");
 }
 
 }  // namespace fsdp

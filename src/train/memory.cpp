@@ -1,7 +1,11 @@
 #include "train/memory.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <stdexcept>
@@ -12,6 +16,7 @@
 
 #ifdef FSDP_WITH_NCCL
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
 
@@ -35,6 +40,13 @@ double proc_kib(const char* path, const std::string& key) {
 
 }  // namespace
 
+double resident_gib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return static_cast<double>(pages_resident) * sysconf(_SC_PAGESIZE) / kGiB;
+}
+
 MemoryPeaks take_memory_peaks(const c10::Device& device) {
   MemoryPeaks peaks;
 #ifdef FSDP_WITH_NCCL
@@ -47,32 +59,35 @@ MemoryPeaks take_memory_peaks(const c10::Device& device) {
     peaks.active_gib = stats.active_bytes[all].peak / kGiB;
     static long retries_before = 0;
     peaks.alloc_retries = stats.num_alloc_retries - retries_before;
+    peaks.allocated_now_bytes = stats.allocated_bytes[all].current;
+    peaks.reserved_now_bytes = stats.reserved_bytes[all].current;
+    peaks.rss_now_gib = resident_gib();
     retries_before = stats.num_alloc_retries;
     alloc::resetPeakStats(device.index());
     return peaks;
   }
 #endif
   peaks.allocated_gib = std::max(0.0, proc_kib("/proc/self/status", "VmHWM:")) * 1024.0 / kGiB;
+  peaks.rss_now_gib = resident_gib();
   return peaks;
 }
 
-void require_host_memory(double bytes, const std::string& what) {
-  const double available_kib = proc_kib("/proc/meminfo", "MemAvailable:");
-  if (available_kib < 0) return;  // no figure to check against
-  int local = 1;
-  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
-    if (const char* v = std::getenv(name)) {
-      local = std::max(1, std::atoi(v));
-      break;
-    }
-  const double available = available_kib * 1024.0, needed = bytes * local;
-  if (needed <= available) return;
-  char message[512];
-  std::snprintf(message, sizeof(message),
-                "%s take %.1f GB of host memory in each of the %d process(es) on this machine, %.1f GB "
-                "in all, but %.1f GB is available: use a smaller model or fewer processes per machine",
-                what.c_str(), bytes / 1e9, local, needed / 1e9, available / 1e9);
-  throw std::runtime_error(message);
+double available_host_bytes() {
+  const double kib = proc_kib("/proc/meminfo", "MemAvailable:");
+  return kib < 0 ? -1 : kib * 1024.0;
+}
+
+double smallest_gpu_bytes() {
+  double smallest = -1;
+#ifdef FSDP_WITH_NCCL
+  for (int i = 0; i < c10::cuda::device_count(); ++i) {
+    cudaDeviceProp props{};
+    if (cudaGetDeviceProperties(&props, i) != cudaSuccess) return -1;
+    const double bytes = static_cast<double>(props.totalGlobalMem);
+    smallest = smallest < 0 ? bytes : std::min(smallest, bytes);
+  }
+#endif
+  return smallest;
 }
 
 void release_cached_memory(const c10::Device& device) {
@@ -102,12 +117,20 @@ bool start_memory_history(const c10::Device& device) {
 bool write_memory_snapshot(const c10::Device& device, const std::string& path) {
 #ifdef FSDP_WITH_NCCL
   if (device.is_cuda()) {
-    const std::string pickled = torch::cuda::_memory_snapshot_pickled();
-    std::ofstream(path, std::ios::binary).write(pickled.data(), static_cast<std::streamsize>(pickled.size()));
+    write_file(path, torch::cuda::_memory_snapshot_pickled());
     return true;
   }
 #endif
   return false;
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  errno = 0;
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out)
+    throw std::runtime_error("cannot write '" + path + "'" + (errno ? std::string(": ") + std::strerror(errno) : ""));
 }
 
 }  // namespace fsdp::train

@@ -1,6 +1,6 @@
 #include "train/memory_sampler.h"
 
-#include <unistd.h>
+#include "train/memory.h"
 
 #include <stdexcept>
 
@@ -10,23 +10,23 @@
 
 namespace fsdp::train {
 
-double resident_gib() {
-  std::ifstream statm("/proc/self/statm");
-  long pages_total = 0, pages_resident = 0;
-  statm >> pages_total >> pages_resident;
-  return static_cast<double>(pages_resident) * sysconf(_SC_PAGESIZE) / (1024.0 * 1024.0 * 1024.0);
-}
-
 MemorySampler::MemorySampler(const c10::Device& device, const std::string& path,
                              std::chrono::milliseconds period)
-    : device_(device), out_(path), period_(period), start_(std::chrono::steady_clock::now()) {
+    : device_(device), path_(path), out_(path), period_(period), start_(std::chrono::steady_clock::now()) {
   if (!out_) throw std::invalid_argument("cannot write the memory log '" + path + "'");
   thread_ = std::thread([this] { loop(); });
 }
 
 MemorySampler::~MemorySampler() {
   stop_ = true;
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
+}
+
+void MemorySampler::close() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  out_.close();
+  if (!out_) throw std::runtime_error("cannot write the memory log '" + path_ + "'");
 }
 
 double MemorySampler::seconds() const {

@@ -24,12 +24,15 @@ class MemorySampler {
   MemorySampler& operator=(const MemorySampler&) = delete;
 
   void mark_step(int step, double loss);
+  // Stops sampling and throws if any line could not be written (the destructor only stops).
+  void close();
 
  private:
   void loop();
   double seconds() const;
 
   c10::Device device_;
+  std::string path_;
   std::ofstream out_;
   std::mutex mutex_;  // guards out_
   std::chrono::milliseconds period_;
@@ -37,8 +40,5 @@ class MemorySampler {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
-
-// Resident set size of this process, GiB.
-double resident_gib();
 
 }  // namespace fsdp::train

@@ -2,7 +2,10 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <sys/stat.h>
+
 #include <set>
+#include <stdexcept>
 
 namespace fsdp::train {
 
@@ -20,6 +23,12 @@ void start_profile(const c10::Device& device) {
   torch::autograd::profiler::enableProfiler(config, activities);
 }
 
-void save_profile(const std::string& path) { torch::autograd::profiler::disableProfiler()->save(path); }
+void save_profile(const std::string& path) {
+  torch::autograd::profiler::disableProfiler()->save(path);
+  // save() reports a failed write only in a log line: check that the file is there.
+  struct stat st{};
+  if (stat(path.c_str(), &st) != 0 || st.st_size == 0)
+    throw std::runtime_error("could not write the profile '" + path + "'");
+}
 
 }  // namespace fsdp::train

@@ -1,0 +1,297 @@
+#include "train/args.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "model/llama.h"
+#include "train/memory.h"
+
+namespace fsdp::train {
+namespace {
+
+struct Flag {
+  std::string help;
+  std::function<void(const std::string&)> set;
+  bool takes_value = true;
+};
+
+// A number that reads completely and fits its type (no "-1" into an unsigned, no "1e99" into an int).
+template <class T>
+std::function<void(const std::string&)> number(T& field) {
+  return [&field](const std::string& v) {
+    std::istringstream in(v);
+    T value{};
+    const bool negative_unsigned = std::is_unsigned_v<T> && v.find('-') != std::string::npos;
+    if (v.empty() || negative_unsigned || !(in >> value) || !in.eof())
+      throw UsageError("'" + v + "' is not " + (std::is_integral_v<T> ? "an integer in range" : "a number"));
+    if constexpr (std::is_floating_point_v<T>)
+      if (!std::isfinite(value)) throw UsageError("'" + v + "' is not a finite number");
+    field = value;
+  };
+}
+
+std::function<void(const std::string&)> text(std::string& field) {
+  return [&field](const std::string& v) { field = v; };
+}
+std::function<void(const std::string&)> set_true(bool& field) {
+  return [&field](const std::string&) { field = true; };
+}
+
+std::map<std::string, Flag> flags(TrainArgs& a) {
+  return {
+      {"--model", {"preset: tiny, small, 1b, 8b (default tiny)", text(a.model)}},
+      {"--steps", {"training steps (default 20)", number(a.steps)}},
+      {"--batch", {"sequences per rank per step (default 4)", number(a.batch)}},
+      {"--seq", {"tokens per sequence (default 128)", number(a.seq)}},
+      {"--lr", {"peak learning rate (default 3e-3)", number(a.lr)}},
+      {"--min-lr", {"final learning rate of the cosine decay (default 3e-4)", number(a.min_lr)}},
+      {"--warmup", {"linear warmup steps (default 5)", number(a.warmup)}},
+      {"--weight-decay", {"AdamW weight decay (default 0.1)", number(a.weight_decay)}},
+      {"--clip", {"global gradient-norm clip, 0 = off (default 1.0)", number(a.clip)}},
+      {"--seed", {"seed for weights and data (default 1234)", number(a.seed)}},
+      {"--data", {"'synthetic' or a text file read as bytes (default synthetic)", text(a.data)}},
+      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU (default auto)",
+                         text(a.param_dtype)}},
+      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16 (default fp32)", text(a.reduce_dtype)}},
+      {"--no-reshard-after-forward",
+       {"keep blocks unsharded from forward to backward",
+        [&a](const std::string&) { a.reshard_after_forward = false; }, false}},
+      {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
+      {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
+      {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
+      {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", text(a.log)}},
+      {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
+      {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
+                            number(a.runtime.prefetch_depth)}},
+      {"--max-inflight-allgathers",
+       {"all-gathers the CPU may run ahead of the GPU, 0 = unlimited (default 2)",
+        number(a.runtime.max_inflight_allgathers)}},
+      {"--max-inflight-reduce-scatters",
+       {"reduce-scatters in flight before the CPU waits, 0 = unlimited (default 2)",
+        number(a.runtime.max_inflight_reduce_scatters)}},
+      {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
+                       number(a.runtime.bucket_mb)}},
+      {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
+      {"--trace-steps", {"steps the trace covers, from the second (default 2)", number(a.trace_steps)}},
+      {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
+                     "GPU kernels per stream, to PATH-rankR.json", text(a.profile)}},
+      {"--profile-steps", {"steps the profile covers, at the end of the run (default 2)", number(a.profile_steps)}},
+      {"--memory-snapshot",
+       {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)", text(a.memory_snapshot)}},
+      {"--memory-log", {"sample memory every 10 ms into PATH-rankR.jsonl, with step markers", text(a.memory_log)}},
+      {"--optimizer-before-shard",
+       {"create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
+        set_true(a.optimizer_before_shard), false}},
+      {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)", text(a.save_init)}},
+      {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
+                     set_true(a.dry_run), false}},
+  };
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw UsageError(message);
+}
+
+// A system call's result: an empty string, or why it failed (errno read right after the call,
+// before any message is built).
+std::string failure(int result) { return result == 0 ? "" : std::strerror(errno); }
+
+// The flags' values on their own, before anything is read from the machine.
+void check_ranges(const TrainArgs& a) {
+  try {
+    model::LlamaConfig::preset(a.model);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--model: ") + e.what());
+  }
+  require(a.steps >= 1, "--steps must be at least 1");
+  require(a.batch >= 1, "--batch must be at least 1");
+  require(a.seq >= 1 && a.seq <= (1 << 20), "--seq must be between 1 and 1048576");
+  require(a.lr > 0, "--lr must be positive");
+  require(a.min_lr >= 0 && a.min_lr <= a.lr, "--min-lr must be between 0 and --lr");
+  require(a.warmup >= 0, "--warmup must be 0 or more");
+  require(a.weight_decay >= 0, "--weight-decay must be 0 or more");
+  require(a.clip >= 0, "--clip must be 0 (off) or positive");
+  require(a.timeout_s >= 0, "--timeout must be 0 (default) or a positive number of seconds");
+  require(a.runtime.prefetch_depth >= 0, "--prefetch-depth must be 0 or more");
+  require(a.runtime.max_inflight_allgathers >= 0, "--max-inflight-allgathers must be 0 (unlimited) or more");
+  require(a.runtime.max_inflight_reduce_scatters >= 0,
+          "--max-inflight-reduce-scatters must be 0 (unlimited) or more");
+  require(a.runtime.bucket_mb >= 0, "--bucket-mb must be 0 (off) or positive");
+  require(a.trace_steps >= 1, "--trace-steps must be at least 1");
+  require(a.profile.empty() || (a.profile_steps >= 1 && a.profile_steps <= a.steps),
+          "--profile-steps must be between 1 and --steps");
+  require(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
+          "--backend must be auto, mpi or nccl, not '" + a.backend + "'");
+  for (const auto* dtype : {&a.param_dtype, &a.reduce_dtype}) dtype_named(*dtype, true);
+  require(a.data == "synthetic" || model::LlamaConfig::preset(a.model).vocab >= 256,
+          "--data FILE needs a vocabulary of at least 256 byte tokens; --model " + a.model + " has fewer");
+}
+
+// An output path must be creatable: an existing regular file we may write, or a new name in an
+// existing directory we may write. Checked up front so no run ends with its output lost.
+void require_writable(const std::string& flag, const std::string& path) {
+  struct stat st{};
+  if (stat(path.c_str(), &st) == 0) {
+    // Devices and pipes too (/dev/stdout is a fine log).
+    require(S_ISREG(st.st_mode) || S_ISCHR(st.st_mode) || S_ISFIFO(st.st_mode),
+            flag + ": '" + path + "' exists and is not a file");
+    const std::string denied = failure(access(path.c_str(), W_OK));
+    require(denied.empty(), flag + ": cannot write '" + path + "': " + denied);
+    return;
+  }
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  require(stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+          flag + ": cannot write '" + path + "': the directory '" + dir + "' does not exist");
+  const std::string denied = failure(access(dir.c_str(), W_OK));
+  require(denied.empty(), flag + ": cannot write '" + path + "': directory '" + dir + "': " + denied);
+}
+
+void check_data_file(const TrainArgs& a) {
+  if (a.data == "synthetic") return;
+  struct stat st{};
+  const std::string missing = failure(stat(a.data.c_str(), &st));
+  require(missing.empty(), "--data: cannot read '" + a.data + "': " + missing);
+  require(S_ISREG(st.st_mode), "--data: '" + a.data + "' is not a regular file");
+  const std::string denied = failure(access(a.data.c_str(), R_OK));
+  require(denied.empty(), "--data: cannot read '" + a.data + "': " + denied);
+  // A row is seq + 1 tokens (inputs and shifted targets) from a random start.
+  require(st.st_size >= a.seq + 2, "--data: '" + a.data + "' has " + std::to_string(st.st_size) +
+                                       " bytes; --seq " + std::to_string(a.seq) + " needs at least " +
+                                       std::to_string(a.seq + 2) + " (lower --seq or use a longer file)");
+}
+
+int env_int(std::initializer_list<const char*> names, int fallback) {
+  for (const char* name : names)
+    if (const char* v = std::getenv(name)) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && n > 0 && n < (1 << 20)) return static_cast<int>(n);
+    }
+  return fallback;
+}
+
+std::string gib(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof(s), "%.1f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return s;
+}
+
+// Lower bounds, not estimates: a run below them cannot fit, a run above them still may not.
+void check_memory(const TrainArgs& a) {
+  auto config = model::LlamaConfig::preset(a.model);
+  config.tie_embeddings = a.tie_embeddings;
+  const double params = static_cast<double>(config.parameter_count());
+  const int local = env_int({"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 1);
+  const double host = available_host_bytes();
+  if (host > 0 && 4.0 * params * local > host) {
+    char message[512];
+    std::snprintf(message, sizeof(message),
+                  "the %s model's float32 weights, built whole before sharding, take %.1f GB of host memory "
+                  "in each of the %d process(es) on this machine, %.1f GB in all, but %.1f GB is available: "
+                  "use a smaller model or fewer processes per machine",
+                  a.model.c_str(), 4.0 * params / 1e9, local, 4.0 * params * local / 1e9, host / 1e9);
+    throw UsageError(message);
+  }
+  const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();
+  const bool on_gpu = gpu > 0;
+  const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
+  const int world = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"}, 1);
+  const double tokens = static_cast<double>(a.batch) * a.seq;
+  // Sharded fp32 weights, gradients and AdamW's two moments; the logits in the compute dtype, their
+  // float32 copy for the loss and its gradient; per block at least its input (checkpointed) or
+  // its input, q, k, v, attention output and the MLP's three ffn-wide products.
+  const double state = 16.0 * params / world;
+  const double logits = tokens * config.vocab * (compute_bytes + 8);
+  const double per_block = a.checkpoint ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
+  const double activations = tokens * config.n_layers * per_block * compute_bytes;
+  const double needed = state + logits + activations;
+  const double have = on_gpu ? gpu : host / local;
+  if (have > 0 && needed > have)
+    throw UsageError("--batch " + std::to_string(a.batch) + " x --seq " + std::to_string(a.seq) + " on the " +
+                     a.model + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
+                     " sharded state, " + gib(logits + activations) + " activations), more than the " + gib(have) +
+                     (on_gpu ? " of a GPU" : " of host memory per process") +
+                     ": lower --batch or --seq" + (a.checkpoint ? "" : ", or add --checkpoint"));
+}
+
+}  // namespace
+
+c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
+  if (name == "fp32") return c10::kFloat;
+  if (name == "bf16") return c10::kBFloat16;
+  if (name == "auto") return on_gpu ? c10::kBFloat16 : c10::kFloat;
+  throw UsageError("dtype must be fp32, bf16 or auto, not '" + name + "'");
+}
+
+TrainArgs parse_train_args(const std::vector<std::string>& argv) {
+  TrainArgs a;
+  auto table = flags(a);
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& name = argv[i];
+    if (name == "--help" || name == "-h") {
+      a.help = true;
+      return a;
+    }
+    auto it = table.find(name);
+    if (it == table.end()) throw UsageError("unknown flag '" + name + "' (see --help)");
+    std::string value;
+    if (it->second.takes_value) {
+      if (i + 1 >= argv.size()) throw UsageError(name + " needs a value");
+      value = argv[++i];
+    }
+    try {
+      it->second.set(value);
+    } catch (const std::exception& e) {
+      throw UsageError(name + ": " + e.what());
+    }
+  }
+  check_ranges(a);
+  return a;
+}
+
+std::string train_help_text() {
+  TrainArgs defaults;
+  std::string out =
+      "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun)\n"
+      "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
+      "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n"
+      "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run.\n\n";
+  for (auto& [name, f] : flags(defaults)) {
+    char line[512];
+    std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), f.help.c_str());
+    out += line;
+  }
+  return out + "  --help                           this text\n";
+}
+
+void check_train_args_on_this_machine(const TrainArgs& a) {
+  check_data_file(a);
+  require_writable("--log", a.log);
+  if (!a.save_init.empty()) require_writable("--save-init", a.save_init);
+  struct PerRankOutput {
+    const char* flag;
+    const std::string& prefix;
+    const char* extension;
+  };
+  for (const auto& out : {PerRankOutput{"--trace", a.trace, ".json"}, PerRankOutput{"--profile", a.profile, ".json"},
+                          PerRankOutput{"--memory-log", a.memory_log, ".jsonl"},
+                          PerRankOutput{"--memory-snapshot", a.memory_snapshot, ".pickle"}})
+    if (!out.prefix.empty()) require_writable(out.flag, rank_path(out.prefix, 0, out.extension));
+  check_memory(a);
+}
+
+std::string rank_path(const std::string& prefix, int rank, const std::string& extension) {
+  return prefix + "-rank" + std::to_string(rank) + extension;
+}
+
+}  // namespace fsdp::train

@@ -1,0 +1,58 @@
+// fsdp-train's command line: the flags, their defaults, and every check that can be made before
+// any rank starts work. A usage error is reported once (by the first rank) and ends the run with
+// exit code 2, before any process joins a communicator.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fsdp/runtime_options.h"
+
+namespace fsdp::train {
+
+// Bad flags or a run this machine cannot do: the user's to fix, reported without a backtrace.
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct TrainArgs {
+  std::string model = "tiny";
+  int steps = 20;
+  int64_t batch = 4;  // per rank
+  int64_t seq = 128;
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
+  int warmup = 5;
+  uint64_t seed = 1234;
+  std::string data = "synthetic";
+  std::string param_dtype = "auto", reduce_dtype = "fp32";
+  bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
+  std::string backend = "auto";
+  std::string log = "fsdp-train.jsonl";
+  double timeout_s = 0;
+  RuntimeOptions runtime;
+  std::string save_init;  // file for the initial full weights (rank 0)
+  std::string trace, memory_snapshot, memory_log, profile;
+  bool optimizer_before_shard = false;
+  int trace_steps = 2;
+  int profile_steps = 2;
+  bool dry_run = false;  // check everything, print the plan, train nothing
+  bool help = false;
+};
+
+// Reads the flags (argv without the program name). Throws UsageError naming the flag and the fix.
+TrainArgs parse_train_args(const std::vector<std::string>& argv);
+std::string train_help_text();
+// The checks that need this machine: the data file, every output path writable, and memory for
+// the model and for --batch x --seq, on the GPUs when there are any (else the host).
+// Throws UsageError.
+void check_train_args_on_this_machine(const TrainArgs& args);
+// "fp32", "bf16" or "auto" (bf16 on GPUs).
+c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
+
+// The path a rank writes for a per-rank output PREFIX (trace, profile, snapshot, memory log).
+std::string rank_path(const std::string& prefix, int rank, const std::string& extension);
+
+}  // namespace fsdp::train

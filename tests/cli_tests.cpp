@@ -1,0 +1,110 @@
+// fsdp-train's command line: every bad flag is one UsageError that names it and the fix, and no
+// command line, however mangled, gets anything else (a crash, another exception, a huge allocation).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "train/args.h"
+
+namespace {
+
+using fsdp::train::TrainArgs;
+using fsdp::train::UsageError;
+
+TrainArgs checked(const std::vector<std::string>& argv) {
+  TrainArgs a = fsdp::train::parse_train_args(argv);
+  fsdp::train::check_train_args_on_this_machine(a);
+  return a;
+}
+
+std::string usage_error_of(const std::vector<std::string>& argv) {
+  try {
+    checked(argv);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
+  using ::testing::HasSubstr;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--steps", "abc"}, "--steps: 'abc' is not an integer"},
+      {{"--steps", "0"}, "--steps must be at least 1"},
+      {{"--steps", "99999999999"}, "--steps: '99999999999' is not an integer in range"},
+      {{"--seed", "-1"}, "--seed: '-1' is not an integer"},
+      {{"--lr", "nan"}, "--lr: 'nan' is not a number"},
+      {{"--lr", "-1"}, "--lr must be positive"},
+      {{"--min-lr", "1"}, "--min-lr must be between 0 and --lr"},
+      {{"--bogus"}, "unknown flag '--bogus'"},
+      {{"--steps"}, "--steps needs a value"},
+      {{"--model", "huge"}, "--model: unknown model preset 'huge'"},
+      {{"--param-dtype", "fp8"}, "dtype must be fp32, bf16 or auto, not 'fp8'"},
+      {{"--backend", "gloo"}, "--backend must be auto, mpi or nccl"},
+      {{"--profile", "/tmp/p", "--steps", "2", "--profile-steps", "3"}, "--profile-steps must be between 1 and --steps"},
+      {{"--data", "/nonexistent"}, "--data: cannot read '/nonexistent': No such file or directory"},
+      {{"--data", "/"}, "--data: '/' is not a regular file"},
+      {{"--model", "tiny", "--data", "/proc/self/status"}, "needs at least 130"},
+      {{"--log", "/proc/x/y"}, "--log: cannot write '/proc/x/y': the directory '/proc/x' does not exist"},
+      {{"--log", "/"}, "--log: '/' exists and is not a file"},
+      {{"--trace", "/nonexistent/t"}, "--trace: cannot write '/nonexistent/t-rank0.json'"},
+      {{"--model", "small", "--batch", "64", "--seq", "1000000"}, "lower --batch or --seq, or add --checkpoint"},
+  };
+  for (const auto& [argv, message] : cases) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv[0];
+}
+
+TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
+  EXPECT_EQ(usage_error_of({}), "(accepted)");
+  const std::string log = ::testing::TempDir() + "fsdp_cli_test.jsonl";
+  EXPECT_EQ(usage_error_of({"--model", "tiny", "--steps", "3", "--log", log, "--log", "/dev/null"}), "(accepted)");
+  const TrainArgs a = checked({"--steps", "7", "--seq", "32", "--checkpoint", "--dry-run"});
+  EXPECT_EQ(a.steps, 7);
+  EXPECT_EQ(a.seq, 32);
+  EXPECT_TRUE(a.checkpoint && a.dry_run);
+}
+
+// Random command lines built from real flags, real and mangled values and junk: each is accepted
+// or refused with a UsageError, never anything else. Seeded, so a failure repeats.
+TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
+  TrainArgs defaults;
+  const std::string text = ::testing::TempDir() + "fsdp_cli_fuzz.txt";
+  std::ofstream(text) << std::string(300, 'x');
+  const std::vector<std::string> names = {
+      "--model", "--steps", "--batch", "--seq", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip",
+      "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--log", "--timeout",
+      "--prefetch-depth", "--max-inflight-allgathers", "--max-inflight-reduce-scatters", "--bucket-mb",
+      "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",
+      "--save-init", "--checkpoint", "--tie-embeddings", "--no-reshard-after-forward", "--dry-run",
+      "--optimizer-before-shard", "-", "--", "---steps", "--STEPS", "--steps=3", ""};
+  const std::vector<std::string> values = {
+      "0", "1", "2", "-1", "3.5", "1e308", "1e-320", "inf", "-inf", "nan", "0x10", "9223372036854775807",
+      "18446744073709551616", "-9223372036854775809", "", " ", "1 2", "tiny", "small", "1b", "8b", "fp32",
+      "bf16", "auto", "mpi", "nccl", "synthetic", "/", "/dev/null", "/dev/full", "/nonexistent/x",
+      "/proc/self/status", text, std::string(5000, 'a'), std::string("\xff\xfe", 2), "--steps"};
+  std::mt19937 rng(20261122);
+  auto pick = [&rng](const std::vector<std::string>& from) { return from[rng() % from.size()]; };
+  int accepted = 0, refused = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    std::vector<std::string> argv;
+    const int words = static_cast<int>(rng() % 8);
+    for (int w = 0; w < words; ++w) argv.push_back(rng() % 2 ? pick(names) : pick(values));
+    try {
+      checked(argv);
+      ++accepted;
+    } catch (const UsageError&) {
+      ++refused;
+    } catch (const std::exception& e) {
+      std::string line;
+      for (const auto& word : argv) line += "'" + word + "' ";
+      ADD_FAILURE() << "not a usage error: " << e.what() << "\n  for: " << line;
+    }
+  }
+  std::remove(text.c_str());
+  EXPECT_GT(accepted, 100);  // the generator reaches valid command lines too
+  EXPECT_GT(refused, 1000);
+}
+
+}  // namespace

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# fsdp-run + fsdp-train as a user meets them. Run by ctest:
+#   launcher_tests.sh BUILD_DIR usage         every usage error: one line, exit 2, under fsdp-run
+#   launcher_tests.sh BUILD_DIR write-fails   a log that cannot be written: an error, exit 1, no "done"
+#   launcher_tests.sh BUILD_DIR train STEPS "CHECKS" FSDP_RUN_ARGS... -- FSDP_TRAIN_ARGS...
+#                                             a run whose log passes check_train_log.py CHECKS
+#   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
+#                                             the signal to fsdp-run mid-run reaches every rank: all
+#                                             exit, fsdp-run exits 128+signal, nothing left running
+#                                             (on GPUs: no process left on any GPU)
+set -u
+build=$1 mode=$2
+run="$build/fsdp-run" train="$build/fsdp-train"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+expect_usage_error() {  # expected message, then fsdp-run arguments
+  local want=$1; shift
+  "$run" "$@" >"$work/out" 2>&1
+  local code=$?
+  [ "$code" = 2 ] || fail "exit code $code, not 2, for: $*"$'\n'"$(cat "$work/out")"
+  [ "$(wc -l <"$work/out")" = 1 ] || fail "not one line for: $*"$'\n'"$(cat "$work/out")"
+  grep -qF -- "$want" "$work/out" || fail "no '$want' for: $*"$'\n'"$(cat "$work/out")"
+  echo "ok ($*): $(cat "$work/out")"
+}
+
+case $mode in
+train)
+  steps=$3 checks=$4
+  shift 4
+  launch=()
+  while [ "$1" != -- ]; do launch+=("$1"); shift; done
+  shift
+  "$run" "${launch[@]}" "$train" --steps "$steps" --log "$work/log.jsonl" "$@" || fail "the run failed"
+  # shellcheck disable=SC2086  # CHECKS is a list of flags
+  python3 "$(dirname "$0")/check_train_log.py" "$work/log.jsonl" --steps "$steps" $checks || fail "log check"
+  ;;
+usage)
+  short="$work/short.txt"; printf 'too short' >"$short"
+  expect_usage_error "--steps: 'abc' is not an integer" -n 2 --cpu "$train" --steps abc
+  expect_usage_error "unknown flag '--bogus'" -n 2 --cpu "$train" --bogus
+  expect_usage_error "--data: cannot read '/nonexistent'" -n 2 --cpu "$train" --data /nonexistent
+  expect_usage_error "needs at least 130" -n 2 --cpu "$train" --data "$short"
+  expect_usage_error "--log: cannot write '/proc/x/y'" -n 2 --cpu "$train" --log /proc/x/y
+  expect_usage_error "-n must be a whole number of ranks, at least 1" -n 0 "$train"
+  expect_usage_error "-n must be a whole number of ranks, at least 1" -n two "$train"
+  expect_usage_error "--port must be a TCP port" --port 70000 --gpu -n 1 "$train"
+  echo "usage errors: ok"
+  ;;
+write-fails)
+  "$train" --steps 3 --seq 16 --log /dev/full >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 1 ] || fail "exit code $code, not 1"
+  grep -q "error on rank 0: cannot write the log '/dev/full'" "$work/out" || fail "no error message"
+  ! grep -q "done" "$work/out" || fail "claims success"
+  echo "write failure: ok"
+  ;;
+signal)
+  sig=$3 kind=${4:-cpu}
+  marker="$work/signal-run"  # in every rank's command line, to find leftovers
+  if [ "$kind" = gpu ]; then launch=(--gpu); else launch=(-n 2 --cpu); fi
+  "$run" "${launch[@]}" "$train" --model tiny --steps 100000 --seq 32 --log "$marker.jsonl" >"$work/out" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "step    2/" "$work/out" && break; sleep 0.1; done
+  grep -q "step    2/" "$work/out" || { cat "$work/out"; fail "training never started"; }
+  ranks=$(pgrep -f -- "--log $marker.jsonl" | grep -v "^$pid\$" | wc -l)
+  kill -s "$sig" "$pid"
+  wait "$pid"
+  code=$?
+  tail -3 "$work/out"
+  want=$([ "$sig" = INT ] && echo 130 || echo 143)
+  [ "$code" = "$want" ] || fail "fsdp-run exited $code, not $want"
+  sleep 0.5
+  left=$(pgrep -f -- "--log $marker.jsonl" | wc -l)
+  [ "$left" = 0 ] || fail "$left process(es) still running: $(pgrep -af -- "--log $marker.jsonl")"
+  if [ "$kind" = gpu ]; then
+    apps=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader)
+    [ -z "$apps" ] || fail "processes still hold GPU memory: $apps"
+  fi
+  echo "SIG$sig: fsdp-run exited $code, $ranks process(es) under it all gone: ok"
+  ;;
+*) fail "unknown mode $mode" ;;
+esac
