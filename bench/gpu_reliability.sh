@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue #10's GPU record, in two device calls of under 10 minutes each (the build stays between them):
+#   bash bench/gpu_reliability.sh suite OUT COMMIT   build, the whole ctest suite (GPU tests, fsdp-train on
+#                                                    1 and all GPUs, SIGTERM on GPUs)
+#   bash bench/gpu_reliability.sh long OUT COMMIT [STEPS]
+#                                                    STEPS (default 3000) of the small model on all GPUs with
+#                                                    the memory log, checked for flat memory and step time
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?phase}; out=${2:?output folder}; commit=${3:-unknown}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+mkdir -p "$out"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $commit"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /'
+  python3 -c 'import torch; print("torch:", torch.__version__)'
+} > "$out/env-$phase.txt"
+case $phase in
+  suite)
+    FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+    (cd build && ctest --output-on-failure) > "$out/tests.log" 2>&1
+    ok=$?
+    grep -E "Test +#|tests passed|FAILED|Failed" "$out/tests.log" | tail -60
+    exit $ok ;;
+  long)
+    steps=${4:-3000}
+    build/fsdp-run --gpu build/fsdp-train --model small --seq 512 --batch 2 --steps "$steps" \
+      --log "$out/long-small.jsonl" --memory-log "$out/long-small-memory" > "$out/long-small.log" 2>&1
+    ok=$?
+    tail -3 "$out/long-small.log"
+    [ $ok -eq 0 ] || exit $ok
+    rm -f "$out"/long-small-memory-rank[1-9]*.jsonl
+    python3 tests/check_train_log.py "$out/long-small.jsonl" --steps "$steps" --gpu-memory --stable-from 100 \
+      --rss-growth-mib 50 --step-time-drift 0.10 | tee "$out/long-small-check.txt"
+    exit "${PIPESTATUS[0]}" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
