@@ -63,6 +63,8 @@ def main():
     p.add_argument("--commit", default="unknown")
     p.add_argument("--build", default="build", help="the build folder with fsdp-run and fsdp-train")
     args = p.parse_args()
+    if args.cpu:  # CPU ranks on both sides even on a GPU machine (FSDP2 picks gloo, fsdp-train MPI)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.makedirs(args.out, exist_ok=True)
     gpus = 0 if args.cpu else torch.cuda.device_count()
     ranks = 2 if args.cpu else gpus

@@ -150,6 +150,8 @@ def main():
                    help="run nothing: read the runs of --configs that earlier invocations left in each "
                         "DIR (each run a repeat) and write the tables for them all to --out")
     args = p.parse_args()
+    if args.cpu:  # CPU ranks on both sides even on a GPU machine (FSDP2 picks gloo, fsdp-train MPI)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.makedirs(args.out, exist_ok=True)
     results = combine(args) if args.combine else run_all(args)
     for r in results:

@@ -81,7 +81,7 @@ int free_port() {
 const char* kUsage =
     "usage: fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]\n"
     "  -n N     ranks (default: one per visible GPU, or 2 without GPUs)\n"
-    "  --cpu    CPU ranks through mpirun (default without GPUs)\n"
+    "  --cpu    CPU ranks through mpirun, GPUs hidden (default without GPUs)\n"
     "  --gpu    one process per GPU with torchrun-style variables\n"
     "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
     "SIGINT/SIGTERM reach every rank; exit code 128 + the signal.\n";
@@ -236,6 +236,10 @@ int main(int argc, char** argv) {
   if (mode == Gpu && ranks > gpus)
     usage(("asked for " + std::to_string(ranks) + " GPU ranks but " + std::to_string(gpus) +
            " GPU(s) are visible").c_str());
-  if (mode == Cpu) return run_mpirun(ranks, argv + i);
+  if (mode == Cpu) {
+    // CPU ranks even where GPUs exist: a program choosing its backend by what it sees picks MPI.
+    setenv("CUDA_VISIBLE_DEVICES", "", 1);
+    return run_mpirun(ranks, argv + i);
+  }
   return run_gpu_ranks(ranks, port ? port : free_port(), argv + i);
 }
