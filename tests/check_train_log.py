@@ -6,6 +6,8 @@
 
 --loss-falls      the mean loss of the last 3 steps is at least 5% below that of the first 3
 --gpu-memory      every step has positive peak allocated and reserved GPU memory
+--same-loss-as OTHER --loss-tolerance T
+                  every step in both logs has the same loss within relative T (0: exactly)
 --stable-from S   from step S on: the exact bytes allocated at the end of every step equal those
                   at step S, reserved bytes never change, host RSS grows by less than M MiB, and the
                   median step time of the last tenth of the run is within F (a fraction) of the
@@ -29,14 +31,17 @@ def main():
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--loss-falls", action="store_true")
     p.add_argument("--gpu-memory", action="store_true")
+    p.add_argument("--same-loss-as")
+    p.add_argument("--loss-tolerance", type=float, default=0.0)
+    p.add_argument("--first-step", type=int, default=1, help="the log starts here (a resumed run)")
     p.add_argument("--stable-from", type=int)
     p.add_argument("--rss-growth-mib", type=float, default=50)
     p.add_argument("--step-time-drift", type=float, default=0.15)
     a = p.parse_args()
     with open(a.log) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    if [r["step"] for r in rows] != list(range(1, a.steps + 1)):
-        fail(f"{a.log}: expected steps 1..{a.steps}, found {len(rows)} rows")
+    if [r["step"] for r in rows] != list(range(a.first_step, a.steps + 1)):
+        fail(f"{a.log}: expected steps {a.first_step}..{a.steps}, found {len(rows)} rows")
     print(f"check_train_log: {len(rows)} steps, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
 
     if a.loss_falls:
@@ -45,6 +50,20 @@ def main():
         if not last < 0.95 * first:
             fail(f"loss did not fall: first 3 steps {first:.4f}, last 3 {last:.4f}")
         print(f"check_train_log: loss falls {first:.4f} -> {last:.4f}: ok")
+
+    if a.same_loss_as:
+        with open(a.same_loss_as) as f:
+            other = {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f))}
+        worst = 0.0
+        for r in rows:
+            if r["step"] not in other:
+                fail(f"step {r['step']} is not in {a.same_loss_as}")
+            diff = abs(r["loss"] - other[r["step"]]) / abs(other[r["step"]])
+            worst = max(worst, diff)
+            if diff > a.loss_tolerance:
+                fail(f"step {r['step']}: loss {r['loss']} vs {other[r['step']]} in {a.same_loss_as}, "
+                     f"relative difference {diff:.3g} over {a.loss_tolerance}")
+        print(f"check_train_log: losses as in {a.same_loss_as}, largest relative difference {worst:.3g}: ok")
 
     if a.gpu_memory:
         for r in rows:

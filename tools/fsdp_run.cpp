@@ -1,10 +1,12 @@
 // fsdp-run: starts N ranks of a program on this machine.
-//   fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]
+//   fsdp-run [-n N] [--cpu | --gpu] [--port P] [--grace S] PROGRAM [ARGS...]
 // GPUs: N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT); if one fails the others are stopped. CPU: the
 // MPI backend needs mpirun, so it runs `mpirun -q -n N PROGRAM ARGS`.
-// SIGINT and SIGTERM reach every rank (through mpirun on CPU); ranks still
-// running 10 s later are killed; fsdp-run then exits 128 + the signal (130, 143).
+// SIGINT and SIGTERM reach every rank (as SIGUSR1 through mpirun on CPU); a
+// second signal ends them at once, and ranks still running --grace seconds
+// (default 60: time to save a checkpoint) later are killed; fsdp-run then exits 128 + the signal (130, 143),
+// or 0 if every rank exited 0 (a program that stops cleanly on the signal).
 // A rank's exit code 2 (a usage error, which the program has reported) is
 // passed on without a message.
 #include <netinet/in.h>
@@ -79,12 +81,14 @@ int free_port() {
 }
 
 const char* kUsage =
-    "usage: fsdp-run [-n N] [--cpu | --gpu] [--port P] PROGRAM [ARGS...]\n"
+    "usage: fsdp-run [-n N] [--cpu | --gpu] [--port P] [--grace S] PROGRAM [ARGS...]\n"
     "  -n N     ranks (default: one per visible GPU, or 2 without GPUs)\n"
     "  --cpu    CPU ranks through mpirun, GPUs hidden (default without GPUs)\n"
     "  --gpu    one process per GPU with torchrun-style variables\n"
     "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
-    "SIGINT/SIGTERM reach every rank; exit code 128 + the signal.\n";
+    "  --grace S after SIGINT/SIGTERM, kill ranks still running S seconds later (default 60)\n"
+    "SIGINT/SIGTERM reach every rank (CPU ranks as SIGUSR1, through mpirun); a second one ends\n"
+    "them at once. Exit code: 128 + the signal, or 0 if every rank exited 0.\n";
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", why);
@@ -94,12 +98,17 @@ const char* kUsage =
 volatile sig_atomic_t g_signal = 0;    // the first SIGINT/SIGTERM received
 volatile sig_atomic_t g_signals = 0;   // how many
 std::vector<pid_t> g_children;         // filled before the handler is installed
+// What the children get for the first signal (0: the same signal) and for a second one.
+// mpirun ends the job itself on SIGTERM/SIGINT but passes SIGUSR1 on to its ranks, so CPU
+// ranks are sent SIGUSR1 first (fsdp-train stops at the next step boundary on any of the three).
+int g_first_forward = 0, g_second_forward = SIGKILL;
+int g_grace_s = 60;                    // after the first signal, SIGKILL what still runs
 
 void forward_signal(int sig) {
   if (!g_signal) g_signal = sig;
   ++g_signals;
-  // A second signal means "now": kill instead of asking.
-  for (pid_t child : g_children) kill(child, g_signals > 1 ? SIGKILL : sig);
+  const int send = g_signals > 1 ? g_second_forward : g_first_forward ? g_first_forward : sig;
+  for (pid_t child : g_children) kill(child, send);
 }
 
 void install_signal_forwarding() {
@@ -130,14 +139,14 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
   int exit_code = 0;
   size_t running = children.size();
   std::chrono::steady_clock::time_point kill_at{};  // set once a signal came
-  bool killed = false;
+  bool killed = false, all_clean = true;
   while (running > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno != EINTR) break;
     if (pid <= 0) {
       const auto now = std::chrono::steady_clock::now();
-      if (g_signal && kill_at == std::chrono::steady_clock::time_point{}) kill_at = now + std::chrono::seconds(10);
+      if (g_signal && kill_at == std::chrono::steady_clock::time_point{}) kill_at = now + std::chrono::seconds(g_grace_s);
       if (g_signal && !killed && now > kill_at) {
         for (pid_t c : children) kill(c, SIGKILL);
         killed = true;
@@ -147,6 +156,7 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
     }
     --running;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    all_clean = all_clean && code == 0;
     if (code == 0 || exit_code != 0 || g_signal) continue;
     exit_code = code;
     const size_t index = std::find(children.begin(), children.end(), pid) - children.begin();
@@ -156,8 +166,10 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
       if (c != pid) kill(c, SIGTERM);
   }
   if (g_signal) {
-    std::fprintf(stderr, "fsdp-run: %s; every rank has exited\n", g_signal == SIGINT ? "interrupted" : "terminated");
-    return 128 + g_signal;
+    // Ranks that handled the signal and stopped cleanly (e.g. after saving a checkpoint) exit 0.
+    std::fprintf(stderr, "fsdp-run: %s; every rank has exited%s\n", g_signal == SIGINT ? "interrupted" : "terminated",
+                 all_clean ? " cleanly" : "");
+    return all_clean ? 0 : 128 + g_signal;
   }
   return exit_code;
 }
@@ -174,6 +186,8 @@ int run_mpirun(int ranks, char** program_argv) {
   for (char** p = program_argv; *p; ++p) argv.push_back(*p);
   argv.push_back(nullptr);
   g_children = {start(argv.data())};
+  g_first_forward = SIGUSR1;
+  g_second_forward = SIGTERM;
   install_signal_forwarding();
   const int code = wait_for_children(g_children, nullptr);  // mpirun names the failed rank itself
   if (code == 127 && !g_signal) std::fprintf(stderr, "fsdp-run: cannot start mpirun (install OpenMPI)\n");
@@ -213,12 +227,11 @@ int main(int argc, char** argv) {
   enum { Auto, Cpu, Gpu } mode = Auto;
   for (; i < argc && argv[i][0] == '-'; ++i) {
     std::string a = argv[i];
-    if (a == "-n" || a == "--port") {
+    if (a == "-n" || a == "--port" || a == "--grace") {
       if (i + 1 >= argc) usage((a + " needs a value").c_str());
-      const bool is_n = a == "-n";
-      const int v = integer_in(argv[++i], 1, is_n ? 4096 : 65535);
-      if (v < 0) usage(is_n ? "-n must be a whole number of ranks, at least 1" : "--port must be a TCP port (1-65535)");
-      (is_n ? ranks : port) = v;
+      if (a == "-n" && (ranks = integer_in(argv[++i], 1, 4096)) < 0) usage("-n must be a whole number of ranks, at least 1");
+      if (a == "--port" && (port = integer_in(argv[++i], 1, 65535)) < 0) usage("--port must be a TCP port (1-65535)");
+      if (a == "--grace" && (g_grace_s = integer_in(argv[++i], 0, 86400)) < 0) usage("--grace must be 0 to 86400 seconds");
     }
     else if (a == "--cpu") mode = Cpu;
     else if (a == "--gpu") mode = Gpu;

@@ -4,13 +4,18 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/serialize.h>
 
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/stack.h>
+
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 
 #include "fsdp/fsdp.h"
+#include "io/files.h"
 #include "model/llama.h"
 #include "train/args.h"
 #include "train/data.h"
@@ -31,6 +36,18 @@ void save_weights(torch::nn::Module& model, const std::string& path) {
   fsdp::train::write_file(path, std::string(bytes.begin(), bytes.end()));
 }
 
+// SIGTERM, SIGINT or SIGUSR1 (a job scheduler's notice): finish the step, save, stop.
+volatile sig_atomic_t g_stop_signal = 0;
+
+void stop_at_next_step(int sig) { g_stop_signal = sig; }
+
+void install_stop_handlers() {
+  struct sigaction action{};
+  action.sa_handler = stop_at_next_step;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &action, nullptr);
+}
+
 // The launch variables' rank (0 without a launcher), for messages printed before or without a
 // communicator.
 int launch_rank() {
@@ -41,7 +58,7 @@ int launch_rank() {
   }
 }
 
-void train(const fsdp::train::TrainArgs& args) {
+int train(const fsdp::train::TrainArgs& args) {
   fsdp::InitOptions init;
   init.backend = args.backend == "mpi"    ? fsdp::Backend::Mpi
                  : args.backend == "nccl" ? fsdp::Backend::Nccl
@@ -81,6 +98,26 @@ void train(const fsdp::train::TrainArgs& args) {
   // Long-lived buffers first, next to the sharded parameters, before activations split the pool.
   optimizer->init_state();
   fsdp::train::allocate_library_workspaces(device);
+  fsdp::CheckpointState checkpoint = fsdp::model_state(*model);
+  optimizer->add_to_checkpoint(checkpoint, model->named_parameters().pairs());
+  int first_step = 0;
+  if (!args.resume.empty()) {
+    const std::string from = fsdp::newest_checkpoint(args.resume);
+    fsdp::load_checkpoint(from, checkpoint);
+    first_step = std::stoi(checkpoint.extra.at("step"));
+    if (lead) std::printf("fsdp-train: resumed from %s (step %d)\n", from.c_str(), first_step);
+  }
+  if (lead && !args.save_dir.empty()) fsdp::io::make_directories(args.save_dir);
+  auto save = [&](int steps_done) {
+    checkpoint.extra = {{"step", std::to_string(steps_done)}, {"model", args.model}, {"seed", std::to_string(args.seed)},
+                        {"data", args.data}};
+    const std::string dir = args.save_dir + "/" + fsdp::checkpoint_name(steps_done);
+    const auto begin = std::chrono::steady_clock::now();
+    fsdp::save_checkpoint(dir, checkpoint);
+    if (lead)
+      std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  };
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
@@ -90,6 +127,7 @@ void train(const fsdp::train::TrainArgs& args) {
   };
   if (lead) {
     log.open(args.log);
+    log.precision(9);  // enough to compare runs (resume, resharding) step by step
     check_log();
     std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %lld x %lld "
                 "tokens per rank | param %s, reduce %s",
@@ -111,7 +149,8 @@ void train(const fsdp::train::TrainArgs& args) {
     sampler = std::make_unique<fsdp::train::MemorySampler>(device, output(args.memory_log, ".jsonl"));
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
-  for (int step = 0; step < args.steps; ++step) {
+  int exit_code = 0;
+  for (int step = first_step; step < args.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double lr = schedule.at(step);
     for (auto& group : optimizer->param_groups())
@@ -132,9 +171,13 @@ void train(const fsdp::train::TrainArgs& args) {
     const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
     optimizer->step();
 
-    auto global_loss = loss.detach().clone();
-    comm->all_reduce(global_loss, fsdp::ReduceOp::Avg);
-    const double loss_value = global_loss.item<double>();  // also waits for the GPU
+    // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
+    auto loss_and_stop = at::stack({loss.detach().to(at::kFloat).reshape({}),
+                                    at::scalar_tensor(static_cast<double>(g_stop_signal), loss.options().dtype(at::kFloat))});
+    comm->all_reduce(loss_and_stop, fsdp::ReduceOp::Sum);
+    const auto totals = loss_and_stop.cpu();  // also waits for the GPU
+    const double loss_value = totals[0].item<double>() / comm->world_size();
+    const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -147,7 +190,7 @@ void train(const fsdp::train::TrainArgs& args) {
     const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
-    if (!lead) continue;
+    if (lead) {
     std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
                 step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
                 mem.allocated_gib);
@@ -166,6 +209,20 @@ void train(const fsdp::train::TrainArgs& args) {
         << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
     log.flush();
     check_log();
+    }
+    const int done = step + 1;
+    const bool stop = stop_requested || done == args.stop_at_step;
+    if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0)))
+      save(done);
+    if (stop) {
+      if (lead)
+        std::printf("fsdp-train: stopped after step %d (%s)%s\n", done,
+                    stop_requested ? "a signal" : "--stop-at-step",
+                    args.save_dir.empty() ? "; nothing saved: no --save-dir" : "");
+      // Stopped by a signal with nothing saved: the signal's exit code, as if it had ended us.
+      exit_code = stop_requested && args.save_dir.empty() ? 128 + (g_stop_signal ? g_stop_signal : SIGTERM) : 0;
+      break;
+    }
   }
   if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
   if (!args.memory_snapshot.empty()) fsdp::train::write_memory_snapshot(device, output(args.memory_snapshot, ".pickle"));
@@ -176,6 +233,7 @@ void train(const fsdp::train::TrainArgs& args) {
     std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
   }
   fsdp::shutdown();
+  return exit_code;
 }
 
 }  // namespace
@@ -207,8 +265,9 @@ int main(int argc, char** argv) {
                   args.model.c_str(), (long long)args.batch, (long long)args.seq, args.steps);
     return 0;
   }
+  install_stop_handlers();
   try {
-    train(args);
+    return train(args);
   } catch (const std::exception& e) {
     fsdp::abort_job("fsdp-train: error on rank " + std::to_string(launch_rank()) + ": " + fsdp::error_text(e));
   }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "fsdp/checkpoint.h"
+#include "fsdp/sharded_checkpoint.h"
 #include "fsdp/communicator.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"

@@ -12,6 +12,7 @@
 #include <map>
 #include <sstream>
 
+#include "fsdp/sharded_checkpoint.h"
 #include "model/llama.h"
 #include "train/memory.h"
 
@@ -92,6 +93,13 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
        {"create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
         set_true(a.optimizer_before_shard), false}},
       {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)", text(a.save_init)}},
+      {"--save-dir", {"save sharded checkpoints under DIR/step-N (at --save-every, at the end, at "
+                      "--stop-at-step, and on SIGTERM/SIGINT/SIGUSR1 at the next step boundary)", text(a.save_dir)}},
+      {"--save-every", {"steps between checkpoints, 0 = only at the end or when stopped (default 0)",
+                        number(a.save_every)}},
+      {"--resume", {"resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
+      {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps (default off)",
+                          number(a.stop_at_step)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
   };
@@ -126,6 +134,9 @@ void check_ranges(const TrainArgs& a) {
   require(a.runtime.max_inflight_reduce_scatters >= 0,
           "--max-inflight-reduce-scatters must be 0 (unlimited) or more");
   require(a.runtime.bucket_mb >= 0, "--bucket-mb must be 0 (off) or positive");
+  require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
+  require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
+  require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");
   require(a.trace_steps >= 1, "--trace-steps must be at least 1");
   require(a.profile.empty() || (a.profile_steps >= 1 && a.profile_steps <= a.steps),
           "--profile-steps must be between 1 and --steps");
@@ -276,6 +287,19 @@ std::string train_help_text() {
 
 void check_train_args_on_this_machine(const TrainArgs& a) {
   check_data_file(a);
+  if (!a.save_dir.empty()) {
+    struct stat st{};
+    if (stat(a.save_dir.c_str(), &st) == 0) {
+      require(S_ISDIR(st.st_mode), "--save-dir: '" + a.save_dir + "' is not a directory");
+      const std::string denied = failure(access(a.save_dir.c_str(), W_OK));
+      require(denied.empty(), "--save-dir: cannot write '" + a.save_dir + "': " + denied);
+    } else {
+      require_writable("--save-dir", a.save_dir);  // a new directory in a writable one
+    }
+  }
+  if (!a.resume.empty())
+    require(!fsdp::newest_checkpoint(a.resume).empty(),
+            "--resume: '" + a.resume + "' holds no complete checkpoint (a step-N directory with metadata.bin)");
   require_writable("--log", a.log);
   if (!a.save_init.empty()) require_writable("--save-init", a.save_init);
   struct PerRankOutput {

@@ -38,6 +38,9 @@ struct TrainArgs {
   bool optimizer_before_shard = false;
   int trace_steps = 2;
   int profile_steps = 2;
+  std::string save_dir, resume;  // checkpoints: where to save, where to resume from
+  int save_every = 0;            // steps between saves, 0 = only at the end or when stopped
+  int stop_at_step = 0;          // save and stop after this step, 0 = run all --steps
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool help = false;
 };

@@ -35,6 +35,18 @@ void FusedAdamW::init_state() {
       if (p.requires_grad() && p.numel() > 0) state_of(p);
 }
 
+void FusedAdamW::add_to_checkpoint(fsdp::CheckpointState& state,
+                                   const std::vector<std::pair<std::string, at::Tensor>>& named_params) {
+  for (const auto& [name, param] : named_params) {
+    auto it = state_.find(param.unsafeGetTensorImpl());
+    if (it == state_.end()) continue;  // frozen or empty: no state
+    auto& s = static_cast<FusedAdamWState&>(*it->second);
+    state.add_sharded("adam.exp_avg." + name, s.exp_avg, param);
+    state.add_sharded("adam.exp_avg_sq." + name, s.exp_avg_sq, param);
+    state.add_replicated("adam.step." + name, s.step);
+  }
+}
+
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::Tensor loss;
   if (closure) {

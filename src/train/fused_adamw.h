@@ -7,6 +7,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
+#include "fsdp/sharded_checkpoint.h"
+
 namespace fsdp::train {
 
 struct FusedAdamWState : torch::optim::OptimizerCloneableParamState<FusedAdamWState> {
@@ -26,6 +28,10 @@ class FusedAdamW : public torch::optim::Optimizer {
   // holes that step's activations left, where they split the free memory for
   // good (on the 1B model with checkpointing, 0.8 GiB reserved but unusable).
   void init_state();
+  // Adds the moments (laid out like their parameters) and step counts (replicated) of
+  // `named_params` to a sharded checkpoint, as "adam.exp_avg.NAME", ... Call after init_state().
+  void add_to_checkpoint(fsdp::CheckpointState& state,
+                         const std::vector<std::pair<std::string, at::Tensor>>& named_params);
 
  private:
   FusedAdamWState& state_of(const at::Tensor& param);

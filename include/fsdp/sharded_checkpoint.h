@@ -1,0 +1,70 @@
+// Sharded checkpoints: every rank writes only its own rows, rank 0 the metadata, last; a
+// checkpoint loads on any number of ranks (the rows are re-split), and is visible only once
+// complete. The format is in src/io/checkpoint_format.h and docs/design.md.
+//
+//   fsdp::CheckpointState state = fsdp::model_state(*model);   // the parameters, by name
+//   state.add_sharded("adam.exp_avg." + name, moment, param);    // anything laid out like a parameter
+//   state.add_replicated("adam.step", step);                     // the same on every rank
+//   state.extra["step"] = "120";                                  // bytes of the caller's own
+//   fsdp::save_checkpoint("run/step-000120", state);             // collective
+//   fsdp::load_checkpoint(fsdp::newest_checkpoint("run"), state); // collective, fills in place
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/communicator.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+class CheckpointState {
+ public:
+  // `local` holds this rank's rows of a tensor laid out like the sharded parameter `like` (the
+  // parameter itself, or an optimizer moment of it). Throws if `like` is not sharded.
+  void add_sharded(const std::string& name, at::Tensor local, const at::Tensor& like);
+  // A tensor that is the same on every rank (step counts, scalars); saved from rank 0.
+  void add_replicated(const std::string& name, at::Tensor value);
+  // The caller's own entries (a trainer's step, data position): saved and loaded as bytes.
+  std::map<std::string, std::string> extra;
+
+  struct Sharded {
+    std::string name;
+    at::Tensor local;
+    std::vector<int64_t> full_shape;
+    int64_t first_row = 0;  // of this rank's rows in the full tensor
+    Communicator* comm = nullptr;  // the parameter group's
+  };
+  const std::vector<Sharded>& sharded() const { return sharded_; }
+  const std::vector<std::pair<std::string, at::Tensor>>& replicated() const { return replicated_; }
+
+ private:
+  std::vector<Sharded> sharded_;
+  std::vector<std::pair<std::string, at::Tensor>> replicated_;
+};
+
+// The sharded parameters of `root` (fully_shard applied) under their names.
+CheckpointState model_state(torch::nn::Module& root);
+
+// Collective over the sharded tensors' communicator. Writes `dir` (its parent must exist) through
+// `dir`.tmp, renamed once every file and the metadata are on disk; replaces an existing `dir`.
+void save_checkpoint(const std::string& dir, const CheckpointState& state);
+// Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
+// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
+// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file
+// and the problem; the tensors are then partly overwritten.
+void load_checkpoint(const std::string& dir, CheckpointState& state);
+// The newest complete checkpoint under `parent` (subdirectories named step-N holding
+// metadata.bin; interrupted saves, `*.tmp`, are skipped), or "" if none.
+std::string newest_checkpoint(const std::string& parent);
+// "step-000120": how save directories are named for newest_checkpoint.
+std::string checkpoint_name(int64_t step);
+
+}  // namespace fsdp

@@ -1,0 +1,29 @@
+// File-system operations on POSIX calls. Not std::filesystem: libtorch.so exports its own copies
+// of std::filesystem's symbols, built against another libstdc++, and a call from our code can
+// bind to them (remove_all on a directory crashed that way).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::io {
+
+bool is_directory(const std::string& path);
+bool exists(const std::string& path);
+// -1 if the file cannot be inspected.
+int64_t file_size(const std::string& path);
+// The entries of a directory (no "." or ".."); empty if it cannot be read.
+std::vector<std::string> list_directory(const std::string& path);
+// Creates `path` and missing parents; throws naming the path on failure.
+void make_directories(const std::string& path);
+// Removes a file or a directory tree; nothing if absent; throws on failure.
+void remove_tree(const std::string& path);
+// rename(2); throws on failure.
+void rename_path(const std::string& from, const std::string& to);
+// fsync of a directory, so that a rename in it is on disk.
+void sync_directory(const std::string& path);
+// "a/b" for "a/b/c", "." for "c".
+std::string parent_of(const std::string& path);
+
+}  // namespace fsdp::io

@@ -1,0 +1,305 @@
+// Sharded checkpoints (include/fsdp/sharded_checkpoint.h): each rank writes its rows of every
+// sharded tensor as one file, rank 0 writes the metadata (src/io/checkpoint_format.h) last and
+// renames the directory into place; loading reads, for each tensor, the blocks of the saved ranks
+// whose rows overlap this rank's, checks each block's checksum, and copies the overlap.
+#include "fsdp/sharded_checkpoint.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
+#include <fcntl.h>
+#include <torch/nn/module.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+#include "io/checkpoint_format.h"
+#include "io/files.h"
+#include "runtime/module_state.h"
+#include "runtime/runtime.h"
+#include "shard/shard_layout.h"
+
+namespace fsdp {
+namespace {
+
+using io::CheckpointError;
+
+constexpr const char* kLibraryVersion = "fsdp.cpp 0.1";
+constexpr size_t kMaxMetadataBytes = size_t{1} << 30;
+
+ShardLayout layout_of(const std::vector<int64_t>& shape, int world) {
+  ShardLayout l;
+  l.rows = shape.empty() ? 1 : shape[0];
+  l.row_numel = 1;
+  for (size_t d = 1; d < shape.size(); ++d) l.row_numel *= shape[d];
+  l.world = world;
+  return l;
+}
+
+std::string system_error(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// A file written through a descriptor, so that it can be fsynced before the rename publishes it.
+class OutputFile {
+ public:
+  explicit OutputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)) {
+    if (fd_ < 0) throw std::runtime_error(system_error("cannot create '" + path + "'"));
+  }
+  ~OutputFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void write(const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t n = ::write(fd_, p, size);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw std::runtime_error(system_error("cannot write '" + path_ + "'"));
+      p += n;
+      size -= static_cast<size_t>(n);
+    }
+  }
+  void close() {
+    const bool ok = ::fsync(fd_) == 0;
+    const int fd = fd_;
+    fd_ = -1;
+    if (!ok || ::close(fd) != 0) throw std::runtime_error(system_error("cannot write '" + path_ + "'"));
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+at::Tensor on_host(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous(); }
+
+std::string read_whole(const std::string& path, size_t limit) {
+  const int64_t size = io::file_size(path);
+  if (size < 0) throw CheckpointError(path + ": missing; not a complete checkpoint (an interrupted save?)");
+  if (static_cast<uint64_t>(size) > limit)
+    throw CheckpointError(path + ": " + std::to_string(size) + " bytes, more than a metadata file can be");
+  std::string bytes(static_cast<size_t>(size), '\0');
+  std::ifstream in(path, std::ios::binary);
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(size))) throw CheckpointError(path + ": cannot be read");
+  return bytes;
+}
+
+// Runs `work` on every rank; if it throws anywhere, every rank throws: the failing ones their
+// own message, the others one that points at them. No rank is left waiting in a collective.
+template <class F>
+void on_every_rank(Communicator& comm, const std::string& action, F&& work) {
+  std::string error;
+  try {
+    work();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  at::Tensor failed = at::tensor({error.empty() ? 0L : 1L}, at::TensorOptions(at::kLong)).to(comm.device());
+  comm.all_reduce(failed, ReduceOp::Sum);
+  const long failures = failed.item<long>();
+  if (!error.empty()) throw CheckpointError(error);
+  if (failures > 0)
+    throw CheckpointError(action + " failed on " + std::to_string(failures) + " other rank(s); their messages say why");
+}
+
+Communicator& communicator_of(const CheckpointState& state) {
+  if (state.sharded().empty()) throw std::invalid_argument("fsdp: the checkpoint state holds no sharded tensor");
+  return *state.sharded().front().comm;
+}
+
+// Byte offset of each tensor's block in each saved rank's file, and each file's size.
+struct BlockMap {
+  std::vector<std::vector<uint64_t>> offset;  // [tensor][rank]
+  std::vector<uint64_t> file_size;            // [rank]
+};
+
+BlockMap block_map(const io::CheckpointMeta& meta) {
+  BlockMap map;
+  map.file_size.assign(meta.world, 0);
+  for (const auto& t : meta.sharded) {
+    const ShardLayout l = layout_of(t.shape, static_cast<int>(meta.world));
+    std::vector<uint64_t> offsets(meta.world);
+    for (uint32_t r = 0; r < meta.world; ++r) {
+      offsets[r] = map.file_size[r];
+      map.file_size[r] += static_cast<uint64_t>(l.local_rows(static_cast<int>(r)) * l.row_numel) * io::element_size(t.dtype);
+    }
+    map.offset.push_back(std::move(offsets));
+  }
+  return map;
+}
+
+void require_same(const std::string& file, const std::string& name, const at::Tensor& local,
+                  const std::vector<int64_t>& want_shape, const io::TensorMeta& saved) {
+  if (saved.shape != want_shape || saved.dtype != static_cast<uint8_t>(local.scalar_type()))
+    throw CheckpointError(file + ": '" + name + "' is saved as " + c10::toString(static_cast<c10::ScalarType>(saved.dtype)) +
+                          " of shape " + c10::str(at::IntArrayRef(saved.shape)) + ", but this model has " +
+                          c10::toString(local.scalar_type()) + " of shape " + c10::str(at::IntArrayRef(want_shape)) +
+                          ": a checkpoint of another model or dtype");
+}
+
+void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const CheckpointState::Sharded& want,
+                  const io::TensorMeta& saved, size_t index, const BlockMap& blocks) {
+  const ShardLayout now = layout_of(want.full_shape, want.comm->world_size());
+  const ShardLayout then = layout_of(saved.shape, static_cast<int>(meta.world));
+  const int64_t first = want.first_row, last = first + now.local_rows(want.comm->rank());
+  const size_t esize = io::element_size(saved.dtype);
+  at::Tensor rows = want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel});
+  for (uint32_t r = 0; r < meta.world; ++r) {
+    const int64_t begin = std::max(first, then.first_row(static_cast<int>(r)));
+    const int64_t end = std::min(last, then.first_row(static_cast<int>(r)) + then.local_rows(static_cast<int>(r)));
+    if (begin >= end) continue;
+    const std::string file = dir + "/" + io::shard_file_name(static_cast<int>(r), static_cast<int>(meta.world));
+    const int64_t size = io::file_size(file);
+    if (size < 0 || static_cast<uint64_t>(size) != blocks.file_size[r])
+      throw CheckpointError(file + ": " + (size < 0 ? "missing" : std::to_string(size) + " bytes, expected " +
+                                                                   std::to_string(blocks.file_size[r])) +
+                            "; the checkpoint is incomplete or damaged");
+    // The whole block, so that its checksum can be checked, then the overlapping rows.
+    at::Tensor block = at::empty({then.local_rows(static_cast<int>(r)), then.row_numel},
+                                 at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
+    const size_t bytes = block.numel() * esize;
+    const int fd = ::open(file.c_str(), O_RDONLY);
+    if (fd < 0) throw CheckpointError(system_error(file));
+    size_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pread(fd, static_cast<char*>(block.data_ptr()) + done, bytes - done,
+                                static_cast<off_t>(blocks.offset[index][r] + done));
+      if (n <= 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    if (done != bytes) throw CheckpointError(file + ": cannot read '" + saved.name + "'");
+    if (io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
+      throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
+    const int64_t from = then.first_row(static_cast<int>(r));
+    rows.narrow(0, begin - first, end - begin).copy_(block.narrow(0, begin - from, end - begin));
+  }
+}
+
+}  // namespace
+
+void CheckpointState::add_sharded(const std::string& name, at::Tensor local, const at::Tensor& like) {
+  auto owner = Runtime::get().owner_of(like);
+  if (!owner) throw std::invalid_argument("fsdp: '" + name + "' is laid out like a parameter that is not sharded: "
+                                          "fully_shard the root module before checkpointing");
+  const ShardedParam& p = owner->state->group().params()[owner->index];
+  Communicator& comm = owner->state->group().comm();
+  if (!local.sizes().equals(p.shard.sizes()))
+    throw std::invalid_argument("fsdp: '" + name + "' has shape " + c10::str(local.sizes()) + ", not that of its "
+                                "parameter's shard " + c10::str(p.shard.sizes()));
+  sharded_.push_back({name, std::move(local), p.full_shape, p.layout.first_row(comm.rank()), &comm});
+}
+
+void CheckpointState::add_replicated(const std::string& name, at::Tensor value) {
+  replicated_.emplace_back(name, std::move(value));
+}
+
+CheckpointState model_state(torch::nn::Module& root) {
+  CheckpointState state;
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) state.add_sharded(item.key(), item.value(), item.value());
+  return state;
+}
+
+std::string checkpoint_name(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%06lld", static_cast<long long>(step));
+  return name;
+}
+
+void save_checkpoint(const std::string& dir, const CheckpointState& state) {
+  Communicator& comm = communicator_of(state);
+  c10::NoGradGuard no_grad;
+  const std::string tmp = dir + ".tmp", parent = io::parent_of(dir);
+  on_every_rank(comm, "saving " + dir, [&] {
+    if (comm.rank() != 0) return;
+    if (!io::is_directory(parent))
+      throw std::runtime_error("cannot save '" + dir + "': the directory '" + parent + "' does not exist");
+    io::remove_tree(tmp);  // an interrupted earlier save
+    io::make_directories(tmp);
+  });
+  std::vector<int64_t> crcs;
+  on_every_rank(comm, "saving " + dir, [&] {
+    OutputFile out(tmp + "/" + io::shard_file_name(comm.rank(), comm.world_size()));
+    for (const auto& t : state.sharded()) {
+      const at::Tensor host = on_host(t.local);
+      out.write(host.data_ptr(), host.nbytes());
+      crcs.push_back(io::crc32(host.data_ptr(), host.nbytes()));
+    }
+    out.close();
+  });
+  // Every rank's block checksums reach rank 0, which writes the metadata last and publishes.
+  const int64_t n = static_cast<int64_t>(crcs.size());
+  at::Tensor local = at::tensor(crcs, at::kLong).to(comm.device());
+  at::Tensor all = at::empty({comm.world_size() * n}, local.options());
+  if (n > 0) comm.all_gather(all, local);
+  all = all.cpu();
+  on_every_rank(comm, "saving " + dir, [&] {
+    if (comm.rank() != 0) return;
+    io::CheckpointMeta meta;
+    meta.library_version = kLibraryVersion;
+    meta.world = static_cast<uint32_t>(comm.world_size());
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& t = state.sharded()[i];
+      io::TensorMeta m{t.name, static_cast<uint8_t>(t.local.scalar_type()), t.full_shape, {}, {}};
+      for (int r = 0; r < comm.world_size(); ++r) m.block_crcs.push_back(static_cast<uint32_t>(all[r * n + i].item<int64_t>()));
+      meta.sharded.push_back(std::move(m));
+    }
+    for (const auto& [name, value] : state.replicated()) {
+      const at::Tensor host = on_host(value);
+      meta.replicated.push_back({name, static_cast<uint8_t>(host.scalar_type()), host.sizes().vec(), {},
+                                 std::string(static_cast<const char*>(host.data_ptr()), host.nbytes())});
+    }
+    meta.extra = state.extra;
+    const std::string bytes = io::encode(meta);
+    OutputFile out(tmp + "/metadata.bin");
+    out.write(bytes.data(), bytes.size());
+    out.close();
+    io::sync_directory(tmp);
+    io::remove_tree(dir);
+    io::rename_path(tmp, dir);
+    io::sync_directory(parent);
+  });
+}
+
+void load_checkpoint(const std::string& dir, CheckpointState& state) {
+  Communicator& comm = communicator_of(state);
+  c10::NoGradGuard no_grad;
+  on_every_rank(comm, "loading " + dir, [&] {
+    const std::string meta_path = dir + "/metadata.bin";
+    const io::CheckpointMeta meta = io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path);
+    const BlockMap blocks = block_map(meta);
+    for (const auto& want : state.sharded()) {
+      auto it = std::find_if(meta.sharded.begin(), meta.sharded.end(), [&](const auto& t) { return t.name == want.name; });
+      if (it == meta.sharded.end()) throw CheckpointError(meta_path + ": has no '" + want.name + "': a checkpoint of another model");
+      require_same(meta_path, want.name, want.local, want.full_shape, *it);
+      load_sharded(dir, meta, want, *it, static_cast<size_t>(it - meta.sharded.begin()), blocks);
+    }
+    if (meta.sharded.size() != state.sharded().size())
+      throw CheckpointError(meta_path + ": holds " + std::to_string(meta.sharded.size()) + " sharded tensors, this model " +
+                            std::to_string(state.sharded().size()) + ": a checkpoint of another model");
+    for (const auto& [name, value] : state.replicated()) {
+      auto it = std::find_if(meta.replicated.begin(), meta.replicated.end(), [&](const auto& t) { return t.name == name; });
+      if (it == meta.replicated.end()) throw CheckpointError(meta_path + ": has no '" + name + "'");
+      require_same(meta_path, name, value, value.sizes().vec(), *it);
+      value.copy_(at::from_blob(const_cast<char*>(it->bytes.data()), value.sizes(), value.options().device(at::kCPU)));
+    }
+    state.extra = meta.extra;
+  });
+}
+
+std::string newest_checkpoint(const std::string& parent) {
+  std::string best;  // names of equal length (step-%06d) compare like their numbers
+  for (const auto& name : io::list_directory(parent)) {
+    if (name.rfind("step-", 0) != 0 || name.size() < 6 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
+    if (!io::exists(parent + "/" + name + "/metadata.bin")) continue;
+    if (best.empty() || name.size() > best.size() || (name.size() == best.size() && name > best)) best = name;
+  }
+  return best.empty() ? "" : parent + "/" + best;
+}
+
+}  // namespace fsdp

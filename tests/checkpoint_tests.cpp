@@ -1,0 +1,105 @@
+// Sharded checkpoints across ranks: a round trip restores every shard exactly, and a damaged or
+// foreign checkpoint is refused on every rank, naming the file and the problem.
+#include <unistd.h>
+
+#include <fstream>
+
+#include "helpers.h"
+#include "io/files.h"
+
+namespace fsdp::testing {
+namespace {
+
+// One directory for all ranks of this run: rank 0's pid, broadcast.
+std::string shared_dir(const std::string& name) {
+  at::Tensor pid = torch::tensor({static_cast<int64_t>(getpid())}, on_device(at::kLong));
+  world()->broadcast(pid, 0);
+  return ::testing::TempDir() + "fsdp_ckpt_" + std::to_string(pid.item<int64_t>()) + "_" + name;
+}
+
+std::string load_error(const std::string& dir, CheckpointState& state) {
+  try {
+    load_checkpoint(dir, state);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+// Rank 0 changes the files; the others wait until it has.
+template <class F>
+void on_rank0(F&& change) {
+  if (world()->rank() == 0) change();
+  world()->barrier();
+}
+
+TEST(Checkpoint, RoundTripRestoresEveryShard) {
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  CheckpointState state = model_state(*m);
+  state.add_replicated("counter", torch::tensor({7.5f}, on_device()));
+  state.extra["step"] = "42";
+  std::vector<at::Tensor> saved;
+  for (const auto& t : state.sharded()) saved.push_back(t.local.detach().clone());
+  const std::string dir = shared_dir("roundtrip");
+  save_checkpoint(dir, state);
+  EXPECT_TRUE(io::exists(dir + "/metadata.bin"));
+  EXPECT_FALSE(io::exists(dir + ".tmp"));
+  EXPECT_EQ(newest_checkpoint(io::parent_of(dir)).empty(), true);  // not named step-N
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& t : state.sharded()) t.local.zero_();
+  }
+  state.replicated()[0].second.zero_();
+  state.extra.clear();
+  load_checkpoint(dir, state);
+  for (size_t i = 0; i < saved.size(); ++i)
+    EXPECT_TRUE(torch::equal(state.sharded()[i].local, saved[i])) << state.sharded()[i].name;
+  EXPECT_EQ(state.replicated()[0].second.item<float>(), 7.5f);
+  EXPECT_EQ(state.extra.at("step"), "42");
+  on_rank0([&] { io::remove_tree(dir); });
+}
+
+TEST(Checkpoint, DamagedOrForeignCheckpointsAreRefusedOnEveryRank) {
+  using ::testing::HasSubstr;
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  CheckpointState state = model_state(*m);
+  const std::string dir = shared_dir("damaged");
+  const int last = world()->world_size() - 1;
+  const std::string first_file = dir + "/shard-0-of-" + std::to_string(last + 1) + ".bin";
+  const std::string last_file = dir + "/shard-" + std::to_string(last) + "-of-" + std::to_string(last + 1) + ".bin";
+  // Rank 0 always reads saved rank 0's rows, the last rank the last saved rank's.
+  save_checkpoint(dir, state);
+  on_rank0([&] {
+    std::fstream f(first_file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(5);
+    f.put('\x7f');
+  });
+  const std::string flipped = load_error(dir, state);
+  if (world()->rank() == 0) EXPECT_THAT(flipped, HasSubstr(first_file + ": checksum mismatch in"));
+  else EXPECT_THAT(flipped, HasSubstr("loading " + dir + " failed on 1 other rank(s)"));
+
+  save_checkpoint(dir, state);
+  on_rank0([&] { ASSERT_EQ(::truncate(last_file.c_str(), io::file_size(last_file) - 3), 0); });
+  const std::string cut = load_error(dir, state);
+  if (world()->rank() == last) EXPECT_THAT(cut, HasSubstr(last_file + ": "));
+  if (world()->rank() == last) EXPECT_THAT(cut, HasSubstr("the checkpoint is incomplete or damaged"));
+  else EXPECT_THAT(cut, HasSubstr("failed on 1 other rank(s)"));
+
+  save_checkpoint(dir, state);
+  on_rank0([&] { io::remove_tree(dir + "/metadata.bin"); });
+  EXPECT_THAT(load_error(dir, state), HasSubstr(dir + "/metadata.bin: missing"));
+
+  save_checkpoint(dir, state);
+  auto other_config = tiny_llama();
+  other_config.ffn = 40;
+  auto other = seeded_llama(other_config);
+  shard_blocks_and_root(other);
+  CheckpointState other_state = model_state(*other);
+  EXPECT_THAT(load_error(dir, other_state), HasSubstr("a checkpoint of another model or dtype"));
+  on_rank0([&] { io::remove_tree(dir); });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
