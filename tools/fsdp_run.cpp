@@ -3,7 +3,7 @@
 // GPUs: N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT); if one fails the others are stopped. CPU: the
 // MPI backend needs mpirun, so it runs `mpirun -q -n N PROGRAM ARGS`.
-// SIGINT and SIGTERM reach every rank (as SIGUSR1 through mpirun on CPU); a
+// SIGINT and SIGTERM reach every rank (on CPU as SIGUSR1 to mpirun's children); a
 // second signal ends them at once, and ranks still running --grace seconds
 // (default 60: time to save a checkpoint) later are killed; fsdp-run then exits 128 + the signal (130, 143),
 // or 0 if every rank exited 0 (a program that stops cleanly on the signal).
@@ -87,7 +87,7 @@ const char* kUsage =
     "  --gpu    one process per GPU with torchrun-style variables\n"
     "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
     "  --grace S after SIGINT/SIGTERM, kill ranks still running S seconds later (default 60)\n"
-    "SIGINT/SIGTERM reach every rank (CPU ranks as SIGUSR1, through mpirun); a second one ends\n"
+    "SIGINT/SIGTERM reach every rank (CPU ranks as SIGUSR1); a second one ends\n"
     "them at once. Exit code: 128 + the signal, or 0 if every rank exited 0.\n";
 
 [[noreturn]] void usage(const char* why) {
@@ -97,26 +97,66 @@ const char* kUsage =
 
 volatile sig_atomic_t g_signal = 0;    // the first SIGINT/SIGTERM received
 volatile sig_atomic_t g_signals = 0;   // how many
-std::vector<pid_t> g_children;         // filled before the handler is installed
-// What the children get for the first signal (0: the same signal) and for a second one.
-// mpirun ends the job itself on SIGTERM/SIGINT but passes SIGUSR1 on to its ranks, so CPU
-// ranks are sent SIGUSR1 first (fsdp-train stops at the next step boundary on any of the three).
-int g_first_forward = 0, g_second_forward = SIGKILL;
+bool g_through_mpirun = false;         // CPU: the one child is mpirun, the ranks are its children
 int g_grace_s = 60;                    // after the first signal, SIGKILL what still runs
 
-void forward_signal(int sig) {
+void note_signal(int sig) {  // the wait loop does the work: nothing here but flags
   if (!g_signal) g_signal = sig;
   ++g_signals;
-  const int send = g_signals > 1 ? g_second_forward : g_first_forward ? g_first_forward : sig;
-  for (pid_t child : g_children) kill(child, send);
 }
 
-void install_signal_forwarding() {
+void install_signal_handlers() {
   struct sigaction action{};
-  action.sa_handler = forward_signal;
+  action.sa_handler = note_signal;
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+}
+
+// Every process below `root` (its children, theirs, ...), from /proc.
+std::vector<pid_t> descendants(pid_t root) {
+  std::vector<std::pair<pid_t, pid_t>> parent_of;  // (pid, ppid)
+  if (DIR* d = opendir("/proc")) {
+    while (dirent* e = readdir(d)) {
+      const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+      if (pid <= 0) continue;
+      FILE* f = std::fopen(("/proc/" + std::string(e->d_name) + "/stat").c_str(), "r");
+      if (!f) continue;
+      char line[1024] = {0};
+      const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+      std::fclose(f);
+      const char* close = std::strrchr(line, ')');  // the command may hold spaces and parentheses
+      int ppid = 0;
+      if (n > 0 && close && std::sscanf(close + 1, " %*c %d", &ppid) == 1) parent_of.emplace_back(pid, ppid);
+    }
+    closedir(d);
+  }
+  std::vector<pid_t> found = {root};
+  for (size_t i = 0; i < found.size(); ++i)
+    for (const auto& [pid, ppid] : parent_of)
+      if (ppid == found[i]) found.push_back(pid);
+  found.erase(found.begin());
+  return found;
+}
+
+// The first signal asks the ranks to stop: directly on GPUs; on CPU as SIGUSR1 to mpirun's
+// children, because mpirun ends the job at once on SIGTERM/SIGINT (and not every Open MPI passes
+// SIGUSR1 on). A second signal ends them: SIGTERM to mpirun, SIGKILL to GPU ranks.
+void forward(const std::vector<pid_t>& children, int nth) {
+  if (!g_through_mpirun) {
+    for (pid_t c : children) kill(c, nth == 1 ? g_signal : SIGKILL);
+  } else if (nth == 1) {
+    for (pid_t rank : descendants(children.front())) kill(rank, SIGUSR1);
+  } else {
+    kill(children.front(), SIGTERM);
+  }
+}
+
+void kill_all(const std::vector<pid_t>& children) {
+  for (pid_t c : children) {
+    for (pid_t below : descendants(c)) kill(below, SIGKILL);
+    kill(c, SIGKILL);
+  }
 }
 
 pid_t start(char** argv) {
@@ -133,22 +173,25 @@ pid_t start(char** argv) {
   return pid;
 }
 
-// Waits for every child. The first to fail stops the others (`on_failure` says so); after a
-// signal, children still running 10 s later are killed. Returns the exit code for fsdp-run.
+// Waits for every child. The first to fail stops the others (`describe` names it); signals are
+// forwarded, and whatever still runs --grace seconds after the first is killed, the ranks
+// below mpirun included. Returns the exit code for fsdp-run.
 int wait_for_children(const std::vector<pid_t>& children, const char* (*describe)(size_t index)) {
   int exit_code = 0;
   size_t running = children.size();
   std::chrono::steady_clock::time_point kill_at{};  // set once a signal came
   bool killed = false, all_clean = true;
+  int forwarded = 0;
   while (running > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno != EINTR) break;
+    for (const int received = g_signals; forwarded < std::min(received, 2); ++forwarded) forward(children, forwarded + 1);
     if (pid <= 0) {
       const auto now = std::chrono::steady_clock::now();
       if (g_signal && kill_at == std::chrono::steady_clock::time_point{}) kill_at = now + std::chrono::seconds(g_grace_s);
       if (g_signal && !killed && now > kill_at) {
-        for (pid_t c : children) kill(c, SIGKILL);
+        kill_all(children);
         killed = true;
       }
       usleep(20000);
@@ -185,16 +228,16 @@ int run_mpirun(int ranks, char** program_argv) {
   for (auto& a : args) argv.push_back(a.data());
   for (char** p = program_argv; *p; ++p) argv.push_back(*p);
   argv.push_back(nullptr);
-  g_children = {start(argv.data())};
-  g_first_forward = SIGUSR1;
-  g_second_forward = SIGTERM;
-  install_signal_forwarding();
-  const int code = wait_for_children(g_children, nullptr);  // mpirun names the failed rank itself
+  install_signal_handlers();
+  g_through_mpirun = true;
+  const int code = wait_for_children({start(argv.data())}, nullptr);  // mpirun names the failed rank itself
   if (code == 127 && !g_signal) std::fprintf(stderr, "fsdp-run: cannot start mpirun (install OpenMPI)\n");
   return code;
 }
 
 int run_gpu_ranks(int ranks, int port, char** program_argv) {
+  install_signal_handlers();
+  std::vector<pid_t> children;
   for (int r = 0; r < ranks; ++r) {
     setenv("RANK", std::to_string(r).c_str(), 1);
     setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
@@ -202,10 +245,9 @@ int run_gpu_ranks(int ranks, int port, char** program_argv) {
     setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-    g_children.push_back(start(program_argv));
+    children.push_back(start(program_argv));
   }
-  install_signal_forwarding();
-  return wait_for_children(g_children, [](size_t rank) {
+  return wait_for_children(children, [](size_t rank) {
     static std::string name;
     name = "rank " + std::to_string(rank);
     return name.c_str();
