@@ -191,24 +191,24 @@ int train(const fsdp::train::TrainArgs& args) {
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
     if (lead) {
-    std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
-                step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
-                mem.allocated_gib);
-    if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
-    std::printf(" GiB | waits ag %ld rs %ld\n", ag_waits, rs_waits);
-    std::fflush(stdout);
-    log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
-        << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
-        << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
-        << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
-        << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
-        << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << args.batch * args.seq * comm->world_size()
-        << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
-        << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
-        << ",\"rss_gib\":" << mem.rss_now_gib
-        << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
-    log.flush();
-    check_log();
+      std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
+                  step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
+                  mem.allocated_gib);
+      if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
+      std::printf(" GiB | waits ag %ld rs %ld\n", ag_waits, rs_waits);
+      std::fflush(stdout);
+      log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
+          << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
+          << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
+          << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
+          << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
+          << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << args.batch * args.seq * comm->world_size()
+          << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
+          << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
+          << ",\"rss_gib\":" << mem.rss_now_gib
+          << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
+      log.flush();
+      check_log();
     }
     const int done = step + 1;
     const bool stop = stop_requested || done == args.stop_at_step;

@@ -44,9 +44,6 @@ struct TensorMeta {
   std::vector<uint32_t> block_crcs;  // sharded: one per rank
   std::string bytes;                 // replicated: the data
   int64_t numel() const;
-  // Rows along dim 0 (a 0-dim tensor is one row) and elements per row.
-  int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
-  int64_t row_numel() const { return shape.empty() ? 1 : numel() / std::max<int64_t>(1, shape[0]); }
 };
 
 struct CheckpointMeta {

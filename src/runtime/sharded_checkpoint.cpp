@@ -32,15 +32,6 @@ using io::CheckpointError;
 constexpr const char* kLibraryVersion = "fsdp.cpp 0.1";
 constexpr size_t kMaxMetadataBytes = size_t{1} << 30;
 
-ShardLayout layout_of(const std::vector<int64_t>& shape, int world) {
-  ShardLayout l;
-  l.rows = shape.empty() ? 1 : shape[0];
-  l.row_numel = 1;
-  for (size_t d = 1; d < shape.size(); ++d) l.row_numel *= shape[d];
-  l.world = world;
-  return l;
-}
-
 std::string system_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 // A file written through a descriptor, so that it can be fsynced before the rename publishes it.
@@ -120,7 +111,7 @@ BlockMap block_map(const io::CheckpointMeta& meta) {
   BlockMap map;
   map.file_size.assign(meta.world, 0);
   for (const auto& t : meta.sharded) {
-    const ShardLayout l = layout_of(t.shape, static_cast<int>(meta.world));
+    const ShardLayout l = ShardLayout::of_shape(t.shape, static_cast<int>(meta.world));
     std::vector<uint64_t> offsets(meta.world);
     for (uint32_t r = 0; r < meta.world; ++r) {
       offsets[r] = map.file_size[r];
@@ -142,8 +133,8 @@ void require_same(const std::string& file, const std::string& name, const at::Te
 
 void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const CheckpointState::Sharded& want,
                   const io::TensorMeta& saved, size_t index, const BlockMap& blocks) {
-  const ShardLayout now = layout_of(want.full_shape, want.comm->world_size());
-  const ShardLayout then = layout_of(saved.shape, static_cast<int>(meta.world));
+  const ShardLayout now = ShardLayout::of_shape(want.full_shape, want.comm->world_size());
+  const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
   const int64_t first = want.first_row, last = first + now.local_rows(want.comm->rank());
   const size_t esize = io::element_size(saved.dtype);
   at::Tensor rows = want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel});
@@ -237,6 +228,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
   at::Tensor all = at::empty({comm.world_size() * n}, local.options());
   if (n > 0) comm.all_gather(all, local);
   all = all.cpu();
+  const int64_t* gathered = all.data_ptr<int64_t>();  // [rank][tensor]
   on_every_rank(comm, "saving " + dir, [&] {
     if (comm.rank() != 0) return;
     io::CheckpointMeta meta;
@@ -245,7 +237,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
     for (int64_t i = 0; i < n; ++i) {
       const auto& t = state.sharded()[i];
       io::TensorMeta m{t.name, static_cast<uint8_t>(t.local.scalar_type()), t.full_shape, {}, {}};
-      for (int r = 0; r < comm.world_size(); ++r) m.block_crcs.push_back(static_cast<uint32_t>(all[r * n + i].item<int64_t>()));
+      for (int r = 0; r < comm.world_size(); ++r) m.block_crcs.push_back(static_cast<uint32_t>(gathered[r * n + i]));
       meta.sharded.push_back(std::move(m));
     }
     for (const auto& [name, value] : state.replicated()) {

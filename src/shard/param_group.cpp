@@ -22,14 +22,6 @@
 namespace fsdp {
 namespace {
 
-ShardLayout layout_of(const at::Tensor& t, int world) {
-  ShardLayout l;
-  l.world = world;
-  l.rows = t.dim() == 0 ? 1 : t.size(0);
-  for (int64_t d = 1; d < t.dim(); ++d) l.row_numel *= t.size(d);
-  return l;
-}
-
 // The shape of a [rows, ...] block of a parameter with `full_shape`.
 std::vector<int64_t> rows_shape(const std::vector<int64_t>& full_shape, int64_t rows) {
   std::vector<int64_t> shape = full_shape.empty() ? std::vector<int64_t>{1} : full_shape;
@@ -103,7 +95,7 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
     p.name = name;
     p.param = t;
     p.full_shape = t.sizes().vec();
-    p.layout = layout_of(t, world);
+    p.layout = ShardLayout::of_shape(t.sizes(), world);
     p.offset = shard_numel_;
     shard_numel_ += p.layout.shard_numel();
     const int64_t local = p.layout.local_rows(rank);

@@ -17,6 +17,16 @@ struct ShardLayout {
   int64_t row_numel = 1;  // elements per row (product of the other dims)
   int world = 1;
 
+  // The layout of a full tensor of `shape` over `world` ranks.
+  template <class Shape>
+  static ShardLayout of_shape(const Shape& shape, int world) {
+    ShardLayout l;
+    l.world = world;
+    l.rows = shape.size() == 0 ? 1 : shape[0];
+    for (size_t d = 1; d < shape.size(); ++d) l.row_numel *= shape[d];
+    return l;
+  }
+
   int64_t shard_rows() const { return (rows + world - 1) / world; }
   int64_t padded_rows() const { return shard_rows() * world; }
   int64_t shard_numel() const { return shard_rows() * row_numel; }

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "fsdp/sharded_checkpoint.h"
+#include "io/files.h"
 #include "model/llama.h"
 #include "train/memory.h"
 
@@ -159,10 +160,8 @@ void require_writable(const std::string& flag, const std::string& path) {
     require(denied.empty(), flag + ": cannot write '" + path + "': " + denied);
     return;
   }
-  const auto slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  require(stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
-          flag + ": cannot write '" + path + "': the directory '" + dir + "' does not exist");
+  const std::string dir = io::parent_of(path);
+  require(io::is_directory(dir), flag + ": cannot write '" + path + "': the directory '" + dir + "' does not exist");
   const std::string denied = failure(access(dir.c_str(), W_OK));
   require(denied.empty(), flag + ": cannot write '" + path + "': directory '" + dir + "': " + denied);
 }
@@ -288,9 +287,8 @@ std::string train_help_text() {
 void check_train_args_on_this_machine(const TrainArgs& a) {
   check_data_file(a);
   if (!a.save_dir.empty()) {
-    struct stat st{};
-    if (stat(a.save_dir.c_str(), &st) == 0) {
-      require(S_ISDIR(st.st_mode), "--save-dir: '" + a.save_dir + "' is not a directory");
+    if (io::exists(a.save_dir)) {
+      require(io::is_directory(a.save_dir), "--save-dir: '" + a.save_dir + "' is not a directory");
       const std::string denied = failure(access(a.save_dir.c_str(), W_OK));
       require(denied.empty(), "--save-dir: cannot write '" + a.save_dir + "': " + denied);
     } else {
