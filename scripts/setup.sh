@@ -44,12 +44,30 @@ fi
 "$PYTHON" -c 'import matplotlib' 2>/dev/null || "$PYTHON" -m pip install -q matplotlib \
   || log "no matplotlib; the memory-report test will be skipped"
 TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# Wheels carried to machines without a package index (the GPU machines) lie in .whl/.
+pip_install() {
+  if [ -d .whl ]; then "$PYTHON" -m pip install -q --no-index --find-links .whl "$@"; else "$PYTHON" -m pip install -q "$@"; fi
+}
+# nlohmann/json (safetensors headers, config.json): Debian's headers, else the PyPI package's.
+JSON_INCLUDE=
+if [ ! -f /usr/include/nlohmann/json.hpp ]; then
+  find_json() {
+    "$PYTHON" -c 'import importlib.util, os; s = importlib.util.find_spec("nlohmann_json"); print(os.path.join(os.path.dirname(s.origin), "include"))' 2>/dev/null
+  }
+  find_json >/dev/null || pip_install --no-deps nlohmann-json==3.12.0
+  JSON_INCLUDE=$(find_json)
+fi
+# The Hugging Face round-trip test loads our exports with transformers.
+"$PYTHON" -c 'import transformers, safetensors' 2>/dev/null || pip_install transformers safetensors \
+  || log "no transformers; the Hugging Face round-trip test will be skipped"
 
 PYTHON_PATH=$(command -v "$PYTHON")
 if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt \
-   || ! grep -qF "FSDP_PYTHON:FILEPATH=$PYTHON_PATH" build/CMakeCache.txt; then
+   || ! grep -qF "FSDP_PYTHON:FILEPATH=$PYTHON_PATH" build/CMakeCache.txt \
+   || ! grep -q "^JSON_INCLUDE_DIR:PATH=/" build/CMakeCache.txt; then
   log "configuring build/ against $TORCH_PREFIX"
   cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DFSDP_PYTHON="$PYTHON_PATH" \
+    -DFSDP_JSON_INCLUDE="$JSON_INCLUDE" \
     >build-configure.log 2>&1 || { cat build-configure.log; exit 1; }
 fi
 log "building (ninja -j$JOBS)"

@@ -40,6 +40,26 @@ TEST(Api, ParametersBecomeTheirShardsInPlace) {
   }
 }
 
+// A deferred model holds one element per parameter until it is sharded; after reset_parameters
+// its full weights equal those of the whole model built in one process: bit for bit, on every
+// rank count the suite runs (1-4, uneven shards included).
+TEST(Api, DeferredModelInitialisesAsTheWholeModelOnAnyRankCount) {
+  auto c = tiny_llama();
+  c.seed = 5;
+  model::Llama deferred(c, model::Placement{device(), /*deferred=*/true});
+  for (const auto& p : deferred->parameters()) EXPECT_EQ(p.storage().nbytes(), sizeof(float));
+  expect_error([&] { deferred->reset_parameters(); }, "must be sharded before it is filled");
+  shard_blocks_and_root(deferred);
+  deferred->reset_parameters();
+  const auto whole = seeded_llama(tiny_llama(), 5);
+  const auto want = whole->named_parameters();
+  for (const auto& [name, full] : full_state_dict(*deferred)) {
+    if (!want.contains(name)) continue;  // buffers
+    EXPECT_TRUE(torch::equal(full, want[name])) << name;
+  }
+  EXPECT_EQ(want.size(), deferred->named_parameters().size());
+}
+
 TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
   auto m = seeded_llama(tiny_llama());
   shard_blocks_and_root(m);

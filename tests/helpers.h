@@ -126,6 +126,7 @@ struct TrainSetup {
   bool sgd = false;  // plain SGD (lr kParitySgdLr) instead of AdamW
   double lr_scale = 1;  // for the test that the bounds catch a small error
   int micro_batches = 1;  // gradient accumulation: backward per slice, one step
+  bool sync_every_micro_batch = true;  // false: set_requires_gradient_sync(false) but for the last
   // The arithmetic of the loss (see above): chain depth, and the longest sum given the rows of
   // the global batch.
   int chain_depth = 1;
@@ -175,6 +176,7 @@ inline TrainResult train(const TrainSetup& s) {
     const int64_t slice = rows / s.micro_batches;
     at::Tensor loss = torch::zeros({}, on_device());
     for (int m = 0; m < s.micro_batches; ++m) {
+      if (sharded && !s.sync_every_micro_batch) set_requires_gradient_sync(*s.module, m == s.micro_batches - 1);
       at::Tensor part = s.loss(step, first + m * slice, slice) / s.micro_batches;
       part.backward();
       loss += part.detach();
@@ -237,11 +239,9 @@ inline TrainSetup llama_setup(model::Llama llama, std::function<void(model::Llam
   return s;
 }
 
-inline model::Llama seeded_llama(const model::LlamaConfig& c, uint64_t seed = 5) {
-  torch::manual_seed(seed);
-  model::Llama m(c);
-  m->to(device());
-  return m;
+inline model::Llama seeded_llama(model::LlamaConfig c, uint64_t seed = 5) {
+  c.seed = seed;
+  return model::Llama(c, model::Placement{device()});
 }
 
 inline void shard_blocks_and_root(model::Llama& m, const ShardOptions& o = {}) {

@@ -12,6 +12,12 @@
 #                                             complete checkpoint resumes
 #   launcher_tests.sh BUILD_DIR signal-save   SIGTERM to fsdp-run: every rank saves at the step
 #                                             boundary and exits 0; the run resumes from there
+#   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
+#                                             micro-batch) follows the losses of --batch 4
+#   launcher_tests.sh BUILD_DIR data          token files (llm.c uint16/uint32, nanoGPT) train like the
+#                                             same tokens as text; bad files are usage errors; the
+#                                             evaluation set is the same on 1-3 ranks and does not
+#                                             disturb training; the default log goes under runs/
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
 #                                             the signal to fsdp-run mid-run reaches every rank: all
 #                                             exit, fsdp-run exits 128+signal, nothing left running
@@ -78,6 +84,77 @@ resume)
       --same-loss-as "$work/straight.jsonl" --loss-tolerance $tolerance || fail "resumed on $w ranks"
   done
   echo "resume: ok"
+  ;;
+grad-accum)
+  common=(--model tiny --steps 3 --seq 32)
+  "$run" -n 2 --cpu "$train" "${common[@]}" --batch 4 --log "$work/one.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "--batch 4"; }
+  for sync in last every; do
+    "$run" -n 2 --cpu "$train" "${common[@]}" --batch 2 --grad-accum 2 --grad-accum-sync $sync \
+      --log "$work/$sync.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "--grad-accum-sync $sync"; }
+    grep -q "batch 2 x 2 x 32 tokens per rank" "$work/out" || fail "the banner does not show the micro-batches"
+    # Each step sums the same gradients in another order: tests/helpers.h's bound for this model
+    # and batch, 1.6e-4 per step (see resume), over three steps.
+    python3 "$(dirname "$0")/check_train_log.py" "$work/$sync.jsonl" --steps 3 \
+      --same-loss-as "$work/one.jsonl" --loss-tolerance 4.8e-4 || fail "--grad-accum-sync $sync"
+  done
+  echo "grad-accum: ok"
+  ;;
+data)
+  text="$(dirname "$0")/../README.md"
+  python3 - "$text" "$work" <<'PY' || fail "writing token files"
+import struct, sys
+ids = list(open(sys.argv[1], "rb").read())
+def write(name, magic, fmt, tokens):
+    with open(f"{sys.argv[2]}/{name}", "wb") as f:
+        if magic:
+            f.write(struct.pack("<256i", magic, 1, len(tokens), *[0] * 253))
+        f.write(struct.pack(f"<{len(tokens)}{fmt}", *tokens))
+write("llmc16.bin", 20240520, "H", ids)
+write("llmc32.bin", 20240801, "I", ids)
+write("nanogpt.bin", 0, "H", ids)
+write("big-id.bin", 20240520, "H", ids[:-1] + [300])
+write("eval.bin", 20240520, "H", ids[::-1])
+with open(f"{sys.argv[2]}/truncated.bin", "wb") as f:
+    f.write(open(f"{sys.argv[2]}/llmc16.bin", "rb").read()[:-2])
+PY
+  common=(--model tiny --steps 3 --seq 32 --batch 2)
+  "$run" -n 2 --cpu "$train" "${common[@]}" --data "$text" --log "$work/text.jsonl" >/dev/null 2>&1 || fail "text"
+  for f in llmc16 llmc32 nanogpt; do
+    "$run" -n 2 --cpu "$train" "${common[@]}" --data "$work/$f.bin" --log "$work/$f.jsonl" >"$work/out" 2>&1 \
+      || { cat "$work/out"; fail "$f.bin"; }
+    # The same token ids as the text file, rows drawn from the same positions: the same bits.
+    python3 "$(dirname "$0")/check_train_log.py" "$work/$f.jsonl" --steps 3 --same-loss-as "$work/text.jsonl" \
+      || fail "$f.bin does not train like the text"
+  done
+  expect_usage_error "holds token id 300 (llm.c uint16) but the tiny model's vocabulary has 256 ids" \
+    -n 2 --cpu "$train" --data "$work/big-id.bin"
+  expect_usage_error "its llm.c header says" -n 2 --cpu "$train" --data "$work/truncated.bin"
+  expect_usage_error "--eval-data: cannot read '/nonexistent'" -n 2 --cpu "$train" --eval-data /nonexistent
+  # Evaluation must not change training: the same losses, bit for bit, with and without it.
+  "$run" -n 2 --cpu "$train" "${common[@]}" --data "$work/llmc16.bin" --eval-data "$work/eval.bin" --eval-every 1 \
+    --log "$work/with-eval.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "training with evaluation"; }
+  grep -q "eval after step 3 | loss [0-9.]* | perplexity" "$work/out" || fail "no evaluation line"
+  python3 "$(dirname "$0")/check_train_log.py" "$work/with-eval.jsonl" --steps 3 \
+    --same-loss-as "$work/llmc16.jsonl" || fail "evaluation changed training"
+  # The evaluation set does not depend on the rank count. With a learning rate of 1e-12 the model
+  # stays the initial one (changes of order 1e-12), and the evaluation sums in float64 whatever
+  # rows each rank holds: the losses agree to float32 forward rounding of one row, far below 1e-6.
+  for w in 1 2 3; do
+    "$run" -n $w --cpu "$train" --model tiny --steps 1 --seq 32 --batch 2 --lr 1e-12 --min-lr 0 \
+      --eval-data "$work/eval.bin" --eval-batches 5 --log "$work/eval-$w.jsonl" >/dev/null 2>&1 || fail "eval on $w"
+  done
+  python3 - "$work" <<'PY' || fail "evaluation differs across rank counts"
+import json, sys
+losses = [json.loads(open(f"{sys.argv[1]}/eval-{w}.jsonl").readline())["eval_loss"] for w in (1, 2, 3)]
+print("eval loss on 1, 2, 3 ranks:", losses)
+sys.exit(0 if max(losses) - min(losses) <= 1e-6 * losses[0] else 1)
+PY
+  # No --log: the log goes into a new runs/<date-time>/ under the working directory.
+  (cd "$work" && "$run" -n 1 --cpu "$train" --steps 1 --seq 16 >out 2>&1) || fail "default log"
+  ls "$work"/runs/*/fsdp-train.jsonl >/dev/null 2>&1 || fail "no log under runs/"
+  grep -q "log in runs/.*/fsdp-train.jsonl" "$work/out" || fail "the log's place is not printed"
+  echo "data: ok"
   ;;
 killed-save)
   "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --seq 32 --save-every 1 --save-dir "$work/ck" \

@@ -4,6 +4,7 @@
 
 #include <map>
 
+#include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "sched/execution_order.h"
 #include "sched/inflight_queue.h"
@@ -243,6 +244,24 @@ TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
 
 // The fused kernel must be libtorch's AdamW, update for update, including a
 // parameter that gets no gradient in some steps (its step count stays behind).
+// The near-normal initialisation: over 2^20 values the sample mean lies within 5 standard errors
+// (5 * std / 2^10) of 0 and the sample standard deviation within 1% of std (its standard error
+// is std * sqrt((kurtosis - 1) / n) ~ std / 1500 here); every value within the +-sqrt(3) * 2 * std
+// bound of a sum of four uniforms; another seed gives uncorrelated values (|r| < 10 / sqrt(n)).
+TEST(InitNormal, MeanStdBoundsAndSeeds) {
+  const double std = 0.02;
+  at::Tensor a = torch::empty({1024, 1024}), b = torch::empty({1024, 1024});
+  fsdp::init_normal_(a, 7, std);
+  fsdp::init_normal_(b, 8, std);
+  EXPECT_LT(std::abs(a.mean().item<double>()), 5 * std / 1024);
+  EXPECT_NEAR(a.std().item<double>(), std, 0.01 * std);
+  EXPECT_LE(a.abs().max().item<double>(), 2 * std::sqrt(3.0) * std * (1 + 1e-6));
+  EXPECT_LT(std::abs(torch::corrcoef(torch::stack({a.view(-1), b.view(-1)}))[0][1].item<double>()), 0.01);
+  at::Tensor again = torch::empty({1024, 1024});
+  fsdp::init_normal_(again, 7, std);
+  EXPECT_TRUE(torch::equal(a, again));
+}
+
 TEST(FusedAdamW, MatchesLibtorchAdamW) {
   torch::manual_seed(3);
   const std::vector<at::Tensor> init = {torch::randn({5, 3}), torch::randn({7}), torch::randn({2, 2})};

@@ -13,12 +13,15 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "fsdp/fsdp.h"
 #include "io/files.h"
+#include "model/hf_llama.h"
 #include "model/llama.h"
 #include "train/args.h"
 #include "train/data.h"
+#include "train/evaluate.h"
 #include "train/fused_adamw.h"
 #include "train/memory.h"
 #include "train/memory_sampler.h"
@@ -27,11 +30,14 @@
 
 namespace {
 
-// Full weights by name, as a dict torch.load() reads (the PyTorch reference
-// benchmark starts from the same weights).
-void save_weights(torch::nn::Module& model, const std::string& path) {
+// Full weights by name, as a dict torch.load() reads (the PyTorch reference benchmark starts from
+// the same weights). Collective; rank 0 writes.
+void save_weights(torch::nn::Module& model, const std::string& path, bool lead) {
+  const auto parameters = model.named_parameters();
   c10::Dict<std::string, at::Tensor> weights;
-  for (const auto& item : model.named_parameters()) weights.insert(item.key(), item.value().detach().cpu());
+  for (auto& [name, tensor] : fsdp::full_state_dict(model))
+    if (parameters.contains(name)) weights.insert(name, tensor.cpu());  // parameters only, no buffers
+  if (!lead) return;
   const auto bytes = torch::pickle_save(c10::IValue(weights));
   fsdp::train::write_file(path, std::string(bytes.begin(), bytes.end()));
 }
@@ -69,18 +75,15 @@ int train(const fsdp::train::TrainArgs& args) {
   const bool lead = comm->rank() == 0;
   const c10::Device device = comm->device();
 
-  auto config = fsdp::model::LlamaConfig::preset(args.model);
-  config.tie_embeddings = args.tie_embeddings;
-  config.checkpoint_blocks = args.checkpoint;
-  config.max_seq = std::max(config.max_seq, args.seq);
+  const auto config = fsdp::train::model_config(args);
   auto data = args.data == "synthetic" ? fsdp::train::synthetic_tokens(config.vocab, args.seed)
                                        : fsdp::train::file_tokens(args.data, args.seed);
+  auto eval_data = args.eval_data.empty() ? nullptr : fsdp::train::file_tokens(args.eval_data, args.seed);
 
   fsdp::set_runtime_options(args.runtime);
-  torch::manual_seed(args.seed);  // same initial weights on every rank
-  fsdp::model::Llama model(config);
-  if (lead && !args.save_init.empty()) save_weights(*model, args.save_init);
-  model->to(device);
+  // Parameters deferred: each rank allocates only its shards, which reset_parameters fills after
+  // sharding with values that do not depend on the number of ranks.
+  fsdp::model::Llama model(config, fsdp::model::Placement{device, /*deferred=*/true});
   fsdp::ShardOptions shard;
   shard.reshard_after_forward = args.reshard_after_forward;
   shard.mixed_precision.param_dtype = fsdp::train::dtype_named(args.param_dtype, device.is_cuda());
@@ -94,6 +97,13 @@ int train(const fsdp::train::TrainArgs& args) {
   if (args.optimizer_before_shard) optimizer = make_optimizer();
   for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
   fsdp::fully_shard(model, shard);
+  if (args.init_from.empty()) {
+    model->reset_parameters();
+  } else {
+    fsdp::model::load_hf_weights(*model, args.init_from);
+    if (lead) std::printf("fsdp-train: weights from %s\n", args.init_from.c_str());
+  }
+  if (!args.save_init.empty()) save_weights(*model, args.save_init, lead);
   if (!optimizer) optimizer = make_optimizer();
   // Long-lived buffers first, next to the sharded parameters, before activations split the pool.
   optimizer->init_state();
@@ -122,17 +132,20 @@ int train(const fsdp::train::TrainArgs& args) {
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
   std::ofstream log;
+  const std::string log_path = args.log.empty() ? fsdp::train::default_log_path() : args.log;
   auto check_log = [&] {
-    if (!log) throw std::runtime_error("cannot write the log '" + args.log + "'");
+    if (!log) throw std::runtime_error("cannot write the log '" + log_path + "'");
   };
   if (lead) {
-    log.open(args.log);
+    if (args.log.empty()) fsdp::io::make_directories(fsdp::io::parent_of(log_path));
+    log.open(log_path);
     log.precision(9);  // enough to compare runs (resume, resharding) step by step
     check_log();
-    std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %lld x %lld "
+    std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %d x %lld x %lld "
                 "tokens per rank | param %s, reduce %s",
-                comm->world_size(), comm->backend(), device.str().c_str(), args.model.c_str(),
-                config.parameter_count() / 1e6, (long long)args.batch, (long long)args.seq,
+                comm->world_size(), comm->backend(), device.str().c_str(),
+                fsdp::model::has_hf_config(args.init_from) ? args.init_from.c_str() : args.model.c_str(),
+                config.parameter_count() / 1e6, args.grad_accum, (long long)args.batch, (long long)args.seq,
                 c10::toString(*shard.mixed_precision.param_dtype),
                 c10::toString(*shard.mixed_precision.reduce_dtype));
     if (device.is_cuda()) std::printf(" | allocator '%s'", std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
@@ -160,19 +173,27 @@ int train(const fsdp::train::TrainArgs& args) {
       fsdp::train::start_profile(device);
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
-    auto tokens = data->rows(step, comm->rank() * args.batch, args.batch, args.seq).to(device);
-    auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
-
     optimizer->zero_grad();
-    auto logits = fsdp::forward(model, inputs);
-    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
-                                                     targets.reshape({-1}));
-    loss.backward();
+    // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
+    // rows, the same rows one step of K x --batch rows would take.
+    at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+    for (int micro = 0; micro < args.grad_accum; ++micro) {
+      if (args.grad_accum > 1 && args.grad_accum_sync == "last")
+        fsdp::set_requires_gradient_sync(model, micro == args.grad_accum - 1);
+      const int64_t first_row = (int64_t(comm->rank()) * args.grad_accum + micro) * args.batch;
+      auto tokens = data->rows(step, first_row, args.batch, args.seq).to(device);
+      auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
+      auto logits = fsdp::forward(model, inputs);
+      auto micro_loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
+                                                             targets.reshape({-1})) / args.grad_accum;
+      micro_loss.backward();
+      loss += micro_loss.detach();
+    }
     const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
     optimizer->step();
 
     // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
-    auto loss_and_stop = at::stack({loss.detach().to(at::kFloat).reshape({}),
+    auto loss_and_stop = at::stack({loss,
                                     at::scalar_tensor(static_cast<double>(g_stop_signal), loss.options().dtype(at::kFloat))});
     comm->all_reduce(loss_and_stop, fsdp::ReduceOp::Sum);
     const auto totals = loss_and_stop.cpu();  // also waits for the GPU
@@ -181,7 +202,8 @@ int train(const fsdp::train::TrainArgs& args) {
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    const double tok_s = args.batch * args.seq * comm->world_size() / (ms / 1000.0);
+    const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
+    const double tok_s = tokens_per_step / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
       fsdp::write_trace(output(args.trace, ".json"));
     const auto mem = fsdp::train::take_memory_peaks(device);
@@ -190,28 +212,37 @@ int train(const fsdp::train::TrainArgs& args) {
     const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
+    const int done = step + 1;
+    const bool stop = stop_requested || done == args.stop_at_step;
+    std::optional<fsdp::train::EvalResult> eval;
+    if (eval_data && (done == args.steps || stop || (args.eval_every > 0 && done % args.eval_every == 0)))
+      eval = fsdp::train::evaluate(model, *comm, *eval_data, int64_t(args.eval_batches) * args.batch, args.batch,
+                                   args.seq);
     if (lead) {
       std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
                   step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
                   mem.allocated_gib);
       if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
       std::printf(" GiB | waits ag %ld rs %ld\n", ag_waits, rs_waits);
+      if (eval)
+        std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", done, eval->loss,
+                    eval->perplexity, (long long)eval->tokens);
       std::fflush(stdout);
       log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
           << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
           << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
           << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
           << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
-          << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << args.batch * args.seq * comm->world_size()
+          << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << tokens_per_step
           << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
           << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
           << ",\"rss_gib\":" << mem.rss_now_gib
-          << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"}\n";
+          << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"";
+      if (eval) log << ",\"eval_loss\":" << eval->loss << ",\"eval_ppl\":" << eval->perplexity;
+      log << "}\n";
       log.flush();
       check_log();
     }
-    const int done = step + 1;
-    const bool stop = stop_requested || done == args.stop_at_step;
     if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0)))
       save(done);
     if (stop) {
@@ -224,13 +255,17 @@ int train(const fsdp::train::TrainArgs& args) {
       break;
     }
   }
+  if (!args.export_path.empty()) {
+    fsdp::model::export_hf(*model, *comm, args.export_path);
+    if (lead) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args.export_path.c_str());
+  }
   if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
   if (!args.memory_snapshot.empty()) fsdp::train::write_memory_snapshot(device, output(args.memory_snapshot, ".pickle"));
   if (sampler) sampler->close();
   if (lead) {
     log.close();
     check_log();
-    std::printf("fsdp-train: done, log in %s\n", args.log.c_str());
+    std::printf("fsdp-train: done, log in %s\n", log_path.c_str());
   }
   fsdp::shutdown();
   return exit_code;

@@ -58,6 +58,42 @@ std::shared_ptr<ModuleState> fully_shard(M& module, const ShardOptions& options 
   return fully_shard(detail::as_module(module), options);
 }
 
+// Gradient accumulation (the FSDP2 name). With false, backward passes through `root` and every
+// sharded module under it skip the reduce-scatter: each group keeps its gradients unsharded,
+// summed in the reduce dtype (memory: the sharded modules' full parameters in that dtype). The
+// first backward after set_requires_gradient_sync(root, true) reduce-scatters the sums. For K
+// micro-batches: false before the first K-1 backward passes, true before the last. Leaving sync
+// on reduce-scatters every micro-batch into the sharded gradients instead (less memory, K times
+// the communication). Not collective, but every rank must make the same calls.
+void set_requires_gradient_sync(torch::nn::Module& root, bool sync);
+template <class M>
+void set_requires_gradient_sync(M& root, bool sync) {
+  set_requires_gradient_sync(detail::as_module(root), sync);
+}
+
+// The rows of a full parameter that `param` (a module's parameter tensor) holds on this rank:
+// [first_row, first_row + rows) of a tensor of full_shape; all of them when it is not sharded.
+struct ShardRows {
+  int64_t first_row = 0;
+  int64_t rows = 0;
+  std::vector<int64_t> full_shape;
+  int64_t row_numel() const;
+};
+ShardRows shard_rows_of(const at::Tensor& param);
+
+// A parameter that takes no memory until fully_shard gives it this rank's rows: `shape` for
+// every reader of sizes(), one zero element behind it (stride 0). Create a large model's
+// parameters so on the device, shard it, then fill the shards (init_normal_, or weights read
+// from a file): no process ever holds the whole model.
+at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& options);
+
+// Fills `param` (sharded or not) with near-normal values of mean 0 and standard deviation `std`:
+// the sum of four uniforms (Irwin-Hall), bounded at +-3.46 std. Each value depends only on `seed`
+// and the element's position in the full parameter, through integer hashing and exact float64
+// arithmetic, so the same seed gives the same parameter on any number of ranks, bit for bit,
+// on CPU and GPU alike. Use a different seed per parameter.
+void init_normal_(const at::Tensor& param, uint64_t seed, double std);
+
 // The state fully_shard attached to `module`, or nullptr.
 ModuleState* state_of(const torch::nn::Module& module);
 

@@ -26,4 +26,22 @@ void sync_directory(const std::string& path);
 // "a/b" for "a/b/c", "." for "c".
 std::string parent_of(const std::string& path);
 
+// A whole file mapped read-only: the pages a reader touches are loaded, the rest never are.
+// Throws naming the file when it cannot be opened or mapped.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 }  // namespace fsdp::io

@@ -2,7 +2,7 @@
 
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
-#include <torch/nn/init.h>
+#include <torch/nn/functional/embedding.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -46,8 +46,25 @@ double LlamaConfig::flops_per_token(int64_t seq) const {
   return 6.0 * parameter_count() + 6.0 * n_layers * seq * dim;
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
-  weight = register_parameter("weight", torch::ones({dim}));
+torch::Tensor Placement::parameter(at::IntArrayRef shape) const {
+  const auto options = torch::TensorOptions().device(device);
+  return deferred ? fsdp::deferred_parameter(shape, options) : torch::zeros(shape, options);
+}
+
+ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where) {
+  weight = register_parameter("weight", where.parameter({out, in}));
+}
+
+torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) {
+  weight = register_parameter("weight", where.parameter({vocab, dim}));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_(eps) {
+  weight = register_parameter("weight", where.parameter({dim}));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
@@ -59,8 +76,11 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 
 namespace {
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+// A parameter's own seed: the model's seed and the parameter's name.
+uint64_t seed_of(uint64_t model_seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull ^ model_seed;  // FNV-1a over the name
+  for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  return h;
 }
 
 // Rotates pairs (i, i + d/2) of the last dim by the position's angles.
@@ -74,20 +94,20 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
 
 }  // namespace
 
-AttentionImpl::AttentionImpl(const LlamaConfig& c)
+AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
-  wq = register_module("wq", linear(c.dim, c.n_heads * head_dim_));
-  wk = register_module("wk", linear(c.dim, c.n_kv_heads * head_dim_));
-  wv = register_module("wv", linear(c.dim, c.n_kv_heads * head_dim_));
-  wo = register_module("wo", linear(c.n_heads * head_dim_, c.dim));
+  wq = register_module("wq", Projection(c.dim, c.n_heads * head_dim_, where));
+  wk = register_module("wk", Projection(c.dim, c.n_kv_heads * head_dim_, where));
+  wv = register_module("wv", Projection(c.dim, c.n_kv_heads * head_dim_, where));
+  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1);
-  auto heads = [&](torch::nn::Linear& proj, int64_t n) {
+  auto heads = [&](Projection& proj, int64_t n) {
     return proj(x).view({b, t, n, head_dim_}).transpose(1, 2);  // [b, n, t, d]
   };
   auto q = apply_rope(heads(wq, n_heads_), cos, sin);
@@ -99,21 +119,21 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const LlamaConfig& c) {
-  w_gate = register_module("w_gate", linear(c.dim, c.ffn));
-  w_up = register_module("w_up", linear(c.dim, c.ffn));
-  w_down = register_module("w_down", linear(c.ffn, c.dim));
+MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) {
+  w_gate = register_module("w_gate", Projection(c.dim, c.ffn, where));
+  w_up = register_module("w_up", Projection(c.dim, c.ffn, where));
+  w_down = register_module("w_down", Projection(c.ffn, c.dim, where));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return w_down(torch::nn::functional::silu(w_gate(x)) * w_up(x));
 }
 
-BlockImpl::BlockImpl(const LlamaConfig& c) {
-  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
-  attn = register_module("attn", Attention(c));
-  mlp_norm = register_module("mlp_norm", RMSNorm(c.dim, c.norm_eps));
-  mlp = register_module("mlp", Mlp(c));
+BlockImpl::BlockImpl(const LlamaConfig& c, const Placement& where) {
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps, where));
+  attn = register_module("attn", Attention(c, where));
+  mlp_norm = register_module("mlp_norm", RMSNorm(c.dim, c.norm_eps, where));
+  mlp = register_module("mlp", Mlp(c, where));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -122,21 +142,21 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   return h + fsdp::forward(mlp, fsdp::forward(mlp_norm, h));
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& c) : config(c) {
-  tok_emb = register_module("tok_emb", torch::nn::Embedding(c.vocab, c.dim));
+LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c) {
+  tok_emb = register_module("tok_emb", Embedding(c.vocab, c.dim, where));
   auto block_list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) {
-    blocks.push_back(Block(c));
+    blocks.push_back(Block(c, where));
     block_list->push_back(blocks.back());
   }
-  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
-  if (!c.tie_embeddings) head = register_module("head", linear(c.dim, c.vocab));
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, where));
+  if (!c.tie_embeddings) head = register_module("head", Projection(c.dim, c.vocab, where));
   const int64_t half = c.head_dim() / 2;
   auto inv_freq = torch::pow(c.rope_theta, -torch::arange(0, half, torch::kDouble) / half);
   auto angles = torch::outer(torch::arange(0, c.max_seq, torch::kDouble), inv_freq);
-  rope_cos = register_buffer("rope_cos", angles.cos().to(torch::kFloat));
-  rope_sin = register_buffer("rope_sin", angles.sin().to(torch::kFloat));
-  reset_parameters();
+  rope_cos = register_buffer("rope_cos", angles.cos().to(where.device, torch::kFloat));
+  rope_sin = register_buffer("rope_sin", angles.sin().to(where.device, torch::kFloat));
+  if (!where.deferred) reset_parameters();
 }
 
 void LlamaImpl::reset_parameters() {
@@ -145,12 +165,11 @@ void LlamaImpl::reset_parameters() {
   for (auto& item : named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     auto& p = item.value();
+    const bool is_output_projection = name.find("wo.") != std::string::npos || name.find("w_down.") != std::string::npos;
     if (name.find("norm") != std::string::npos)
       p.fill_(1.0);
-    else if (name.find("wo.") != std::string::npos || name.find("w_down.") != std::string::npos)
-      p.normal_(0.0, out_std);
     else
-      p.normal_(0.0, 0.02);
+      fsdp::init_normal_(p, seed_of(config.seed, name), is_output_projection ? out_std : 0.02);
   }
 }
 

@@ -5,8 +5,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
 
 #include <string>
 #include <vector>
@@ -25,6 +24,7 @@ struct LlamaConfig {
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
+  uint64_t seed = 0;  // initial weights (reset_parameters)
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
   static LlamaConfig preset(const std::string& name);
@@ -34,9 +34,36 @@ struct LlamaConfig {
   double flops_per_token(int64_t seq) const;
 };
 
+// Where the parameters are made. Deferred: full-shaped placeholders without memory
+// (fsdp::deferred_parameter) on `device`, to be sharded and then filled by reset_parameters()
+// or by loaded weights; no process ever holds the whole model.
+struct Placement {
+  c10::Device device = c10::kCPU;
+  bool deferred = false;
+  torch::Tensor parameter(at::IntArrayRef shape) const;
+};
+
+// torch::nn::Linear without bias (weight [out, in], the same parameter name) and
+// torch::nn::Embedding, made on a Placement.
+class ProjectionImpl : public torch::nn::Module {
+ public:
+  ProjectionImpl(int64_t in, int64_t out, const Placement& where);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+};
+TORCH_MODULE(Projection);
+
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where);
+  torch::Tensor forward(const torch::Tensor& tokens);
+  torch::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 
@@ -47,9 +74,9 @@ TORCH_MODULE(RMSNorm);
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const LlamaConfig& c);
+  AttentionImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  Projection wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
@@ -58,15 +85,15 @@ TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const LlamaConfig& c);
+  MlpImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
+  Projection w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
 };
 TORCH_MODULE(Mlp);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const LlamaConfig& c);
+  BlockImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
@@ -76,18 +103,20 @@ TORCH_MODULE(Block);
 
 class LlamaImpl : public torch::nn::Module {
  public:
-  explicit LlamaImpl(const LlamaConfig& c);
+  // Initialised at once (reset_parameters), unless the placement defers the parameters.
+  explicit LlamaImpl(const LlamaConfig& c, const Placement& where = {});
   // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]
   torch::Tensor forward(const torch::Tensor& tokens);
-  // Deterministic initialisation from the current RNG state: normal(0, 0.02),
-  // output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
+  // Initial weights from config.seed, sharded or not: near-normal with std 0.02 (fsdp::init_normal_,
+  // one seed per parameter name), output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
+  // The same values on any number of ranks.
   void reset_parameters();
 
   LlamaConfig config;
-  torch::nn::Embedding tok_emb{nullptr};
+  Embedding tok_emb{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};  // null when tie_embeddings
+  Projection head{nullptr};  // null when tie_embeddings
   torch::Tensor rope_cos, rope_sin;  // [max_seq, head_dim / 2] buffers
 };
 TORCH_MODULE(Llama);

@@ -127,4 +127,16 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
 
 ModuleState* state_of(const torch::nn::Module& module) { return Runtime::get().state_of(module); }
 
+void set_requires_gradient_sync(torch::nn::Module& root, bool sync) {
+  bool any = false;
+  for (const auto& module : root.modules(/*include_self=*/true))
+    if (ModuleState* state = Runtime::get().state_of(*module)) {
+      state->set_gradient_sync(sync);
+      any = true;
+    }
+  if (!any)
+    throw std::invalid_argument("fsdp::set_requires_gradient_sync(" + root.name() +
+                                "): no module in it is sharded; call fully_shard first");
+}
+
 }  // namespace fsdp

@@ -187,19 +187,23 @@ void ModuleState::post_backward() {
     trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
   Trace::get().end(compute_span_, compute_stream());
-  Runtime::get().reduce_scatter(group_);
-  reduced_ = true;
+  hand_off_gradients();
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
   // last use in backward has run: they stay unsharded until the end.
   if (!has_frozen_params_) reshard();
 }
 
+void ModuleState::hand_off_gradients() {
+  if (gradient_sync_)
+    Runtime::get().reduce_scatter(group_);
+  else
+    group_.hold_unsynced_gradients();
+  reduced_ = true;
+}
+
 void ModuleState::finish_backward() {
   trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
-  if (backward_started_ && !reduced_) {
-    Runtime::get().reduce_scatter(group_);
-    reduced_ = true;
-  }
+  if (backward_started_ && !reduced_) hand_off_gradients();
   reshard();
   backward_started_ = false;
   reduced_ = false;

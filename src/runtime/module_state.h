@@ -43,6 +43,11 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // Called for every group of the step by the end-of-backward callback.
   void finish_backward();
 
+  // false: backward keeps the gradients unsharded and sums them over backward passes
+  // (ParamGroup::hold_unsynced_gradients) instead of reduce-scattering them; the first backward
+  // with true reduce-scatters the sum.
+  void set_gradient_sync(bool sync) { gradient_sync_ = sync; }
+
   // All-gathers ahead of use (no-op when unsharded already).
   void prefetch();
   // Back to shards; the memory's release is reported to the run-ahead limit.
@@ -54,6 +59,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // Once per backward: record it, unshard, prefetch the next groups in backward order.
   void start_backward();
   void post_backward();
+  // This backward's gradients leave the unsharded parameters: reduce-scatter, or held unsynced.
+  void hand_off_gradients();
   void trace(const char* event, const char* detail) const;
   std::optional<c10::Stream> compute_stream() const;
   void start_step(uint64_t step, bool is_root);
@@ -64,6 +71,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   ParamGroup group_;
   bool reshard_after_forward_;
   bool has_frozen_params_ = false;
+  bool gradient_sync_ = true;
   int trainable_params_ = 0;
   // The accumulator each trainable parameter's gradient last went through;
   // held so that it (and our hook on it) survives between steps.

@@ -277,13 +277,22 @@ void ParamGroup::prepare_reduce_scatter() {
   // parameter's rank-major rows and the flags (a [world, count] tensor, so
   // each rank's chunk ends with them); the input itself lives until its
   // reduce-scatter is done (reduce_scatter_together's work holds it).
-  const auto grad_opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  // Gradients held unsynced over earlier backward passes are sums in the reduce dtype: this
+  // backward's are added to them, and every piece goes in that dtype (one kernel takes one).
+  const bool summed = std::any_of(params_.begin(), params_.end(),
+                                  [](const ShardedParam& p) { return p.unsynced_grad.defined(); });
+  const auto grad_opts = at::TensorOptions().dtype(summed ? reduce_dtype_ : compute_dtype_).device(device_);
   std::vector<at::Tensor> pieces;
   std::vector<float> flags;
   for (auto& p : params_) {
     at::Tensor grad = p.param.grad();
+    if (p.unsynced_grad.defined()) {
+      if (grad.defined()) p.unsynced_grad.add_(grad);
+      grad = std::move(p.unsynced_grad);
+      p.unsynced_grad = at::Tensor();
+    }
     flags.push_back(grad.defined() ? 1.0f : 0.0f);
-    pieces.push_back(grad.defined() ? grad : at::zeros(p.full_shape, grad_opts));
+    pieces.push_back(grad.defined() ? grad.to(grad_opts.dtype()) : at::zeros(p.full_shape, grad_opts));
   }
   all_local_grads_ = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
   pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
@@ -291,6 +300,20 @@ void ParamGroup::prepare_reduce_scatter() {
   reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
   rank_major_into(reduce_input_, pieces);
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
+}
+
+void ParamGroup::hold_unsynced_gradients() {
+  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: unsynced gradients need unsharded parameters");
+  c10::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    at::Tensor grad = p.param.grad();
+    if (!grad.defined()) continue;
+    if (p.unsynced_grad.defined())
+      p.unsynced_grad.add_(grad);
+    else
+      p.unsynced_grad = grad.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true);
+    p.param.mutable_grad() = at::Tensor();
+  }
 }
 
 DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& groups) {

@@ -32,6 +32,7 @@ struct ShardedParam {
   at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
   at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
   at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
+  at::Tensor unsynced_grad; // full-shape gradients summed without reduce-scatter (reduce dtype)
 };
 
 class ParamGroup {
@@ -58,6 +59,11 @@ class ParamGroup {
   // Copies the unsharded gradients rank-major into a reduce-scatter input on
   // the compute stream and frees them (the group can reshard right after).
   void prepare_reduce_scatter();
+  // Gradient accumulation without communication: adds the unsharded gradients into full-shape
+  // sums in the reduce dtype (fp32 sums stay exact where bf16 ones would round at every
+  // micro-batch) and frees them; the next prepare_reduce_scatter sends the sums. Memory: the
+  // whole group's parameters in the reduce dtype, until then.
+  void hold_unsynced_gradients();
   // Collective. Averages the prepared inputs of `groups` over the world in
   // one coalesced reduce-scatter on the reduce-scatter stream. The returned
   // work keeps the inputs alive until it is done; each group's result

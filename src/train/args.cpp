@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <limits>
 #include <map>
@@ -14,7 +15,9 @@
 
 #include "fsdp/sharded_checkpoint.h"
 #include "io/files.h"
+#include "model/hf_llama.h"
 #include "model/llama.h"
+#include "train/data.h"
 #include "train/memory.h"
 
 namespace fsdp::train {
@@ -60,7 +63,17 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--weight-decay", {"AdamW weight decay (default 0.1)", number(a.weight_decay)}},
       {"--clip", {"global gradient-norm clip, 0 = off (default 1.0)", number(a.clip)}},
       {"--seed", {"seed for weights and data (default 1234)", number(a.seed)}},
-      {"--data", {"'synthetic' or a text file read as bytes (default synthetic)", text(a.data)}},
+      {"--data", {"'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped) or a text "
+                  "file read as bytes (default synthetic)", text(a.data)}},
+      {"--eval-data", {"held-out data (same kinds as --data) for an evaluation loss and perplexity",
+                       text(a.eval_data)}},
+      {"--eval-every", {"steps between evaluations, 0 = after the last step only (default 0)", number(a.eval_every)}},
+      {"--eval-batches", {"evaluation set size in batches of --batch sequences, the same set whatever "
+                          "the rank count (default 8)", number(a.eval_batches)}},
+      {"--grad-accum", {"micro-batches of --batch sequences per optimizer step (default 1)", number(a.grad_accum)}},
+      {"--grad-accum-sync", {"with --grad-accum: reduce-scatter after the 'last' micro-batch (gradients held "
+                             "unsharded in fp32 meanwhile) or after 'every' one (less memory, more "
+                             "communication) (default last)", text(a.grad_accum_sync)}},
       {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU (default auto)",
                          text(a.param_dtype)}},
       {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16 (default fp32)", text(a.reduce_dtype)}},
@@ -70,7 +83,7 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
-      {"--log", {"JSONL log written by rank 0 (default fsdp-train.jsonl)", text(a.log)}},
+      {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
                             number(a.runtime.prefetch_depth)}},
@@ -101,6 +114,11 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--resume", {"resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
       {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps (default off)",
                           number(a.stop_at_step)}},
+      {"--init-from", {"start from Hugging Face Llama weights: a .safetensors file or a directory with "
+                       "config.json (which then gives the model) and *.safetensors; each rank reads its rows",
+                       text(a.init_from)}},
+      {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
+                    "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
   };
@@ -144,8 +162,12 @@ void check_ranges(const TrainArgs& a) {
   require(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
           "--backend must be auto, mpi or nccl, not '" + a.backend + "'");
   for (const auto* dtype : {&a.param_dtype, &a.reduce_dtype}) dtype_named(*dtype, true);
-  require(a.data == "synthetic" || model::LlamaConfig::preset(a.model).vocab >= 256,
-          "--data FILE needs a vocabulary of at least 256 byte tokens; --model " + a.model + " has fewer");
+  require(a.grad_accum >= 1, "--grad-accum must be at least 1");
+  require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
+          "--grad-accum-sync must be last or every, not '" + a.grad_accum_sync + "'");
+  require(a.eval_every >= 0, "--eval-every must be 0 (after the last step) or positive");
+  require(a.eval_batches >= 1, "--eval-batches must be at least 1");
+  require(a.eval_data != "synthetic", "--eval-data needs a file (synthetic data has no held-out set)");
 }
 
 // An output path must be creatable: an existing regular file we may write, or a new name in an
@@ -166,18 +188,41 @@ void require_writable(const std::string& flag, const std::string& path) {
   require(denied.empty(), flag + ": cannot write '" + path + "': directory '" + dir + "': " + denied);
 }
 
-void check_data_file(const TrainArgs& a) {
-  if (a.data == "synthetic") return;
+// A directory to write in: an existing writable one, or a new name in a writable directory.
+void require_writable_directory(const std::string& flag, const std::string& dir) {
+  if (!io::exists(dir)) return require_writable(flag, dir);
+  require(io::is_directory(dir), flag + ": '" + dir + "' is not a directory");
+  const std::string denied = failure(access(dir.c_str(), W_OK));
+  require(denied.empty(), flag + ": cannot write '" + dir + "': " + denied);
+}
+
+// A data file: readable, in a layout we know, long enough for one row, and no token id beyond
+// the model's vocabulary (one pass over the mapped file, before any rank starts).
+void check_data_file(const std::string& flag, const std::string& path, const TrainArgs& a) {
   struct stat st{};
-  const std::string missing = failure(stat(a.data.c_str(), &st));
-  require(missing.empty(), "--data: cannot read '" + a.data + "': " + missing);
-  require(S_ISREG(st.st_mode), "--data: '" + a.data + "' is not a regular file");
-  const std::string denied = failure(access(a.data.c_str(), R_OK));
-  require(denied.empty(), "--data: cannot read '" + a.data + "': " + denied);
+  const std::string missing = failure(stat(path.c_str(), &st));
+  require(missing.empty(), flag + ": cannot read '" + path + "': " + missing);
+  require(S_ISREG(st.st_mode), flag + ": '" + path + "' is not a regular file");
+  const std::string denied = failure(access(path.c_str(), R_OK));
+  require(denied.empty(), flag + ": cannot read '" + path + "': " + denied);
+  const io::MappedFile file(path);
+  TokenFileLayout layout;
+  try {
+    layout = token_file_layout(path, file.data(), file.size());
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(flag + ": " + e.what());
+  }
   // A row is seq + 1 tokens (inputs and shifted targets) from a random start.
-  require(st.st_size >= a.seq + 2, "--data: '" + a.data + "' has " + std::to_string(st.st_size) +
-                                       " bytes; --seq " + std::to_string(a.seq) + " needs at least " +
-                                       std::to_string(a.seq + 2) + " (lower --seq or use a longer file)");
+  require(layout.tokens >= static_cast<uint64_t>(a.seq) + 2,
+          flag + ": '" + path + "' has " + std::to_string(layout.tokens) + " tokens (" + layout.format + "); --seq " +
+              std::to_string(a.seq) + " needs at least " + std::to_string(a.seq + 2) +
+              " (lower --seq or use a longer file)");
+  const int64_t vocab = model_config(a).vocab;
+  const uint64_t largest = layout.tokens ? largest_token(file.data(), layout) : 0;
+  require(largest < static_cast<uint64_t>(vocab),
+          flag + ": '" + path + "' holds token id " + std::to_string(largest) + " (" + layout.format +
+              ") but the " + a.model + " model's vocabulary has " + std::to_string(vocab) +
+              " ids: tokenise for this model or pick a model with a larger vocabulary");
 }
 
 int env_int(std::initializer_list<const char*> names, int fallback) {
@@ -198,20 +243,10 @@ std::string gib(double bytes) {
 
 // Lower bounds, not estimates: a run below them cannot fit, a run above them still may not.
 void check_memory(const TrainArgs& a) {
-  auto config = model::LlamaConfig::preset(a.model);
-  config.tie_embeddings = a.tie_embeddings;
+  const auto config = model_config(a);
   const double params = static_cast<double>(config.parameter_count());
   const int local = env_int({"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 1);
   const double host = available_host_bytes();
-  if (host > 0 && 4.0 * params * local > host) {
-    char message[512];
-    std::snprintf(message, sizeof(message),
-                  "the %s model's float32 weights, built whole before sharding, take %.1f GB of host memory "
-                  "in each of the %d process(es) on this machine, %.1f GB in all, but %.1f GB is available: "
-                  "use a smaller model or fewer processes per machine",
-                  a.model.c_str(), 4.0 * params / 1e9, local, 4.0 * params * local / 1e9, host / 1e9);
-    throw UsageError(message);
-  }
   const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();
   const bool on_gpu = gpu > 0;
   const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
@@ -220,18 +255,30 @@ void check_memory(const TrainArgs& a) {
   // Sharded fp32 weights, gradients and AdamW's two moments; the logits in the compute dtype, their
   // float32 copy for the loss and its gradient; per block at least its input (checkpointed) or
   // its input, q, k, v, attention output and the MLP's three ffn-wide products.
-  const double state = 16.0 * params / world;
+  // --grad-accum-sync last holds every group's full gradients in the reduce dtype between micro-batches.
+  const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
+                                    ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
+                                    : 0.0;
+  const double state = 16.0 * params / world + held_gradients;
   const double logits = tokens * config.vocab * (compute_bytes + 8);
   const double per_block = a.checkpoint ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
   const double activations = tokens * config.n_layers * per_block * compute_bytes;
   const double needed = state + logits + activations;
   const double have = on_gpu ? gpu : host / local;
+  const std::string where = on_gpu ? " of a GPU" : " of host memory per process";
+  // Parameters are made as shards (sharded initialisation): the model itself needs only its
+  // share of the state on each rank.
+  if (have > 0 && 16.0 * params / world > have)
+    throw UsageError("the " + a.model + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
+                     "parameter) takes " + gib(16.0 * params / world) + " per rank on " + std::to_string(world) +
+                     " rank(s), more than the " + gib(have) + where + ": use more ranks or a smaller model");
   if (have > 0 && needed > have)
     throw UsageError("--batch " + std::to_string(a.batch) + " x --seq " + std::to_string(a.seq) + " on the " +
                      a.model + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
-                     " sharded state, " + gib(logits + activations) + " activations), more than the " + gib(have) +
-                     (on_gpu ? " of a GPU" : " of host memory per process") +
-                     ": lower --batch or --seq" + (a.checkpoint ? "" : ", or add --checkpoint"));
+                     (held_gradients > 0 ? " sharded state and held gradients, " : " sharded state, ") +
+                     gib(logits + activations) + " activations), more than the " + gib(have) + where +
+                     ": lower --batch or --seq" + (a.checkpoint ? "" : ", or add --checkpoint") +
+                     (held_gradients > 0 ? ", or use --grad-accum-sync every" : ""));
 }
 
 }  // namespace
@@ -284,21 +331,43 @@ std::string train_help_text() {
   return out + "  --help                           this text\n";
 }
 
+model::LlamaConfig model_config(const TrainArgs& a) {
+  auto config = model::has_hf_config(a.init_from) ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
+  if (!model::has_hf_config(a.init_from)) config.tie_embeddings = a.tie_embeddings;
+  config.checkpoint_blocks = a.checkpoint;
+  config.max_seq = std::max(config.max_seq, a.seq);
+  config.seed = a.seed;
+  return config;
+}
+
 void check_train_args_on_this_machine(const TrainArgs& a) {
-  check_data_file(a);
-  if (!a.save_dir.empty()) {
-    if (io::exists(a.save_dir)) {
-      require(io::is_directory(a.save_dir), "--save-dir: '" + a.save_dir + "' is not a directory");
-      const std::string denied = failure(access(a.save_dir.c_str(), W_OK));
-      require(denied.empty(), "--save-dir: cannot write '" + a.save_dir + "': " + denied);
-    } else {
-      require_writable("--save-dir", a.save_dir);  // a new directory in a writable one
+  if (!a.init_from.empty()) {
+    require(io::exists(a.init_from), "--init-from: '" + a.init_from + "' does not exist");
+    if (model::has_hf_config(a.init_from)) {
+      try {
+        model::read_hf_config(a.init_from);
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(std::string("--init-from: ") + e.what());
+      }
     }
   }
+  if (!a.export_path.empty()) {
+    const bool file = a.export_path.size() > 12 && a.export_path.rfind(".safetensors") == a.export_path.size() - 12;
+    if (file)
+      require_writable("--export", a.export_path);
+    else
+      require_writable_directory("--export", a.export_path);
+  }
+  if (a.data != "synthetic") check_data_file("--data", a.data, a);
+  if (!a.eval_data.empty()) check_data_file("--eval-data", a.eval_data, a);
+  if (!a.save_dir.empty()) require_writable_directory("--save-dir", a.save_dir);
   if (!a.resume.empty())
     require(!fsdp::newest_checkpoint(a.resume).empty(),
             "--resume: '" + a.resume + "' holds no complete checkpoint (a step-N directory with metadata.bin)");
-  require_writable("--log", a.log);
+  if (a.log.empty())
+    require_writable_directory("--log", "runs");  // the default log's parent, made by rank 0
+  else
+    require_writable("--log", a.log);
   if (!a.save_init.empty()) require_writable("--save-init", a.save_init);
   struct PerRankOutput {
     const char* flag;
@@ -310,6 +379,15 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
                           PerRankOutput{"--memory-snapshot", a.memory_snapshot, ".pickle"}})
     if (!out.prefix.empty()) require_writable(out.flag, rank_path(out.prefix, 0, out.extension));
   check_memory(a);
+}
+
+std::string default_log_path() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char name[64];
+  std::strftime(name, sizeof(name), "runs/%Y%m%d-%H%M%S/fsdp-train.jsonl", &local);
+  return name;
 }
 
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension) {

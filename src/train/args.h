@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fsdp/runtime_options.h"
+#include "model/llama.h"
 
 namespace fsdp::train {
 
@@ -30,7 +31,7 @@ struct TrainArgs {
   std::string param_dtype = "auto", reduce_dtype = "fp32";
   bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
   std::string backend = "auto";
-  std::string log = "fsdp-train.jsonl";
+  std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
   double timeout_s = 0;
   RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)
@@ -41,6 +42,13 @@ struct TrainArgs {
   std::string save_dir, resume;  // checkpoints: where to save, where to resume from
   int save_every = 0;            // steps between saves, 0 = only at the end or when stopped
   int stop_at_step = 0;          // save and stop after this step, 0 = run all --steps
+  int grad_accum = 1;                 // micro-batches of --batch rows per optimizer step
+  std::string grad_accum_sync = "last";  // reduce-scatter after the "last" micro-batch or "every" one
+  std::string eval_data;              // held-out token file; empty: no evaluation
+  int eval_every = 0;                 // steps between evaluations, 0 = only after the last step
+  int eval_batches = 8;               // evaluation set: this many batches of --batch rows
+  std::string init_from;    // Hugging Face weights (.safetensors, or a directory with config.json)
+  std::string export_path;  // write the trained model with Hugging Face names (.safetensors or a directory)
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool help = false;
 };
@@ -54,6 +62,13 @@ std::string train_help_text();
 void check_train_args_on_this_machine(const TrainArgs& args);
 // "fp32", "bf16" or "auto" (bf16 on GPUs).
 c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
+
+// The model to train: config.json of --init-from where there is one, else the --model preset
+// (with --tie-embeddings, --checkpoint and --seed applied).
+model::LlamaConfig model_config(const TrainArgs& args);
+
+// runs/<YYYYmmdd-HHMMSS>/fsdp-train.jsonl for the current local time.
+std::string default_log_path();
 
 // The path a rank writes for a per-rank output PREFIX (trace, profile, snapshot, memory log).
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension);

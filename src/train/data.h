@@ -24,7 +24,24 @@ class TokenSource {
 // the context the next token is determined, so the loss falls from
 // log(vocab) towards zero within tens of steps.
 std::unique_ptr<TokenSource> synthetic_tokens(int64_t vocab, uint64_t seed);
-// Random windows of a file's bytes (tokens 0..255; needs vocab >= 256).
+// How a --data file holds its tokens. A file ending in .bin holds token ids: with llm.c's header
+// (256 int32: magic 20240520 for uint16 ids or 20240801 for uint32 ids, version, token count;
+// then the ids) or without one, nanoGPT's layout (uint16 ids only). Any other file is text,
+// one token per byte.
+struct TokenFileLayout {
+  std::string format;         // "llm.c uint16", "llm.c uint32", "nanoGPT uint16" or "bytes"
+  uint64_t header_bytes = 0;  // before the first token
+  int width = 1;              // bytes per token
+  uint64_t tokens = 0;
+};
+// Throws std::invalid_argument naming the file and what is wrong (a header that does not match
+// the file's size, a size that is not a whole number of tokens).
+TokenFileLayout token_file_layout(const std::string& path, const uint8_t* data, uint64_t size);
+// The largest token id in the file (one pass over the mapped file).
+uint64_t largest_token(const uint8_t* data, const TokenFileLayout& layout);
+
+// Random windows of a token file (see TokenFileLayout), memory-mapped: each rank reads only the
+// pages of its rows.
 std::unique_ptr<TokenSource> file_tokens(const std::string& path, uint64_t seed);
 
 }  // namespace fsdp::train

@@ -1,0 +1,198 @@
+#include "model/hf_llama.h"
+
+#include <nlohmann/json.hpp>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <fstream>
+#include <memory>
+#include <regex>
+#include <set>
+#include <stdexcept>
+
+#include "fsdp/fully_shard.h"
+#include "io/files.h"
+#include "io/safetensors.h"
+
+namespace fsdp::model {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+std::string config_path(const std::string& dir) { return dir + "/config.json"; }
+
+std::invalid_argument config_error(const std::string& dir, const std::string& why) {
+  return std::invalid_argument("'" + config_path(dir) + "': " + why);
+}
+
+// The safetensors files of PATH: the file itself, or every *.safetensors in the directory.
+std::vector<std::string> weight_files(const std::string& path) {
+  if (!io::is_directory(path)) return {path};
+  std::vector<std::string> files;
+  for (const auto& name : io::list_directory(path))
+    if (ends_with(name, ".safetensors")) files.push_back(path + "/" + name);
+  if (files.empty()) throw std::invalid_argument("'" + path + "' holds no .safetensors file");
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+}  // namespace
+
+std::string hf_name(const std::string& ours) {
+  static const std::vector<std::pair<std::regex, std::string>> rules = {
+      {std::regex(R"(tok_emb\.weight)"), "model.embed_tokens.weight"},
+      {std::regex(R"(norm\.weight)"), "model.norm.weight"},
+      {std::regex(R"(head\.weight)"), "lm_head.weight"},
+      {std::regex(R"(blocks\.(\d+)\.attn_norm\.weight)"), "model.layers.$1.input_layernorm.weight"},
+      {std::regex(R"(blocks\.(\d+)\.mlp_norm\.weight)"), "model.layers.$1.post_attention_layernorm.weight"},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wq\.weight)"), "model.layers.$1.self_attn.q_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wk\.weight)"), "model.layers.$1.self_attn.k_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wv\.weight)"), "model.layers.$1.self_attn.v_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wo\.weight)"), "model.layers.$1.self_attn.o_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_gate\.weight)"), "model.layers.$1.mlp.gate_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_up\.weight)"), "model.layers.$1.mlp.up_proj.weight"},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_down\.weight)"), "model.layers.$1.mlp.down_proj.weight"},
+  };
+  for (const auto& [pattern, replacement] : rules)
+    if (std::regex_match(ours, pattern)) return std::regex_replace(ours, pattern, replacement);
+  throw std::invalid_argument("no Hugging Face name for parameter '" + ours + "'");
+}
+
+bool has_hf_config(const std::string& path) { return io::is_directory(path) && io::exists(config_path(path)); }
+
+LlamaConfig read_hf_config(const std::string& dir) {
+  std::ifstream in(config_path(dir));
+  if (!in) throw config_error(dir, "cannot be read");
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) throw config_error(dir, "is not a JSON object");
+  auto field = [&](const char* name) -> const nlohmann::json& {
+    const auto it = j.find(name);
+    if (it == j.end() || !it->is_number()) throw config_error(dir, std::string("no number '") + name + "'");
+    return *it;
+  };
+  if (j.contains("model_type") && j["model_type"] != "llama")
+    throw config_error(dir, "model_type " + j["model_type"].dump() + ", not \"llama\"");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (j.value(bias, false)) throw config_error(dir, std::string(bias) + " is true: this Llama has no biases");
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
+    throw config_error(dir, "hidden_act " + j["hidden_act"].dump() + ", not \"silu\"");
+  LlamaConfig c;
+  c.vocab = field("vocab_size").get<int64_t>();
+  c.dim = field("hidden_size").get<int64_t>();
+  c.n_layers = field("num_hidden_layers").get<int64_t>();
+  c.n_heads = field("num_attention_heads").get<int64_t>();
+  c.n_kv_heads = j.contains("num_key_value_heads") ? field("num_key_value_heads").get<int64_t>() : c.n_heads;
+  c.ffn = field("intermediate_size").get<int64_t>();
+  c.max_seq = field("max_position_embeddings").get<int64_t>();
+  c.norm_eps = field("rms_norm_eps").get<double>();
+  c.tie_embeddings = j.value("tie_word_embeddings", false);
+  if (j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"] != c.dim / std::max<int64_t>(c.n_heads, 1))
+    throw config_error(dir, "head_dim " + j["head_dim"].dump() + " is not hidden_size / num_attention_heads");
+  // Rotary base: transformers 5 keeps it in rope_parameters, earlier versions at the top.
+  c.rope_theta = j.value("rope_theta", 10000.0);
+  for (const char* scaling : {"rope_parameters", "rope_scaling"}) {
+    const auto it = j.find(scaling);
+    if (it == j.end() || it->is_null()) continue;
+    const std::string type = it->value("rope_type", it->value("type", std::string("default")));
+    if (type != "default") throw config_error(dir, std::string(scaling) + " of type '" + type + "' is not supported");
+    c.rope_theta = it->value("rope_theta", c.rope_theta);
+  }
+  if (c.vocab < 1 || c.dim < 1 || c.n_layers < 0 || c.n_heads < 1 || c.n_kv_heads < 1 || c.ffn < 1 ||
+      c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
+    throw config_error(dir, "sizes that do not make a Llama (heads must divide hidden_size, kv heads the heads)");
+  return c;
+}
+
+void load_hf_weights(LlamaImpl& model, const std::string& path) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::unique_ptr<io::SafetensorsFile>> files;
+  std::map<std::string, const io::SafetensorsFile*> where;
+  for (const auto& file : weight_files(path)) {
+    files.push_back(std::make_unique<io::SafetensorsFile>(file));
+    for (const auto& [name, entry] : files.back()->entries()) where[name] = files.back().get();
+  }
+  std::set<std::string> unused;
+  for (const auto& [name, file] : where) unused.insert(name);
+  std::string missing;
+  for (auto& [ours, param] : model.named_parameters().pairs()) {
+    const std::string name = hf_name(ours);
+    const auto it = where.find(name);
+    if (it == where.end()) {
+      missing += " " + name;
+      continue;
+    }
+    unused.erase(name);
+    const ShardRows rows = shard_rows_of(param);
+    const auto& entry = it->second->entries().at(name);
+    if (entry.shape != rows.full_shape)
+      throw std::invalid_argument("'" + it->second->path() + "': tensor '" + name + "' has shape " +
+                                  shape_text(entry.shape) + " but the model's " + ours + " is " +
+                                  shape_text(rows.full_shape) + " (another model size?)");
+    param.copy_(it->second->read_rows(name, rows.first_row, rows.rows, param.scalar_type()).view(param.sizes()));
+  }
+  if (model.config.tie_embeddings) unused.erase("lm_head.weight");  // the embedding, saved twice
+  if (!missing.empty())
+    throw std::invalid_argument("'" + path + "' lacks the model's tensors:" + missing);
+  if (!unused.empty())
+    throw std::invalid_argument("'" + path + "' holds tensors the model does not have, e.g. '" + *unused.begin() +
+                                "' (" + std::to_string(unused.size()) + " in all): another architecture?");
+}
+
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
+  const bool lead = comm.rank() == 0;
+  const bool single_file = ends_with(path, ".safetensors");
+  const std::string file = single_file ? path : path + "/model.safetensors";
+  const auto& c = model.config;
+  if (lead && !single_file) {
+    io::make_directories(path);
+    const nlohmann::json config = {
+        {"architectures", {"LlamaForCausalLM"}},
+        {"model_type", "llama"},
+        {"vocab_size", c.vocab},
+        {"hidden_size", c.dim},
+        {"intermediate_size", c.ffn},
+        {"num_hidden_layers", c.n_layers},
+        {"num_attention_heads", c.n_heads},
+        {"num_key_value_heads", c.n_kv_heads},
+        {"head_dim", c.head_dim()},
+        {"max_position_embeddings", c.max_seq},
+        {"rms_norm_eps", c.norm_eps},
+        {"rope_theta", c.rope_theta},
+        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+        {"tie_word_embeddings", c.tie_embeddings},
+        {"hidden_act", "silu"},
+        {"attention_bias", false},
+        {"mlp_bias", false},
+        {"torch_dtype", "float32"},
+        {"dtype", "float32"},
+    };
+    std::ofstream out(config_path(path));
+    out << config.dump(2) << "\n";
+    out.close();
+    if (!out) throw std::runtime_error("cannot write '" + config_path(path) + "'");
+  }
+  const auto params = model.named_parameters().pairs();
+  std::vector<io::SafetensorsSpec> specs;
+  for (const auto& [ours, param] : params)
+    specs.push_back({hf_name(ours), at::kFloat, shard_rows_of(param).full_shape});
+  auto gathered = [&](size_t i) {  // every rank takes part; rank 0 keeps the result
+    return full_parameter(model, params[i].first).to(at::kCPU, at::kFloat).contiguous();
+  };
+  if (lead) {
+    io::write_safetensors(file, specs, gathered, {{"format", "pt"}});
+  } else {
+    for (size_t i = 0; i < specs.size(); ++i) gathered(i);
+  }
+}
+
+}  // namespace fsdp::model

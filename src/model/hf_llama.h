@@ -1,0 +1,35 @@
+// Hugging Face LlamaForCausalLM weights in and out: parameter names, config.json, and safetensors
+// files, for a Llama that may be sharded (each rank reads only its own rows).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fsdp/communicator.h"
+#include "model/llama.h"
+
+namespace fsdp::model {
+
+// Our parameter name <-> the Hugging Face one ("blocks.3.attn.wq.weight" <->
+// "model.layers.3.self_attn.q_proj.weight"). Throws for a name outside the mapping.
+std::string hf_name(const std::string& ours);
+
+// A directory holding config.json, or a .safetensors file (whose config must come from elsewhere).
+bool has_hf_config(const std::string& path);
+// The architecture of config.json in `dir` (LlamaForCausalLM fields); throws naming the field
+// for what the model cannot represent (biases, rope scaling, another architecture).
+LlamaConfig read_hf_config(const std::string& dir);
+
+// Collective. Loads the weights of a .safetensors file, or of every *.safetensors file in a
+// directory, into `model` (sharded or not): each rank reads the rows of its own shards, converted
+// to the parameters' dtype. Every parameter must be found with its full shape, and every tensor
+// in the files must be a parameter (a tied model may carry lm_head.weight); otherwise an error
+// names them.
+void load_hf_weights(LlamaImpl& model, const std::string& path);
+
+// Collective. Writes `model`'s weights in float32 with Hugging Face names: PATH.safetensors, or a
+// directory PATH with config.json and model.safetensors that transformers' from_pretrained reads.
+// Parameters are gathered one at a time; rank 0 writes.
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path);
+
+}  // namespace fsdp::model

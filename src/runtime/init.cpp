@@ -1,0 +1,94 @@
+// Initialisation that does not depend on how a parameter is sharded (fully_shard.h).
+#include <ATen/ops/arange.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "fsdp/fully_shard.h"
+#include "runtime/module_state.h"
+#include "runtime/runtime.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t kLow32 = 0xffffffffll;
+
+// A 32-bit integer mixer (xor-shift-multiply, constants from Wellons' hash prospector) on int64
+// lanes holding 32-bit values: the constants are below 2^31, so every product stays below 2^63
+// and no lane overflows.
+at::Tensor mix32(at::Tensor x) {
+  x = x.bitwise_xor(x.bitwise_right_shift(16));
+  x = x.mul(0x21f0aaadll).bitwise_and(kLow32);
+  x = x.bitwise_xor(x.bitwise_right_shift(15));
+  x = x.mul(0x735a2d97ll).bitwise_and(kLow32);
+  return x.bitwise_xor(x.bitwise_right_shift(15));
+}
+
+uint32_t mix32(uint64_t x) {
+  x &= kLow32;
+  x ^= x >> 16;
+  x = (x * 0x21f0aaadull) & kLow32;
+  x ^= x >> 15;
+  x = (x * 0x735a2d97ull) & kLow32;
+  return static_cast<uint32_t>(x ^ (x >> 15));
+}
+
+// Elements per chunk: bounds the int64 temporaries (8 bytes each, a few alive at once).
+constexpr int64_t kChunk = int64_t(1) << 24;
+
+}  // namespace
+
+int64_t ShardRows::row_numel() const {
+  int64_t n = 1;
+  for (size_t d = 1; d < full_shape.size(); ++d) n *= full_shape[d];
+  return n;
+}
+
+ShardRows shard_rows_of(const at::Tensor& param) {
+  if (auto owner = Runtime::get().owner_of(param)) {
+    const ShardedParam& p = owner->state->group().params()[owner->index];
+    const int rank = owner->state->group().comm().rank();
+    return {std::min(p.layout.first_row(rank), p.layout.rows), p.layout.local_rows(rank), p.full_shape};
+  }
+  return {0, param.dim() == 0 ? 1 : param.size(0), param.sizes().vec()};
+}
+
+at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& options) {
+  return at::zeros({}, options).expand(shape);
+}
+
+void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
+  c10::NoGradGuard no_grad;
+  const ShardRows where = shard_rows_of(param);
+  const int64_t first = where.first_row * where.row_numel();
+  const int64_t count = where.rows * where.row_numel();
+  int64_t full = where.row_numel();
+  if (!where.full_shape.empty()) full *= where.full_shape[0];
+  if (full > kLow32)
+    throw std::invalid_argument("fsdp::init_normal_: a parameter of " + std::to_string(full) +
+                                " elements; positions are hashed as 32-bit numbers (at most 2^32 elements)");
+  if (param.numel() != count || !param.is_contiguous())
+    throw std::invalid_argument("fsdp::init_normal_: the parameter is not a contiguous tensor of its shard's "
+                                "elements (a deferred parameter must be sharded before it is filled)");
+  // Four keyed streams; each uniform is an exact multiple of 2^-32 and their sum, shift and scale
+  // are correctly rounded float64 operations: the same bits whatever the kernel or the chunking.
+  uint32_t keys[4];
+  for (uint32_t k = 0; k < 4; ++k) keys[k] = mix32(mix32(seed) ^ mix32((seed >> 32) + 0x9e3779b9u * (k + 1)));
+  const double scale = std * std::sqrt(3.0) / 4294967296.0;  // Irwin-Hall(4) has variance 4/12
+  at::Tensor flat = param.view(-1);
+  const auto index_options = at::TensorOptions().dtype(at::kLong).device(param.device());
+  for (int64_t begin = 0; begin < count; begin += kChunk) {
+    const int64_t n = std::min(kChunk, count - begin);
+    const at::Tensor position = at::arange(first + begin, first + begin + n, index_options);
+    at::Tensor sum;
+    for (uint32_t key : keys) {
+      at::Tensor u = mix32(mix32(position.bitwise_xor(int64_t(key))).bitwise_xor(int64_t(mix32(key)))).to(at::kDouble);
+      sum = sum.defined() ? sum.add_(u) : u;
+    }
+    flat.narrow(0, begin, n).copy_(sum.sub_(2.0 * 4294967296.0).mul_(scale));
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,26 @@
+// Held-out loss: the same fixed set of sequences whatever the number of ranks, split across them.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+#include "fsdp/communicator.h"
+#include "model/llama.h"
+#include "train/data.h"
+
+namespace fsdp::train {
+
+struct EvalResult {
+  double loss = 0;        // mean cross-entropy per predicted token
+  double perplexity = 0;  // exp(loss)
+  int64_t tokens = 0;     // predicted tokens in the set
+};
+
+// Collective. The mean loss of `model` over rows [0, rows) of `data`'s step 0 (rows of seq + 1
+// tokens), batch rows per forward on every rank: each rank runs the same number of forward passes
+// (collectives match) and counts only the rows that fall inside the set.
+EvalResult evaluate(model::Llama& model, Communicator& comm, const TokenSource& data, int64_t rows, int64_t batch,
+                    int64_t seq);
+
+}  // namespace fsdp::train
