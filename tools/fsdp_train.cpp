@@ -44,6 +44,7 @@ void save_weights(torch::nn::Module& model, const std::string& path, bool lead) 
 
 // SIGTERM, SIGINT or SIGUSR1 (a job scheduler's notice): finish the step, save, stop.
 volatile sig_atomic_t g_stop_signal = 0;
+const auto g_process_start = std::chrono::steady_clock::now();
 
 void stop_at_next_step(int sig) { g_stop_signal = sig; }
 
@@ -113,9 +114,12 @@ int train(const fsdp::train::TrainArgs& args) {
   int first_step = 0;
   if (!args.resume.empty()) {
     const std::string from = fsdp::newest_checkpoint(args.resume);
+    const auto begin = std::chrono::steady_clock::now();
     fsdp::load_checkpoint(from, checkpoint);
     first_step = std::stoi(checkpoint.extra.at("step"));
-    if (lead) std::printf("fsdp-train: resumed from %s (step %d)\n", from.c_str(), first_step);
+    if (lead)
+      std::printf("fsdp-train: resumed from %s (step %d) in %.2f s\n", from.c_str(), first_step,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   }
   if (lead && !args.save_dir.empty()) fsdp::io::make_directories(args.save_dir);
   auto save = [&](int steps_done) {
@@ -213,6 +217,11 @@ int train(const fsdp::train::TrainArgs& args) {
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
     const int done = step + 1;
+    if (lead && step == first_step)
+      std::printf("fsdp-train: start-up %.1f s (process start to the end of the first step, %.1f s of it the "
+                  "step); host peak memory %.2f GiB on rank 0\n",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - g_process_start).count(), ms / 1000,
+                  fsdp::train::peak_resident_gib());
     const bool stop = stop_requested || done == args.stop_at_step;
     std::optional<fsdp::train::EvalResult> eval;
     if (eval_data && (done == args.steps || stop || (args.eval_every > 0 && done % args.eval_every == 0)))

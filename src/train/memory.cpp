@@ -47,6 +47,19 @@ double resident_gib() {
   return static_cast<double>(pages_resident) * sysconf(_SC_PAGESIZE) / kGiB;
 }
 
+double peak_resident_gib() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  double kib = 0;
+  while (status >> key) {
+    if (key == "VmHWM:") {
+      status >> kib;
+      break;
+    }
+  }
+  return kib * 1024.0 / kGiB;
+}
+
 MemoryPeaks take_memory_peaks(const c10::Device& device) {
   MemoryPeaks peaks;
 #ifdef FSDP_WITH_NCCL

@@ -22,6 +22,8 @@ struct MemoryPeaks {
 MemoryPeaks take_memory_peaks(const c10::Device& device);
 // Resident set size of this process, GiB.
 double resident_gib();
+// The most host memory this process has held (VmHWM), in GiB.
+double peak_resident_gib();
 // This machine's available host memory (MemAvailable), -1 if unknown.
 double available_host_bytes();
 // The memory of the smallest visible GPU, -1 without GPUs. Creates no CUDA context.
