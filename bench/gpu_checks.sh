@@ -7,12 +7,8 @@ cd "$(dirname "$0")/.."
 out=${1:?output folder}
 commit=${2:-unknown}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source bench/gpu_env.sh
 export FSDP_JOBS=${FSDP_JOBS:-16}
-{
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $commit"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /'
-  python3 -c 'import torch; print("torch:", torch.__version__)'
-} | tee "$out/env.txt"
+record_env "$out/env.txt" "$commit"
+cat "$out/env.txt"
 bash scripts/test.sh 2>&1 | tee "$out/tests.log"

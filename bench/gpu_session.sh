@@ -7,16 +7,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?phase}; out=${2:?output folder}; commit=${3:-unknown}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source bench/gpu_env.sh
 work=/tmp/fsdp-$phase
 rm -rf "$work" && mkdir -p "$work" "$out"
 case $phase in
   bench)
-    TP=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-    cmake -G Ninja -S . -B build -DCMAKE_PREFIX_PATH="$TP" -DFSDP_PYTHON="$(command -v python3)" \
-      > "$work/build.log" 2>&1 && ninja -C build -j"$(nproc)" >> "$work/build.log" 2>&1 || {
-      tail -30 "$work/build.log"; exit 1; }
+    # setup.sh also finds (or installs from .whl/) the nlohmann/json headers the build needs.
+    FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
     (cd build && ctest -R 'gpu|train' --output-on-failure) > "$work/gpu-tests.log" 2>&1
     ok=$?; tail -8 "$work/gpu-tests.log"
     [ $ok -eq 0 ] || { tar czf "$out/bench.tgz.part00" -C /tmp "fsdp-$phase"; exit 1; }

@@ -11,15 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?phase}; out=${2:?output folder}; commit=${3:-unknown}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source bench/gpu_env.sh
 mkdir -p "$out"
-{
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $commit"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /'
-  python3 -c 'import torch; print("torch:", torch.__version__)'
-} > "$out/env-$phase.txt"
+record_env "$out/env-$phase.txt" "$commit"
 train() { build/fsdp-run --gpu build/fsdp-train "$@"; }
 two_gpus() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
 ck=/tmp/fsdp-ck  # checkpoints on the machine's disk, never in $OUT
