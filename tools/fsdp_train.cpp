@@ -147,8 +147,7 @@ int train(const fsdp::train::TrainArgs& args) {
     check_log();
     std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %d x %lld x %lld "
                 "tokens per rank | param %s, reduce %s",
-                comm->world_size(), comm->backend(), device.str().c_str(),
-                fsdp::model::has_hf_config(args.init_from) ? args.init_from.c_str() : args.model.c_str(),
+                comm->world_size(), comm->backend(), device.str().c_str(), fsdp::train::model_name(args).c_str(),
                 config.parameter_count() / 1e6, args.grad_accum, (long long)args.batch, (long long)args.seq,
                 c10::toString(*shard.mixed_precision.param_dtype),
                 c10::toString(*shard.mixed_precision.reduce_dtype));

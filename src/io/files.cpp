@@ -83,28 +83,48 @@ std::string parent_of(const std::string& path) {
   return slash == 0 ? "/" : p.substr(0, slash);
 }
 
+OutputFile::OutputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) {
+  if (fd_ < 0) fail("create", path);
+}
+
+OutputFile::~OutputFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void OutputFile::write(const void* data, size_t size) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd_, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("write", path_);
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+void OutputFile::close() {
+  const bool synced = ::fsync(fd_) == 0;
+  const int fd = fd_;
+  fd_ = -1;
+  if (!synced || ::close(fd) != 0) fail("write", path_);
+}
+
 MappedFile::MappedFile(const std::string& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("open", path);
-  struct stat st{};
-  if (::fstat(fd, &st) != 0) {
+  // Closes the descriptor (the mapping, if made, keeps the file) and reports what failed.
+  auto close_then_fail_if = [&](bool failed, const char* what) {
     const int saved = errno;
     ::close(fd);
     errno = saved;
-    fail("inspect", path);
-  }
+    if (failed) fail(what, path);
+  };
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) close_then_fail_if(true, "inspect");
   size_ = static_cast<uint64_t>(st.st_size);
-  if (size_ > 0) {
-    void* mapped = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-    if (mapped == MAP_FAILED) {
-      const int saved = errno;
-      ::close(fd);
-      errno = saved;
-      fail("map", path);
-    }
-    data_ = static_cast<const uint8_t*>(mapped);
-  }
-  ::close(fd);  // the mapping keeps the file
+  void* mapped = size_ > 0 ? ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0) : nullptr;
+  close_then_fail_if(mapped == MAP_FAILED, "map");
+  data_ = static_cast<const uint8_t*>(mapped);
 }
 
 MappedFile::~MappedFile() {

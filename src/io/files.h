@@ -26,6 +26,23 @@ void sync_directory(const std::string& path);
 // "a/b" for "a/b/c", "." for "c".
 std::string parent_of(const std::string& path);
 
+// A file written through a descriptor, so that it can be fsynced before a rename publishes it.
+// close() syncs and closes, throwing naming the file; the destructor only closes (an abandoned
+// write).
+class OutputFile {
+ public:
+  explicit OutputFile(const std::string& path);
+  ~OutputFile();
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  void write(const void* data, size_t size);
+  void close();
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
 // A whole file mapped read-only: the pages a reader touches are loaded, the rest never are.
 // Throws naming the file when it cannot be opened or mapped.
 class MappedFile {

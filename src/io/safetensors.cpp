@@ -3,14 +3,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/safe_numerics.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <stdexcept>
 
 namespace fsdp::io {
@@ -89,17 +86,6 @@ bool nests_deeper_than(const char* text, uint64_t n, int limit) {
     }
   }
   return false;
-}
-
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(errno));
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
 }
 
 }  // namespace
@@ -187,28 +173,25 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsSpe
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as the format's writers do
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot create '" + tmp + "': " + std::strerror(errno));
   try {
+    OutputFile out(tmp);
     uint8_t length[8];
     for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(uint64_t(text.size()) >> (8 * i));
-    write_all(fd, length, 8, tmp);
-    write_all(fd, text.data(), text.size(), tmp);
+    out.write(length, 8);
+    out.write(text.data(), text.size());
     for (size_t i = 0; i < specs.size(); ++i) {
       const at::Tensor t = tensor_at(i);
       if (t.scalar_type() != specs[i].dtype || !t.is_contiguous() || t.device().type() != c10::kCPU ||
           static_cast<uint64_t>(t.nbytes()) != sizes[i])
         throw std::invalid_argument("write_safetensors: tensor '" + specs[i].name +
                                     "' is not a contiguous CPU tensor of its spec's dtype and shape");
-      write_all(fd, t.data_ptr(), t.nbytes(), tmp);
+      out.write(t.data_ptr(), t.nbytes());
     }
-    if (::fsync(fd) != 0) throw std::runtime_error("cannot sync '" + tmp + "': " + std::strerror(errno));
+    out.close();
   } catch (...) {
-    ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
-  if (::close(fd) != 0) throw std::runtime_error("cannot write '" + tmp + "': " + std::strerror(errno));
   rename_path(tmp, path);
   sync_directory(parent_of(path));
 }

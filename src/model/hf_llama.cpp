@@ -148,9 +148,11 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
                                 "' (" + std::to_string(unused.size()) + " in all): another architecture?");
 }
 
+bool exports_single_file(const std::string& path) { return ends_with(path, ".safetensors"); }
+
 void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
   const bool lead = comm.rank() == 0;
-  const bool single_file = ends_with(path, ".safetensors");
+  const bool single_file = exports_single_file(path);
   const std::string file = single_file ? path : path + "/model.safetensors";
   const auto& c = model.config;
   if (lead && !single_file) {

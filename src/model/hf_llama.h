@@ -27,6 +27,9 @@ LlamaConfig read_hf_config(const std::string& dir);
 // names them.
 void load_hf_weights(LlamaImpl& model, const std::string& path);
 
+// Whether an --export PATH names one .safetensors file (else a directory).
+bool exports_single_file(const std::string& path);
+
 // Collective. Writes `model`'s weights in float32 with Hugging Face names: PATH.safetensors, or a
 // directory PATH with config.json and model.safetensors that transformers' from_pretrained reads.
 // Parameters are gathered one at a time; rank 0 writes.

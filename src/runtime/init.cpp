@@ -14,25 +14,27 @@ namespace fsdp {
 namespace {
 
 constexpr int64_t kLow32 = 0xffffffffll;
+// A 32-bit integer mixer: xor-shift-multiply with constants from Wellons' hash prospector. Both
+// multipliers are below 2^31, so on int64 lanes holding 32-bit values no product reaches 2^63.
+constexpr int kShift1 = 16, kShift2 = 15, kShift3 = 15;
+constexpr int64_t kMultiplier1 = 0x21f0aaad, kMultiplier2 = 0x735a2d97;
 
-// A 32-bit integer mixer (xor-shift-multiply, constants from Wellons' hash prospector) on int64
-// lanes holding 32-bit values: the constants are below 2^31, so every product stays below 2^63
-// and no lane overflows.
 at::Tensor mix32(at::Tensor x) {
-  x = x.bitwise_xor(x.bitwise_right_shift(16));
-  x = x.mul(0x21f0aaadll).bitwise_and(kLow32);
-  x = x.bitwise_xor(x.bitwise_right_shift(15));
-  x = x.mul(0x735a2d97ll).bitwise_and(kLow32);
-  return x.bitwise_xor(x.bitwise_right_shift(15));
+  x = x.bitwise_xor(x.bitwise_right_shift(kShift1));
+  x = x.mul(kMultiplier1).bitwise_and(kLow32);
+  x = x.bitwise_xor(x.bitwise_right_shift(kShift2));
+  x = x.mul(kMultiplier2).bitwise_and(kLow32);
+  return x.bitwise_xor(x.bitwise_right_shift(kShift3));
 }
 
+// The same mixer on one number (the per-stream keys).
 uint32_t mix32(uint64_t x) {
   x &= kLow32;
-  x ^= x >> 16;
-  x = (x * 0x21f0aaadull) & kLow32;
-  x ^= x >> 15;
-  x = (x * 0x735a2d97ull) & kLow32;
-  return static_cast<uint32_t>(x ^ (x >> 15));
+  x ^= x >> kShift1;
+  x = (x * kMultiplier1) & kLow32;
+  x ^= x >> kShift2;
+  x = (x * kMultiplier2) & kLow32;
+  return static_cast<uint32_t>(x ^ (x >> kShift3));
 }
 
 // Elements per chunk: bounds the int64 temporaries (8 bytes each, a few alive at once).

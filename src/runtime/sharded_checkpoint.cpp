@@ -34,37 +34,6 @@ constexpr size_t kMaxMetadataBytes = size_t{1} << 30;
 
 std::string system_error(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// A file written through a descriptor, so that it can be fsynced before the rename publishes it.
-class OutputFile {
- public:
-  explicit OutputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)) {
-    if (fd_ < 0) throw std::runtime_error(system_error("cannot create '" + path + "'"));
-  }
-  ~OutputFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  void write(const void* data, size_t size) {
-    const char* p = static_cast<const char*>(data);
-    while (size > 0) {
-      const ssize_t n = ::write(fd_, p, size);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) throw std::runtime_error(system_error("cannot write '" + path_ + "'"));
-      p += n;
-      size -= static_cast<size_t>(n);
-    }
-  }
-  void close() {
-    const bool ok = ::fsync(fd_) == 0;
-    const int fd = fd_;
-    fd_ = -1;
-    if (!ok || ::close(fd) != 0) throw std::runtime_error(system_error("cannot write '" + path_ + "'"));
-  }
-
- private:
-  std::string path_;
-  int fd_;
-};
-
 at::Tensor on_host(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous(); }
 
 std::string read_whole(const std::string& path, size_t limit) {
@@ -214,7 +183,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
   });
   std::vector<int64_t> crcs;
   on_every_rank(comm, "saving " + dir, [&] {
-    OutputFile out(tmp + "/" + io::shard_file_name(comm.rank(), comm.world_size()));
+    io::OutputFile out(tmp + "/" + io::shard_file_name(comm.rank(), comm.world_size()));
     for (const auto& t : state.sharded()) {
       const at::Tensor host = on_host(t.local);
       out.write(host.data_ptr(), host.nbytes());
@@ -247,7 +216,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
     }
     meta.extra = state.extra;
     const std::string bytes = io::encode(meta);
-    OutputFile out(tmp + "/metadata.bin");
+    io::OutputFile out(tmp + "/metadata.bin");
     out.write(bytes.data(), bytes.size());
     out.close();
     io::sync_directory(tmp);

@@ -221,7 +221,7 @@ void check_data_file(const std::string& flag, const std::string& path, const Tra
   const uint64_t largest = layout.tokens ? largest_token(file.data(), layout) : 0;
   require(largest < static_cast<uint64_t>(vocab),
           flag + ": '" + path + "' holds token id " + std::to_string(largest) + " (" + layout.format +
-              ") but the " + a.model + " model's vocabulary has " + std::to_string(vocab) +
+              ") but the " + model_name(a) + " model's vocabulary has " + std::to_string(vocab) +
               " ids: tokenise for this model or pick a model with a larger vocabulary");
 }
 
@@ -259,7 +259,8 @@ void check_memory(const TrainArgs& a) {
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
-  const double state = 16.0 * params / world + held_gradients;
+  const double sharded_state = 16.0 * params / world;  // fp32 weights, gradients, two AdamW moments
+  const double state = sharded_state + held_gradients;
   const double logits = tokens * config.vocab * (compute_bytes + 8);
   const double per_block = a.checkpoint ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
   const double activations = tokens * config.n_layers * per_block * compute_bytes;
@@ -268,13 +269,13 @@ void check_memory(const TrainArgs& a) {
   const std::string where = on_gpu ? " of a GPU" : " of host memory per process";
   // Parameters are made as shards (sharded initialisation): the model itself needs only its
   // share of the state on each rank.
-  if (have > 0 && 16.0 * params / world > have)
-    throw UsageError("the " + a.model + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
-                     "parameter) takes " + gib(16.0 * params / world) + " per rank on " + std::to_string(world) +
+  if (have > 0 && sharded_state > have)
+    throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
+                     "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(world) +
                      " rank(s), more than the " + gib(have) + where + ": use more ranks or a smaller model");
   if (have > 0 && needed > have)
     throw UsageError("--batch " + std::to_string(a.batch) + " x --seq " + std::to_string(a.seq) + " on the " +
-                     a.model + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
+                     model_name(a) + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
                      (held_gradients > 0 ? " sharded state and held gradients, " : " sharded state, ") +
                      gib(logits + activations) + " activations), more than the " + gib(have) + where +
                      ": lower --batch or --seq" + (a.checkpoint ? "" : ", or add --checkpoint") +
@@ -332,13 +333,16 @@ std::string train_help_text() {
 }
 
 model::LlamaConfig model_config(const TrainArgs& a) {
-  auto config = model::has_hf_config(a.init_from) ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
-  if (!model::has_hf_config(a.init_from)) config.tie_embeddings = a.tie_embeddings;
+  const bool from_hf = model::has_hf_config(a.init_from);
+  auto config = from_hf ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
+  if (!from_hf) config.tie_embeddings = a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
   config.max_seq = std::max(config.max_seq, a.seq);
   config.seed = a.seed;
   return config;
 }
+
+std::string model_name(const TrainArgs& a) { return model::has_hf_config(a.init_from) ? a.init_from : a.model; }
 
 void check_train_args_on_this_machine(const TrainArgs& a) {
   if (!a.init_from.empty()) {
@@ -352,8 +356,7 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
     }
   }
   if (!a.export_path.empty()) {
-    const bool file = a.export_path.size() > 12 && a.export_path.rfind(".safetensors") == a.export_path.size() - 12;
-    if (file)
+    if (model::exports_single_file(a.export_path))
       require_writable("--export", a.export_path);
     else
       require_writable_directory("--export", a.export_path);

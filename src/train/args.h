@@ -66,6 +66,8 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 // The model to train: config.json of --init-from where there is one, else the --model preset
 // (with --tie-embeddings, --checkpoint and --seed applied).
 model::LlamaConfig model_config(const TrainArgs& args);
+// How messages name that model: the --init-from directory, or the preset.
+std::string model_name(const TrainArgs& args);
 
 // runs/<YYYYmmdd-HHMMSS>/fsdp-train.jsonl for the current local time.
 std::string default_log_path();
