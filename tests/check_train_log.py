@@ -2,14 +2,16 @@
 """Checks an fsdp-train JSONL log (ctest and the GPU runs use it).
 
   check_train_log.py LOG --steps N [--loss-falls] [--gpu-memory] [--stable-from S --rss-growth-mib M
-                     --step-time-drift F]
+                     [--step-time-drift F]]
 
 --loss-falls      the mean loss of the last 3 steps is at least 5% below that of the first 3
 --gpu-memory      every step has positive peak allocated and reserved GPU memory
 --same-loss-as OTHER --loss-tolerance T
                   every step in both logs has the same loss within relative T (0: exactly)
 --stable-from S   from step S on: the exact bytes allocated at the end of every step equal those
-                  at step S, reserved bytes never change, host RSS grows by less than M MiB, and the
+                  at step S, reserved bytes never change, host RSS grows by less than M MiB, and
+                  (only with --step-time-drift F, for benchmark runs on a dedicated machine, never
+                  in ctest: a shared CI machine's step time swings by more than any bound) the
                   median step time of the last tenth of the run is within F (a fraction) of the
                   median over the tenth after step S
 Prints one line per check and exits 1 on the first failure.
@@ -36,7 +38,7 @@ def main():
     p.add_argument("--first-step", type=int, default=1, help="the log starts here (a resumed run)")
     p.add_argument("--stable-from", type=int)
     p.add_argument("--rss-growth-mib", type=float, default=50)
-    p.add_argument("--step-time-drift", type=float, default=0.15)
+    p.add_argument("--step-time-drift", type=float)
     a = p.parse_args()
     with open(a.log) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -86,14 +88,15 @@ def main():
         if growth_mib >= a.rss_growth_mib:
             fail(f"host RSS grew by {growth_mib:.1f} MiB after step {a.stable_from} "
                  f"(bound {a.rss_growth_mib} MiB)")
-        tenth = max(1, len(later) // 10)
-        early = statistics.median(r["step_ms"] for r in later[:tenth])
-        late = statistics.median(r["step_ms"] for r in later[-tenth:])
-        if abs(late / early - 1) > a.step_time_drift:
-            fail(f"step time drifted: median {early:.2f} ms after step {a.stable_from}, {late:.2f} ms at the end")
         print(f"check_train_log: steps {a.stable_from}..{a.steps}: allocated {base['alloc_end_bytes']} B and "
-              f"reserved {base['reserved_end_bytes']} B at every step end, RSS +{growth_mib:.1f} MiB, "
-              f"step time {early:.2f} -> {late:.2f} ms: ok")
+              f"reserved {base['reserved_end_bytes']} B at every step end, RSS +{growth_mib:.1f} MiB: ok")
+        if a.step_time_drift is not None:
+            tenth = max(1, len(later) // 10)
+            early = statistics.median(r["step_ms"] for r in later[:tenth])
+            late = statistics.median(r["step_ms"] for r in later[-tenth:])
+            if abs(late / early - 1) > a.step_time_drift:
+                fail(f"step time drifted: median {early:.2f} ms after step {a.stable_from}, {late:.2f} ms at the end")
+            print(f"check_train_log: step time {early:.2f} -> {late:.2f} ms: ok")
     print("check_train_log: ok")
 
 
