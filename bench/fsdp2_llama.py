@@ -1,13 +1,16 @@
-"""PyTorch FSDP2 reference for the fsdp.cpp benchmark.
+"""PyTorch reference for the fsdp.cpp benchmark: the Llama written the way PyTorch users write
+it, trained with FSDP2 (eager, or torch.compile on each block) or DDP.
 
-The same model as src/model/llama.cpp (RMSNorm computed in float32, rotary
-embeddings on (i, i + d/2) pairs, causal scaled_dot_product_attention, SwiGLU,
-no biases), the same synthetic batches (src/train/data.cpp, same generator
-seeds), the same initial weights (read from fsdp-train --save-init), AdamW,
-warmup + cosine schedule and clipping. Writes one JSON line per step in
-fsdp-train's format.
+The model: one fused QKV and one fused gate/up projection, F.rms_norm, rotary embeddings on
+(i, i + d/2) pairs as transformers writes them (x * cos + rotate_half(x) * sin), causal
+scaled_dot_product_attention, SwiGLU, no biases; logits then F.cross_entropy in float32. The
+same synthetic batches as fsdp-train (src/train/data.cpp, same generator seeds), the same initial
+weights (read from fsdp-train --save-init: the same parameter names), fused AdamW, warmup +
+cosine schedule and clipping. Writes one JSON line per step in fsdp-train's format.
 
     torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
+        [--compile]   torch.compile each block before fully_shard (torchtitan's recipe)
+        [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
 """
 import argparse
 import json
@@ -23,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 PRESETS = {
     "tiny": dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=176, theta=1e4),
@@ -30,41 +34,25 @@ PRESETS = {
     "1b": dict(vocab=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=5632, theta=1e4),
     "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336, theta=5e5),
 }
+EPS = 1e-5
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
-
-
-def apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.h, self.kv, self.d = c["n_heads"], c["n_kv_heads"], c["dim"] // c["n_heads"]
-        self.wq = nn.Linear(c["dim"], self.h * self.d, bias=False)
-        self.wk = nn.Linear(c["dim"], self.kv * self.d, bias=False)
-        self.wv = nn.Linear(c["dim"], self.kv * self.d, bias=False)
+        self.wqkv = nn.Linear(c["dim"], (self.h + 2 * self.kv) * self.d, bias=False)
         self.wo = nn.Linear(self.h * self.d, c["dim"], bias=False)
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, self.h, self.d).transpose(1, 2), cos, sin)
-        k = apply_rope(self.wk(x).view(b, t, self.kv, self.d).transpose(1, 2), cos, sin)
-        v = self.wv(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        q, k, v = self.wqkv(x).view(b, t, -1, self.d).transpose(1, 2).split([self.h, self.kv, self.kv], dim=1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.h * self.d))
 
@@ -72,19 +60,19 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.w_gate = nn.Linear(c["dim"], c["ffn"], bias=False)
-        self.w_up = nn.Linear(c["dim"], c["ffn"], bias=False)
+        self.w_gate_up = nn.Linear(c["dim"], 2 * c["ffn"], bias=False)
         self.w_down = nn.Linear(c["ffn"], c["dim"], bias=False)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(c["dim"]), Attention(c)
-        self.mlp_norm, self.mlp = RMSNorm(c["dim"]), Mlp(c)
+        self.attn_norm, self.attn = nn.RMSNorm(c["dim"], eps=EPS), Attention(c)
+        self.mlp_norm, self.mlp = nn.RMSNorm(c["dim"], eps=EPS), Mlp(c)
 
     def forward(self, x, cos, sin):
         h = x + self.attn(self.attn_norm(x), cos, sin)
@@ -97,18 +85,18 @@ class Llama(nn.Module):
         self.checkpoint_blocks = checkpoint_blocks
         self.tok_emb = nn.Embedding(c["vocab"], c["dim"])
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
-        self.norm = RMSNorm(c["dim"])
+        self.norm = nn.RMSNorm(c["dim"], eps=EPS)
         self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
         half = c["dim"] // c["n_heads"] // 2
         inv_freq = c["theta"] ** (-torch.arange(0, half, dtype=torch.float64) / half)
-        angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq).repeat(1, 2)  # [t, d]
         self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
 
     def forward(self, tokens):
-        t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         h = self.tok_emb(tokens)
+        t = tokens.shape[1]
+        cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
         for block in self.blocks:
             if self.checkpoint_blocks:
                 h = torch.utils.checkpoint.checkpoint(block, h, cos, sin, use_reentrant=False)
@@ -190,6 +178,8 @@ def main():
                    help="create AdamW before fully_shard, without any fix (the FSDP2 pitfall)")
     p.add_argument("--profile", help="profiler trace of the last --profile-steps steps to PATH-rankR.json")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
+    p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
@@ -211,11 +201,17 @@ def main():
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                  weight_decay=args.weight_decay, fused=True)
 
+    if args.compile:  # after loading (the wrapper renames parameters), before sharding
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     opt = make_optimizer() if args.optimizer_before_shard else None
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    if args.ddp:
+        model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     opt = opt or make_optimizer()
     if on_gpu:
         torch.cuda.empty_cache()
@@ -239,12 +235,14 @@ def main():
             tokens = synthetic_rows(c["vocab"], args.seed, step, rank * args.batch, args.batch,
                                     args.seq).to(device)
             opt.zero_grad(set_to_none=True)
-            logits = model(tokens[:, :-1])
+            with torch.autocast(device.type, torch.bfloat16, enabled=args.ddp):
+                logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
             loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).full_tensor()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)

@@ -1,6 +1,7 @@
-"""fsdp.cpp vs PyTorch FSDP2, back to back on the same GPUs, from the same
-initial weights and data. Writes results.jsonl (one row per run) and
-results.md to --out.
+"""fsdp.cpp vs what PyTorch users run instead, back to back on the same GPUs, from the same
+initial weights and data: FSDP2 eager (pytorch-fsdp2), FSDP2 with torch.compile on each block
+(pytorch-fsdp2-compile) and, for the small model, DDP (pytorch-ddp), all with
+bench/fsdp2_llama.py's model. Writes results.jsonl (one row per run) and results.md to --out.
 
     python3 bench/run_bench.py --out DIR --commit SHA [--configs 1b,small] [--steps 13]
     python3 bench/run_bench.py --out DIR --configs 1b,1b-ac,8b,8b-ac --worlds 2,4,8   # scaling
@@ -51,8 +52,20 @@ CONFIGS = {
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--checkpoint"], {}),
 }
-FSDP2_CONFIGS = {"1b", "1b-ac", "1b-es", "1b-ac-es", "1b-lowlr", "small", "8b", "8b-ac", "tiny"}  # the others are fsdp.cpp knobs
-
+# The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
+PYTORCH_SYSTEMS = {
+    "pytorch-fsdp2": ("fsdp2", []),
+    "pytorch-fsdp2-compile": ("fsdp2c", ["--compile"]),
+    "pytorch-ddp": ("ddp", ["--ddp"]),
+}
+EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
+# The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
+REFERENCES = {
+    "1b": EAGER_AND_COMPILED, "1b-ac": EAGER_AND_COMPILED, "1b-es": ["pytorch-fsdp2"],
+    "1b-ac-es": ["pytorch-fsdp2"], "1b-lowlr": ["pytorch-fsdp2"],
+    "small": EAGER_AND_COMPILED + ["pytorch-ddp"], "8b": ["pytorch-fsdp2"], "8b-ac": ["pytorch-fsdp2"],
+    "tiny": EAGER_AND_COMPILED + ["pytorch-ddp"],
+}
 
 def run(cmd, log_path, env):
     print("+", " ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd), flush=True)
@@ -101,12 +114,12 @@ def collect(config, world, folder, steps, repeat, logged_as=None):
                **summarize(log, world, steps, profile))
     row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
     rows = [row]
-    log2, profile2 = log_paths(folder, "fsdp2", config, world, logged_as)
-    if config in FSDP2_CONFIGS and os.path.exists(log2):
-        rows.append(dict(system="pytorch-fsdp2", config=config, world=world, repeat=repeat,
-                         flops_per_token=row["flops_per_token"], **summarize(log2, world, steps, profile2)))
+    for system in REFERENCES.get(config, []):
+        log2, profile2 = log_paths(folder, PYTORCH_SYSTEMS[system][0], config, world, logged_as)
+        if os.path.exists(log2):
+            rows.append(dict(system=system, config=config, world=world, repeat=repeat,
+                             flops_per_token=row["flops_per_token"], **summarize(log2, world, steps, profile2)))
     return rows
-
 
 def run_config(config, world, args, repeat):
     """fsdp.cpp (and FSDP2 where the config has a reference) on `world` GPUs: one row each."""
@@ -117,15 +130,19 @@ def run_config(config, world, args, repeat):
              str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
     log, profile = log_paths(args.out, "fsdpcpp", config, world, repeat)
+    save_init = [] if os.path.exists(init) else ["--save-init", init]  # once per preset
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
-         "--save-init", init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
-    if config in FSDP2_CONFIGS:
-        log2, profile2 = log_paths(args.out, "fsdp2", config, world, repeat)
+         *save_init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
+    for system in REFERENCES.get(config, []):
+        if args.systems and system not in args.systems.split(","):
+            continue
+        name, system_flags = PYTORCH_SYSTEMS[system]
+        log2, profile2 = log_paths(args.out, name, config, world, repeat)
         run([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
              "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
-             str(batch), *flags, "--init", init, "--jsonl", log2, "--profile", profile2,
+             str(batch), *flags, *system_flags, "--init", init, "--jsonl", log2, "--profile", profile2,
              "--profile-steps", str(args.profile_steps)],
             log2.replace(".jsonl", ".log"), extra_env)
     return collect(config, world, args.out, args.steps, repeat)
@@ -142,6 +159,8 @@ def main():
                    help="run every configuration N times (both systems each time); the comparison "
                         "uses the median over the runs and shows the range of the per-run ratios")
     p.add_argument("--build", default="build", help="build folder with fsdp-run and fsdp-train")
+    p.add_argument("--systems", help="only these PyTorch systems, e.g. pytorch-fsdp2,pytorch-ddp (default: all "
+                                     "that each config has)")
     p.add_argument("--cpu", action="store_true",
                    help="CPU ranks (MPI / gloo; 2 unless --worlds says otherwise): checks the script")
     p.add_argument("--worlds", help="GPU counts to run each config on, e.g. 2,4,8 (default: all GPUs); "
@@ -218,7 +237,7 @@ def medians(results):
 
 def write_markdown(results, worlds, path, common):
     repeated = any(r["repeat"] for r in results)
-    lines = [f"# fsdp.cpp vs PyTorch FSDP2: {common['device']}, torch {common['torch']}, "
+    lines = [f"# fsdp.cpp vs PyTorch: {common['device']}, torch {common['torch']}, "
              f"commit {common['commit'][:10]}, {common['date']}", "",
              "| system | config | GPUs | " + ("run | " if repeated else "") + "ms/step | tokens/s/GPU | MFU | "
              "peak alloc GiB | peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
@@ -236,19 +255,20 @@ def write_markdown(results, worlds, path, common):
     by_key = medians(results)
     lines += ["", "## Against the targets (same run, same GPUs" +
               ("; medians over the runs, the per-run speed ratios in brackets" if repeated else "") + ")", ""]
-    for config, world in [(c, w) for c in CONFIGS if c in FSDP2_CONFIGS for w in worlds]:
-        ours, theirs = by_key.get(("fsdp.cpp", config, world)), by_key.get(("pytorch-fsdp2", config, world))
+    for config, world, system in [(c, w, r) for c in CONFIGS for w in worlds for r in REFERENCES.get(c, [])]:
+        ours, theirs = by_key.get(("fsdp.cpp", config, world)), by_key.get((system, config, world))
         if not ours or not theirs:
             continue
         pairs = list(zip(ours["runs"], theirs["runs"]))
         gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
         per_run = sorted(x["tok_s_gpu"] / y["tok_s_gpu"] for x, y in pairs)
         lines.append(
-            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x FSDP2" +
-            (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak "
-            f"reserved {ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x FSDP2's; "
-            f"reserved/allocated {ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
-            f"(FSDP2 {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); largest loss "
+            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x {system}" +
+            (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak allocated "
+            f"{ratio(ours['peak_alloc_gib'], theirs['peak_alloc_gib'])}x and reserved "
+            f"{ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x its; reserved/allocated "
+            f"{ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
+            f"({system} {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); largest loss "
             f"difference over {len(ours['losses'])} steps {gap:.4f}")
     if len(worlds) > 1:
         lines += scaling_markdown(by_key, worlds)

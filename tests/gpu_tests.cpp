@@ -4,6 +4,8 @@
 
 #include "comm/mpi_communicator.h"
 #include "helpers.h"
+#include "model/fused_ops.h"
+#include "model/linear_cross_entropy.h"
 
 namespace fsdp::testing {
 namespace {
@@ -49,6 +51,76 @@ TEST(Gpu, AllocatedMemoryReturnsToTheSameBaselineEveryStep) {
     after_step.push_back(allocated_bytes());
   }
   for (int step = 2; step < 5; ++step) EXPECT_EQ(after_step[step], after_step[1]) << "step " << step;
+}
+
+
+// The fused kernels against the ATen references (both float32 arithmetic, one rounding): float32
+// agrees to a few ulps (the kernels contract multiply-adds into FMAs, expf differs by an ulp);
+// 16-bit results may round to the neighbouring value, so they agree to one ulp of the dtype
+// (bf16 2^-8, fp16 2^-11 relative). Odd sizes: 3 x 7 rows, 5 heads of 10, 2 of them v.
+double ulp_tolerance(torch::Dtype dtype) {
+  return dtype == torch::kFloat ? 1e-5 : dtype == torch::kHalf ? 1.0 / 1024 : 1.0 / 128;
+}
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& expected, double rtol, const std::string& what) {
+  const auto g = got.to(torch::kDouble), e = expected.to(torch::kDouble);
+  const double worst = ((g - e).abs() - rtol * e.abs()).max().item<double>();
+  // Plus an absolute 0.1 rtol: where q cos - k sin cancels, the FMA's one rounding less shows as
+  // ~1e-7 absolute (inputs ~N(0, 1)), however small the result.
+  EXPECT_LE(worst, 0.1 * rtol) << what << ": largest excess " << worst;
+}
+
+TEST(Gpu, FusedRopeAndSwigluMatchTheirReferencesInValuesAndGradients) {
+  ASSERT_TRUE(model::have_fused_kernels()) << "this GPU build was made without the fused kernels (no nvcc?)";
+  const int64_t b = 3, t = 7, heads = 5, rotated = 3, d = 10, ffn = 37;
+  auto angles = torch::outer(torch::arange(t, on_device(torch::kDouble)), torch::linspace(1, 0.01, d / 2, on_device(torch::kDouble)));
+  auto cos = angles.cos().to(torch::kFloat), sin = angles.sin().to(torch::kFloat);
+  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    const double rtol = ulp_tolerance(dtype);
+    const std::string name = c10::toString(dtype);
+    auto qkv = torch::randn({b, t, heads * d}, on_device(dtype)).requires_grad_();
+    auto grad = torch::randn({b, t, heads * d}, on_device(dtype));
+    auto fused = model::rope_qkv(qkv, cos, sin, heads, rotated);
+    auto fused_grad = torch::autograd::grad({fused}, {qkv}, {grad})[0];
+    auto plain = model::reference::rope_qkv(qkv, cos, sin, heads, rotated);
+    auto plain_grad = torch::autograd::grad({plain}, {qkv}, {grad})[0];
+    expect_close(fused, plain, rtol, "rope " + name);
+    expect_close(fused_grad, plain_grad, rtol, "rope gradient " + name);
+
+    auto gate_up = torch::randn({b, t, 2 * ffn}, on_device(dtype)).requires_grad_();
+    auto grad_out = torch::randn({b, t, ffn}, on_device(dtype));
+    auto fused_mlp = model::swiglu(gate_up);
+    auto fused_mlp_grad = torch::autograd::grad({fused_mlp}, {gate_up}, {grad_out})[0];
+    auto plain_mlp = model::reference::swiglu(gate_up);
+    auto plain_mlp_grad = torch::autograd::grad({plain_mlp}, {gate_up}, {grad_out})[0];
+    expect_close(fused_mlp, plain_mlp, rtol, "swiglu " + name);
+    // The reference's backward rounds silu(g) and its derivative to the dtype on the way (ATen's
+    // silu and mul kernels): two more roundings, so two more ulps.
+    expect_close(fused_mlp_grad, plain_mlp_grad, 3 * rtol, "swiglu gradient " + name);
+  }
+}
+
+// The chunked output projection + loss on the GPU: float32 within float32 summation error of
+// logits + cross_entropy; bf16 logits may differ by an ulp where cuBLAS picks another kernel
+// for a chunk's row count, which moves a mean loss of ~ln(vocab) by far less than 1e-3.
+TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
+  const int64_t rows = 1000, dim = 64, vocab = 3001;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
+    auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * 0.1).requires_grad_();
+    auto targets = torch::randint(0, vocab, {rows}, on_device(torch::kLong));
+    auto fused = model::linear_cross_entropy(hidden, weight, targets, /*chunk_bytes=*/300 * vocab * 4);
+    auto fused_grads = torch::autograd::grad({fused}, {hidden, weight});
+    auto plain = torch::nn::functional::cross_entropy(torch::mm(hidden, weight.t()).to(torch::kFloat), targets);
+    auto plain_grads = torch::autograd::grad({plain}, {hidden, weight});
+    const bool bf16 = dtype == torch::kBFloat16;
+    EXPECT_NEAR(fused.item<double>(), plain.item<double>(), (bf16 ? 1e-3 : 1e-5) * plain.item<double>());
+    for (int i = 0; i < 2; ++i) {
+      const double error = (fused_grads[i].to(torch::kDouble) - plain_grads[i].to(torch::kDouble)).norm().item<double>();
+      EXPECT_LE(error, (bf16 ? 1e-2 : 1e-5) * plain_grads[i].to(torch::kDouble).norm().item<double>())
+          << (i ? "weight" : "hidden") << " gradient, " << c10::toString(dtype);
+    }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 // fsdp-train: trains the Llama-style example model with fsdp.cpp.
 //   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
 #include <ATen/record_function.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/serialize.h>
 
 #include <ATen/ops/scalar_tensor.h>
@@ -186,9 +185,7 @@ int train(const fsdp::train::TrainArgs& args) {
       const int64_t first_row = (int64_t(comm->rank()) * args.grad_accum + micro) * args.batch;
       auto tokens = data->rows(step, first_row, args.batch, args.seq).to(device);
       auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
-      auto logits = fsdp::forward(model, inputs);
-      auto micro_loss = torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(torch::kFloat),
-                                                             targets.reshape({-1})) / args.grad_accum;
+      auto micro_loss = fsdp::forward(model, inputs, targets) / args.grad_accum;  // fused head + loss
       micro_loss.backward();
       loss += micro_loss.detach();
     }

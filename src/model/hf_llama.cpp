@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
@@ -48,23 +49,38 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-std::string hf_name(const std::string& ours) {
-  static const std::vector<std::pair<std::regex, std::string>> rules = {
-      {std::regex(R"(tok_emb\.weight)"), "model.embed_tokens.weight"},
-      {std::regex(R"(norm\.weight)"), "model.norm.weight"},
-      {std::regex(R"(head\.weight)"), "lm_head.weight"},
-      {std::regex(R"(blocks\.(\d+)\.attn_norm\.weight)"), "model.layers.$1.input_layernorm.weight"},
-      {std::regex(R"(blocks\.(\d+)\.mlp_norm\.weight)"), "model.layers.$1.post_attention_layernorm.weight"},
-      {std::regex(R"(blocks\.(\d+)\.attn\.wq\.weight)"), "model.layers.$1.self_attn.q_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.attn\.wk\.weight)"), "model.layers.$1.self_attn.k_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.attn\.wv\.weight)"), "model.layers.$1.self_attn.v_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.attn\.wo\.weight)"), "model.layers.$1.self_attn.o_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.mlp\.w_gate\.weight)"), "model.layers.$1.mlp.gate_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.mlp\.w_up\.weight)"), "model.layers.$1.mlp.up_proj.weight"},
-      {std::regex(R"(blocks\.(\d+)\.mlp\.w_down\.weight)"), "model.layers.$1.mlp.down_proj.weight"},
+std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& c) {
+  const int64_t q_rows = c.n_heads * c.head_dim(), kv_rows = c.n_kv_heads * c.head_dim();
+  struct Rule {
+    std::regex pattern;
+    std::vector<std::pair<std::string, int64_t>> parts;  // Hugging Face name ($1: the layer), rows (0: all)
   };
-  for (const auto& [pattern, replacement] : rules)
-    if (std::regex_match(ours, pattern)) return std::regex_replace(ours, pattern, replacement);
+  static const std::string layer = "model.layers.$1.";
+  const std::vector<Rule> rules = {
+      {std::regex(R"(tok_emb\.weight)"), {{"model.embed_tokens.weight", 0}}},
+      {std::regex(R"(norm\.weight)"), {{"model.norm.weight", 0}}},
+      {std::regex(R"(head\.weight)"), {{"lm_head.weight", 0}}},
+      {std::regex(R"(blocks\.(\d+)\.attn_norm\.weight)"), {{layer + "input_layernorm.weight", 0}}},
+      {std::regex(R"(blocks\.(\d+)\.mlp_norm\.weight)"), {{layer + "post_attention_layernorm.weight", 0}}},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wqkv\.weight)"),
+       {{layer + "self_attn.q_proj.weight", q_rows},
+        {layer + "self_attn.k_proj.weight", kv_rows},
+        {layer + "self_attn.v_proj.weight", kv_rows}}},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wo\.weight)"), {{layer + "self_attn.o_proj.weight", 0}}},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_gate_up\.weight)"),
+       {{layer + "mlp.gate_proj.weight", c.ffn}, {layer + "mlp.up_proj.weight", c.ffn}}},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_down\.weight)"), {{layer + "mlp.down_proj.weight", 0}}},
+  };
+  for (const auto& rule : rules) {
+    if (!std::regex_match(ours, rule.pattern)) continue;
+    std::vector<HfPart> parts;
+    int64_t row = 0;
+    for (const auto& [name, rows] : rule.parts) {
+      parts.push_back({std::regex_replace(ours, rule.pattern, name), row, rows});
+      row += rows;
+    }
+    return parts;
+  }
   throw std::invalid_argument("no Hugging Face name for parameter '" + ours + "'");
 }
 
@@ -125,20 +141,29 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
   for (const auto& [name, file] : where) unused.insert(name);
   std::string missing;
   for (auto& [ours, param] : model.named_parameters().pairs()) {
-    const std::string name = hf_name(ours);
-    const auto it = where.find(name);
-    if (it == where.end()) {
-      missing += " " + name;
-      continue;
-    }
-    unused.erase(name);
     const ShardRows rows = shard_rows_of(param);
-    const auto& entry = it->second->entries().at(name);
-    if (entry.shape != rows.full_shape)
-      throw std::invalid_argument("'" + it->second->path() + "': tensor '" + name + "' has shape " +
-                                  shape_text(entry.shape) + " but the model's " + ours + " is " +
-                                  shape_text(rows.full_shape) + " (another model size?)");
-    param.copy_(it->second->read_rows(name, rows.first_row, rows.rows, param.scalar_type()).view(param.sizes()));
+    std::vector<at::Tensor> pieces;  // this rank's rows, part by part
+    for (HfPart part : hf_parts(ours, model.config)) {
+      if (part.rows == 0) part.rows = rows.full_shape.at(0);
+      const auto it = where.find(part.name);
+      if (it == where.end()) {
+        missing += " " + part.name;
+        continue;
+      }
+      unused.erase(part.name);
+      auto expected = rows.full_shape;
+      expected.at(0) = part.rows;
+      const auto& entry = it->second->entries().at(part.name);
+      if (entry.shape != expected)
+        throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name + "' has shape " +
+                                    shape_text(entry.shape) + " but the model's " + ours + " needs " +
+                                    shape_text(expected) + " (another model size?)");
+      const int64_t first = std::max(rows.first_row, part.first_row);
+      const int64_t last = std::min(rows.first_row + rows.rows, part.first_row + part.rows);
+      if (first < last)
+        pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
+    }
+    if (!pieces.empty()) param.copy_(at::cat(pieces).view(param.sizes()));
   }
   if (model.config.tie_embeddings) unused.erase("lm_head.weight");  // the embedding, saved twice
   if (!missing.empty())
@@ -183,12 +208,33 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
     out.close();
     if (!out) throw std::runtime_error("cannot write '" + config_path(path) + "'");
   }
+  // One spec per Hugging Face tensor; a fused parameter is gathered once for its parts.
   const auto params = model.named_parameters().pairs();
+  struct Source {
+    size_t param;
+    HfPart part;
+  };
   std::vector<io::SafetensorsSpec> specs;
-  for (const auto& [ours, param] : params)
-    specs.push_back({hf_name(ours), at::kFloat, shard_rows_of(param).full_shape});
-  auto gathered = [&](size_t i) {  // every rank takes part; rank 0 keeps the result
-    return full_parameter(model, params[i].first).to(at::kCPU, at::kFloat).contiguous();
+  std::vector<Source> sources;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto full_shape = shard_rows_of(params[i].second).full_shape;
+    for (HfPart part : hf_parts(params[i].first, c)) {
+      if (part.rows == 0) part.rows = full_shape.at(0);
+      auto shape = full_shape;
+      shape.at(0) = part.rows;
+      specs.push_back({part.name, at::kFloat, shape});
+      sources.push_back({i, part});
+    }
+  }
+  at::Tensor full;  // the parameter of the last spec (every rank gathers; rank 0 keeps it)
+  size_t full_of = params.size();
+  auto gathered = [&](size_t spec) {
+    const Source& source = sources[spec];
+    if (full_of != source.param) {
+      full = full_parameter(model, params[source.param].first).to(at::kCPU, at::kFloat).contiguous();
+      full_of = source.param;
+    }
+    return full.narrow(0, source.part.first_row, source.part.rows).contiguous();
   };
   if (lead) {
     io::write_safetensors(file, specs, gathered, {{"format", "pt"}});

@@ -10,9 +10,17 @@
 
 namespace fsdp::model {
 
-// Our parameter name <-> the Hugging Face one ("blocks.3.attn.wq.weight" <->
-// "model.layers.3.self_attn.q_proj.weight"). Throws for a name outside the mapping.
-std::string hf_name(const std::string& ours);
+// Where a parameter of ours sits in Hugging Face's layout: rows [first_row, first_row + rows) of
+// our parameter are the Hugging Face tensor `name`. Most parameters are one tensor; the fused
+// projections are several stacked by rows ("blocks.3.attn.wqkv.weight" is q_proj, k_proj and
+// v_proj of "model.layers.3.self_attn"; "blocks.3.mlp.w_gate_up.weight" gate_proj and up_proj).
+struct HfPart {
+  std::string name;
+  int64_t first_row = 0;
+  int64_t rows = 0;
+};
+// Throws for a name outside the mapping.
+std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& config);
 
 // A directory holding config.json, or a .safetensors file (whose config must come from elsewhere).
 bool has_hf_config(const std::string& path);

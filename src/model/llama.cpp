@@ -1,6 +1,6 @@
 #include "model/llama.h"
 
-#include <torch/nn/functional/activation.h>
+#include <ATen/ops/rms_norm.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/functional/embedding.h>
 
@@ -9,6 +9,8 @@
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
+#include "model/fused_ops.h"
+#include "model/linear_cross_entropy.h"
 
 namespace fsdp::model {
 
@@ -67,12 +69,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_
   weight = register_parameter("weight", where.parameter({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in float32 whatever the compute dtype.
-  auto xf = x.to(torch::kFloat);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return normed.to(x.scalar_type()) * weight;
-}
+// ATen's rms_norm: one fused kernel each way on CUDA; float32 arithmetic whatever the dtype.
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return at::rms_norm(x, {weight.size(0)}, weight, eps_); }
 
 namespace {
 
@@ -83,50 +81,36 @@ uint64_t seed_of(uint64_t model_seed, const std::string& name) {
   return h;
 }
 
-// Rotates pairs (i, i + d/2) of the last dim by the position's angles.
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos,
-                         const torch::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  auto c = cos.to(x.scalar_type()), s = sin.to(x.scalar_type());
-  return torch::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
-}
-
 }  // namespace
 
 AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
-  wq = register_module("wq", Projection(c.dim, c.n_heads * head_dim_, where));
-  wk = register_module("wk", Projection(c.dim, c.n_kv_heads * head_dim_, where));
-  wv = register_module("wv", Projection(c.dim, c.n_kv_heads * head_dim_, where));
+  wqkv = register_module("wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where));
   wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
-  const int64_t b = x.size(0), t = x.size(1);
-  auto heads = [&](Projection& proj, int64_t n) {
-    return proj(x).view({b, t, n, head_dim_}).transpose(1, 2);  // [b, n, t, d]
-  };
-  auto q = apply_rope(heads(wq, n_heads_), cos, sin);
-  auto k = apply_rope(heads(wk, n_kv_heads_), cos, sin);
-  auto v = heads(wv, n_kv_heads_);
-  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+  const int64_t b = x.size(0), t = x.size(1), heads = n_heads_ + 2 * n_kv_heads_;
+  const auto qkv = rope_qkv(wqkv(x), cos, sin, heads, n_heads_ + n_kv_heads_);
+  // Views [b, heads, t, d] of the rotated projection; their gradients meet again in one cat.
+  const auto parts = qkv.view({b, t, heads, head_dim_}).split_with_sizes({n_heads_, n_kv_heads_, n_kv_heads_}, 2);
+  auto y = at::scaled_dot_product_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2),
+                                            parts[2].transpose(1, 2), /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                             /*is_causal=*/true, /*scale=*/std::nullopt,
                                             /*enable_gqa=*/n_kv_heads_ != n_heads_);
   return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
 }
 
 MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) {
-  w_gate = register_module("w_gate", Projection(c.dim, c.ffn, where));
-  w_up = register_module("w_up", Projection(c.dim, c.ffn, where));
+  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where));
   w_down = register_module("w_down", Projection(c.ffn, c.dim, where));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return w_down(torch::nn::functional::silu(w_gate(x)) * w_up(x));
+  return w_down(swiglu(w_gate_up(x)));
 }
 
 BlockImpl::BlockImpl(const LlamaConfig& c, const Placement& where) {
@@ -173,7 +157,7 @@ void LlamaImpl::reset_parameters() {
   }
 }
 
-torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
   const int64_t t = tokens.size(1);
   if (t > config.max_seq)
     throw std::invalid_argument("sequence length " + std::to_string(t) + " exceeds max_seq " +
@@ -182,8 +166,18 @@ torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
   auto h = tok_emb(tokens);
   for (auto& block : blocks)
     h = config.checkpoint_blocks ? fsdp::checkpoint(block, h, cos, sin) : fsdp::forward(block, h, cos, sin);
-  h = norm(h);
-  return head ? head(h) : torch::nn::functional::linear(h, tok_emb->weight);
+  return norm(h);
+}
+
+const torch::Tensor& LlamaImpl::output_weight() const { return head ? head->weight : tok_emb->weight; }
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
+  return torch::nn::functional::linear(final_hidden(tokens), output_weight());
+}
+
+torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const torch::Tensor& targets) {
+  const auto h = final_hidden(tokens);
+  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), output_weight(), targets.reshape({-1}));
 }
 
 }  // namespace fsdp::model

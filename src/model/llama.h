@@ -1,6 +1,8 @@
-// A Llama-style decoder in torch::nn: RMSNorm, rotary embeddings, causal
-// attention through scaled_dot_product_attention, SwiGLU MLP. Its forward
-// calls each block through fsdp::forward, so blocks can be sharded one by one.
+// A Llama-style decoder in torch::nn: RMSNorm (ATen's fused kernel), one QKV projection with
+// rotary embeddings (fused_ops), causal attention through scaled_dot_product_attention, one
+// gate/up projection with a fused SwiGLU, and an output projection fused with the loss
+// (linear_cross_entropy). Its forward calls each block through fsdp::forward, so blocks can be
+// sharded one by one.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -76,7 +78,8 @@ class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  Projection wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  Projection wqkv{nullptr};  // q, k and v stacked by rows (Hugging Face's q_proj, k_proj, v_proj)
+  Projection wo{nullptr};
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
@@ -87,7 +90,8 @@ class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x);
-  Projection w_gate{nullptr}, w_up{nullptr}, w_down{nullptr};
+  Projection w_gate_up{nullptr};  // gate and up stacked by rows (gate_proj, up_proj)
+  Projection w_down{nullptr};
 };
 TORCH_MODULE(Mlp);
 
@@ -107,6 +111,9 @@ class LlamaImpl : public torch::nn::Module {
   explicit LlamaImpl(const LlamaConfig& c, const Placement& where = {});
   // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]
   torch::Tensor forward(const torch::Tensor& tokens);
+  // The mean cross-entropy of predicting targets [batch, seq] (int64, each below vocab), float32,
+  // without materialising the logits (linear_cross_entropy).
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& targets);
   // Initial weights from config.seed, sharded or not: near-normal with std 0.02 (fsdp::init_normal_,
   // one seed per parameter name), output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
   // The same values on any number of ranks.
@@ -118,6 +125,10 @@ class LlamaImpl : public torch::nn::Module {
   RMSNorm norm{nullptr};
   Projection head{nullptr};  // null when tie_embeddings
   torch::Tensor rope_cos, rope_sin;  // [max_seq, head_dim / 2] buffers
+
+ private:
+  torch::Tensor final_hidden(const torch::Tensor& tokens);  // after the last norm
+  const torch::Tensor& output_weight() const;
 };
 TORCH_MODULE(Llama);
 

@@ -1,0 +1,169 @@
+#include "model/fused_ops.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#ifdef FSDP_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "model/fused_kernels.h"
+#endif
+
+namespace fsdp::model {
+
+namespace reference {
+namespace {
+// float32 for 16-bit dtypes, float64 for float64.
+at::ScalarType compute_type(const at::Tensor& t) { return c10::promoteTypes(t.scalar_type(), at::kFloat); }
+}  // namespace
+
+at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                    int64_t rotated_heads) {
+  const int64_t b = qkv.size(0), t = qkv.size(1), d = qkv.size(2) / heads, half = d / 2;
+  const auto x = qkv.view({b, t, heads, d});
+  const auto rotated = x.narrow(2, 0, rotated_heads).to(compute_type(qkv));
+  const auto x1 = rotated.narrow(-1, 0, half), x2 = rotated.narrow(-1, half, half);
+  const auto c = cos.view({1, t, 1, half}), s = sin.view({1, t, 1, half});
+  const auto out = at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1).to(qkv.scalar_type());
+  return at::cat({out, x.narrow(2, rotated_heads, heads - rotated_heads)}, 2).view(qkv.sizes());
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  const int64_t ffn = gate_up.size(-1) / 2;
+  const auto type = compute_type(gate_up);
+  const auto gate = gate_up.narrow(-1, 0, ffn).to(type), up = gate_up.narrow(-1, ffn, ffn).to(type);
+  return (at::silu(gate) * up).to(gate_up.scalar_type());
+}
+
+}  // namespace reference
+
+namespace {
+
+void check_rope_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                       int64_t rotated_heads) {
+  const bool qkv_ok = qkv.dim() == 3 && heads >= 1 && qkv.size(2) % heads == 0 && (qkv.size(2) / heads) % 2 == 0 &&
+                      rotated_heads >= 0 && rotated_heads <= heads;
+  const bool angles_ok = qkv_ok && cos.dim() == 2 && cos.size(0) == qkv.size(1) &&
+                         cos.size(1) * 2 == qkv.size(2) / heads && sin.sizes() == cos.sizes() &&
+                         cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                         cos.device() == qkv.device() && sin.device() == qkv.device();
+  if (!angles_ok)
+    throw std::invalid_argument(c10::str("rope_qkv: qkv ", qkv.sizes(), " must be [batch, seq, heads * head_dim] with ",
+                                         heads, " heads of even head_dim (", rotated_heads, " rotated), and cos/sin ",
+                                         cos.sizes(), " float32 [seq, head_dim / 2] on its device"));
+}
+
+#ifdef FSDP_WITH_CUDA_KERNELS
+
+kernels::Dtype kernel_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kernels::Dtype::Float;
+    case at::kBFloat16: return kernels::Dtype::BFloat16;
+    case at::kHalf: return kernels::Dtype::Half;
+    default: throw std::invalid_argument(std::string("fused kernels take float32, bfloat16 or float16, not ") +
+                                         c10::toString(t.scalar_type()));
+  }
+}
+
+void* current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+bool use_kernels(const at::Tensor& t) {
+  return t.is_cuda() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                         t.scalar_type() == at::kHalf);
+}
+
+// Rotation is orthogonal: the backward rotates the gradient by minus the angle.
+at::Tensor launch_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                       int64_t rotated_heads, bool inverse) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto in = x.contiguous();
+  auto out = at::empty_like(in);
+  kernels::rope(in.data_ptr(), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), in.size(0) * in.size(1),
+                in.size(1), heads, rotated_heads, in.size(2) / heads, inverse, kernel_dtype(in), current_stream(in));
+  return out;
+}
+
+struct RopeFunction : torch::autograd::Function<RopeFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t heads, int64_t rotated_heads) {
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["rotated_heads"] = rotated_heads;
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    return launch_rope(qkv, cos, sin, heads, rotated_heads, /*inverse=*/false);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto& d = ctx->saved_data;
+    return {launch_rope(grads[0], d.at("cos").toTensor(), d.at("sin").toTensor(), d.at("heads").toInt(),
+                        d.at("rotated_heads").toInt(), /*inverse=*/true),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
+    const c10::cuda::CUDAGuard guard(gate_up.device());
+    const auto in = gate_up.contiguous();
+    const int64_t ffn = in.size(-1) / 2, rows = in.numel() / std::max<int64_t>(in.size(-1), 1);
+    auto sizes = in.sizes().vec();
+    sizes.back() = ffn;
+    auto out = at::empty(sizes, in.options());
+    kernels::swiglu_forward(in.data_ptr(), out.data_ptr(), rows, ffn, kernel_dtype(in), current_stream(in));
+    ctx->save_for_backward({in});
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto in = ctx->get_saved_variables()[0];
+    const c10::cuda::CUDAGuard guard(in.device());
+    const auto grad_out = grads[0].contiguous();
+    auto grad_in = at::empty_like(in);
+    const int64_t ffn = in.size(-1) / 2;
+    kernels::swiglu_backward(in.data_ptr(), grad_out.data_ptr(), grad_in.data_ptr(), in.numel() / (2 * ffn), ffn,
+                             kernel_dtype(in), current_stream(in));
+    return {grad_in};
+  }
+};
+
+#endif
+
+}  // namespace
+
+bool have_fused_kernels() {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                    int64_t rotated_heads) {
+  check_rope_shapes(qkv, cos, sin, heads, rotated_heads);
+#ifdef FSDP_WITH_CUDA_KERNELS
+  if (use_kernels(qkv)) return RopeFunction::apply(qkv, cos.contiguous(), sin.contiguous(), heads, rotated_heads);
+#endif
+  return reference::rope_qkv(qkv, cos, sin, heads, rotated_heads);
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  if (gate_up.dim() < 1 || gate_up.size(-1) % 2 != 0)
+    throw std::invalid_argument("swiglu: the last dimension must hold gate and up, two equal halves");
+#ifdef FSDP_WITH_CUDA_KERNELS
+  if (use_kernels(gate_up) && gate_up.numel() > 0) return SwigluFunction::apply(gate_up);
+#endif
+  return reference::swiglu(gate_up);
+}
+
+}  // namespace fsdp::model

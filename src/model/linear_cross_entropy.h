@@ -1,0 +1,22 @@
+// The output projection and the cross-entropy loss in one differentiable operation that never
+// holds the [rows, vocab] logits: the rows go through in chunks, and since the loss is the last
+// operation of a step, each chunk's gradients are computed in the forward, while its logits are
+// at hand (no second projection in the backward).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace fsdp::model {
+
+// The mean over rows of -log softmax(hidden @ weight^T)[target], in float32 (float64 for float64
+// inputs).
+// hidden [rows, dim] and weight [vocab, dim] of one dtype, targets [rows] int64 in [0, vocab).
+// Each chunk's float32 logits take at most `chunk_bytes` (at least one row). The gradients
+// (hidden's [rows, dim] and weight's [vocab, dim], in their dtype) are made only where grad mode
+// is on and an input requires them; they live from the forward to the backward.
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                int64_t chunk_bytes = int64_t(256) << 20);
+
+}  // namespace fsdp::model

@@ -1,0 +1,128 @@
+// The Llama's fused operations against plain ATen formulas, on CPU (the GPU suite compares the
+// CUDA kernels with the same references: tests/gpu_tests.cpp).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "model/fused_ops.h"
+#include "model/hf_llama.h"
+#include "model/linear_cross_entropy.h"
+#include "model/llama.h"
+
+namespace {
+
+using namespace fsdp::model;
+
+// logits then cross_entropy, as a model without the fused loss computes them (float32 or wider).
+torch::Tensor unfused_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets) {
+  const auto logits = torch::mm(hidden, weight.t());
+  return torch::nn::functional::cross_entropy(logits.to(c10::promoteTypes(logits.scalar_type(), torch::kFloat)),
+                                              targets);
+}
+
+// In float64 the chunked loss and its gradients are the unfused ones up to summation order
+// (relative 1e-12 covers sums of a few hundred terms at 2^-53 each); chunks of 1, 3 and all rows.
+TEST(LinearCrossEntropy, LossAndGradientsMatchLogitsThenCrossEntropyForAnyChunking) {
+  torch::manual_seed(0);
+  const int64_t rows = 10, dim = 6, vocab = 17;
+  auto hidden = torch::randn({rows, dim}, torch::kDouble).requires_grad_();
+  auto weight = torch::randn({vocab, dim}, torch::kDouble).requires_grad_();
+  auto targets = torch::randint(0, vocab, {rows}, torch::kLong);
+  auto expected = unfused_loss(hidden, weight, targets);
+  auto expected_grads = torch::autograd::grad({expected * 3.0}, {hidden, weight});
+  for (int64_t chunk_rows : {1, 3, 100}) {
+    auto loss = linear_cross_entropy(hidden, weight, targets, chunk_rows * vocab * 4);
+    EXPECT_EQ(loss.scalar_type(), torch::kDouble);
+    auto grads = torch::autograd::grad({loss * 3.0}, {hidden, weight});  // the upstream gradient scales
+    EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-12 * expected.item<double>()) << chunk_rows;
+    EXPECT_TRUE(torch::allclose(grads[0], expected_grads[0], 1e-12, 1e-12)) << chunk_rows;
+    EXPECT_TRUE(torch::allclose(grads[1], expected_grads[1], 1e-12, 1e-12)) << chunk_rows;
+  }
+}
+
+TEST(LinearCrossEntropy, WithoutGradModeOnlyTheLossAndBadShapesAreNamed) {
+  auto hidden = torch::randn({4, 3}), weight = torch::randn({5, 3});
+  auto targets = torch::tensor({0, 4, 2, 1}, torch::kLong);
+  torch::NoGradGuard no_grad;
+  // float32: the loss of 4 rows agrees to a few ulps of float32.
+  EXPECT_NEAR(linear_cross_entropy(hidden, weight, targets).item<double>(),
+              unfused_loss(hidden, weight, targets).item<double>(), 1e-5);
+  EXPECT_THROW(linear_cross_entropy(hidden, weight.t(), targets), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy(hidden, weight, targets.to(torch::kInt)), std::invalid_argument);
+}
+
+// The rotation of pairs (i, i + d/2) by angle p * f_i: at position 0 nothing moves, pair norms
+// are kept, v heads are copied, and rotating by minus the angle undoes it.
+TEST(FusedOps, RopeRotatesQAndKPairsAndCopiesV) {
+  torch::manual_seed(1);
+  const int64_t b = 2, t = 5, heads = 4, rotated = 3, d = 6;
+  auto qkv = torch::randn({b, t, heads * d}, torch::kDouble);
+  auto angles = torch::outer(torch::arange(t, torch::kDouble), torch::tensor({1.0, 0.3, 0.01}, torch::kDouble));
+  auto cos = angles.cos().to(torch::kFloat), sin = angles.sin().to(torch::kFloat);
+  auto out = rope_qkv(qkv, cos, sin, heads, rotated);
+  auto x = qkv.view({b, t, heads, d}), y = out.view({b, t, heads, d});
+  EXPECT_TRUE(torch::equal(y.select(1, 0), x.select(1, 0)));  // cos 1, sin 0: exact in float64
+  EXPECT_TRUE(torch::equal(y.narrow(2, rotated, heads - rotated), x.narrow(2, rotated, heads - rotated)));
+  auto pair_norms = [&](const torch::Tensor& v) {
+    return v.narrow(-1, 0, d / 2).pow(2) + v.narrow(-1, d / 2, d / 2).pow(2);
+  };
+  EXPECT_TRUE(torch::allclose(pair_norms(y), pair_norms(x), 1e-6, 1e-6));  // cos^2 + sin^2 of float32 angles
+  // Element (position 2, head 1, i = 1): x1 cos - x2 sin with angle 2 * 0.3.
+  const double a = 0.6f, x1 = x[1][2][1][1].item<double>(), x2 = x[1][2][1][4].item<double>();
+  EXPECT_NEAR(y[1][2][1][1].item<double>(), x1 * std::cos(a) - x2 * std::sin(a), 1e-6);
+  EXPECT_NEAR(y[1][2][1][4].item<double>(), x2 * std::cos(a) + x1 * std::sin(a), 1e-6);
+  EXPECT_TRUE(torch::allclose(rope_qkv(out, cos, -sin, heads, rotated), qkv, 1e-6, 1e-6));
+  EXPECT_THROW(rope_qkv(qkv, cos.narrow(0, 0, 4), sin.narrow(0, 0, 4), heads, rotated), std::invalid_argument);
+}
+
+TEST(FusedOps, SwigluIsSiluOfGateTimesUp) {
+  auto gate_up = torch::randn({3, 2, 8}, torch::kDouble);
+  auto expected = torch::silu(gate_up.narrow(-1, 0, 4)) * gate_up.narrow(-1, 4, 4);
+  EXPECT_TRUE(torch::allclose(swiglu(gate_up), expected, 1e-12, 1e-12));  // float64 throughout
+  EXPECT_THROW(swiglu(torch::randn({3, 5})), std::invalid_argument);
+}
+
+// The model's fused loss is its logits' cross-entropy, and so are the gradients of every
+// parameter (float32: relative 1e-4 covers the different summation orders of two paths).
+TEST(FusedOps, ModelLossEqualsCrossEntropyOfItsLogits) {
+  LlamaConfig c;
+  c.n_kv_heads = 2;  // grouped-query attention: q, k and v of different sizes in one projection
+  for (bool tied : {false, true}) {
+    c.tie_embeddings = tied;
+    Llama model(c);
+    auto tokens = torch::randint(0, c.vocab, {2, 9}, torch::kLong);
+    auto inputs = tokens.narrow(1, 0, 8), targets = tokens.narrow(1, 1, 8);
+    auto params = model->parameters();
+    auto fused = model->forward(inputs, targets);
+    auto fused_grads = torch::autograd::grad({fused}, params);
+    auto plain = torch::nn::functional::cross_entropy(model->forward(inputs).reshape({-1, c.vocab}),
+                                                      targets.reshape({-1}));
+    auto plain_grads = torch::autograd::grad({plain}, params);
+    EXPECT_NEAR(fused.item<double>(), plain.item<double>(), 1e-5 * plain.item<double>());
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(torch::allclose(fused_grads[i], plain_grads[i], 1e-4, 1e-7)) << i << " tied " << tied;
+  }
+}
+
+TEST(HfParts, FusedProjectionsAreTheHuggingFaceTensorsStackedByRows) {
+  LlamaConfig c;
+  c.dim = 64, c.n_heads = 4, c.n_kv_heads = 2, c.ffn = 176;  // head_dim 16: q 64 rows, k and v 32
+  auto qkv = hf_parts("blocks.3.attn.wqkv.weight", c);
+  ASSERT_EQ(qkv.size(), 3u);
+  EXPECT_EQ(qkv[0].name, "model.layers.3.self_attn.q_proj.weight");
+  EXPECT_EQ(qkv[1].name, "model.layers.3.self_attn.k_proj.weight");
+  EXPECT_EQ(qkv[2].name, "model.layers.3.self_attn.v_proj.weight");
+  EXPECT_EQ(qkv[1].first_row, 64);
+  EXPECT_EQ(qkv[2].first_row, 96);
+  EXPECT_EQ(qkv[2].rows, 32);
+  auto gate_up = hf_parts("blocks.0.mlp.w_gate_up.weight", c);
+  ASSERT_EQ(gate_up.size(), 2u);
+  EXPECT_EQ(gate_up[1].name, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(gate_up[1].first_row, 176);
+  auto head = hf_parts("head.weight", c);
+  ASSERT_EQ(head.size(), 1u);
+  EXPECT_EQ(head[0].name, "lm_head.weight");
+  EXPECT_EQ(head[0].rows, 0);  // the whole parameter
+  EXPECT_THROW(hf_parts("blocks.0.attn.wq.weight", c), std::invalid_argument);
+}
+
+}  // namespace
