@@ -58,6 +58,7 @@ PYTORCH_SYSTEMS = {
     "pytorch-fsdp2-compile": ("fsdp2c", ["--compile"]),
     "pytorch-ddp": ("ddp", ["--ddp"]),
 }
+SAVED_INITS = set()
 EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
 # The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
 REFERENCES = {
@@ -130,7 +131,10 @@ def run_config(config, world, args, repeat):
              str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
     log, profile = log_paths(args.out, "fsdpcpp", config, world, repeat)
-    save_init = [] if os.path.exists(init) else ["--save-init", init]  # once per preset
+    # Written by the first run of each preset in this invocation (a file left by an earlier one
+    # may come from another model version).
+    save_init = [] if init in SAVED_INITS else ["--save-init", init]
+    SAVED_INITS.add(init)
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
          *save_init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
