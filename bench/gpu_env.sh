@@ -1,6 +1,6 @@
 # Sourced by the GPU-machine scripts: the environment every GPU record runs under (multicast off,
 # mpirun as root, unbuffered Python) and record_env FILE COMMIT, which writes the record's
-# date, commit, GPUs, driver and torch version.
+# date, commit, GPUs, driver and torch version, and build_and_test, the build + ctest phase.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 record_env() {
@@ -10,4 +10,14 @@ record_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /'
     python3 -c 'import torch; print("torch:", torch.__version__)'
   } > "$1"
+}
+# build_and_test OUT LINES [CTEST ARGS]: builds through setup.sh (log OUT/build.log), runs ctest
+# (log OUT/tests.log), prints the last LINES result lines; returns ctest's status.
+build_and_test() {
+  local out=$1 lines=$2; shift 2
+  FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; return 1; }
+  (cd build && ctest --output-on-failure "$@") > "$out/tests.log" 2>&1
+  local ok=$?
+  grep -E "Test +#|tests passed|FAILED|Failed" "$out/tests.log" | tail -"$lines"
+  return $ok
 }

@@ -13,11 +13,8 @@ mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
 case $phase in
   suite)
-    FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-    (cd build && ctest --output-on-failure) > "$out/tests.log" 2>&1
-    ok=$?
-    grep -E "Test +#|tests passed|FAILED|Failed" "$out/tests.log" | tail -60
-    exit $ok ;;
+    build_and_test "$out" 60
+    exit $? ;;
   long)
     steps=${4:-3000}
     build/fsdp-run --gpu build/fsdp-train --model small --seq 512 --batch 2 --steps "$steps" \

@@ -19,11 +19,8 @@ two_gpus() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
 ck=/tmp/fsdp-ck  # checkpoints on the machine's disk, never in $OUT
 case $phase in
   suite)
-    FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-    (cd build && ctest --output-on-failure -R "gpu|hf_roundtrip") > "$out/tests.log" 2>&1
-    ok=$?
-    grep -E "Test +#|tests passed|FAILED|Failed" "$out/tests.log" | tail -40
-    exit $ok ;;
+    build_and_test "$out" 40 -R "gpu|hf_roundtrip"
+    exit $? ;;
   runs)
     rm -rf $ck && mkdir -p $ck
     two_gpus train --model 8b --steps 2 --batch 1 --seq 1024 --log "$out/8b-startup.jsonl" > "$out/8b-startup.log" 2>&1
