@@ -5,12 +5,16 @@ The model: one fused QKV and one fused gate/up projection, F.rms_norm, rotary em
 (i, i + d/2) pairs as transformers writes them (x * cos + rotate_half(x) * sin), causal
 scaled_dot_product_attention, SwiGLU, no biases; logits then F.cross_entropy in float32. The
 same synthetic batches as fsdp-train (src/train/data.cpp, same generator seeds), the same initial
-weights (read from fsdp-train --save-init: the same parameter names), fused AdamW, warmup +
+weights (read from fsdp-train --save-init: the same parameter names; without --init, weights of
+the same distribution made after sharding, as for the 8B), fused AdamW, warmup +
 cosine schedule and clipping. Writes one JSON line per step in fsdp-train's format.
 
     torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
         [--compile]   torch.compile each block before fully_shard (torchtitan's recipe)
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
+        [--attention auto|aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2;
+                      auto (fsdp-train's rule): flash for head_dim up to 64 (faster there on H200,
+                      bench/sdpa_backends.py), ATen's choice (cuDNN) above
 """
 import argparse
 import json
@@ -87,11 +91,31 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
         self.norm = nn.RMSNorm(c["dim"], eps=EPS)
         self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
-        half = c["dim"] // c["n_heads"] // 2
-        inv_freq = c["theta"] ** (-torch.arange(0, half, dtype=torch.float64) / half)
-        angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq).repeat(1, 2)  # [t, d]
-        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.c, self.max_seq = c, max_seq
+        self.register_buffer("rope_cos", torch.empty(max_seq, c["dim"] // c["n_heads"]), persistent=False)
+        self.register_buffer("rope_sin", torch.empty_like(self.rope_cos), persistent=False)
+        self.init_rope()
+
+    @torch.no_grad()
+    def init_rope(self):
+        half = self.c["dim"] // self.c["n_heads"] // 2
+        inv_freq = self.c["theta"] ** (-torch.arange(0, half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(self.max_seq, dtype=torch.float64), inv_freq).repeat(1, 2)  # [t, d]
+        if self.rope_cos.device.type != "meta":
+            self.rope_cos.copy_(angles.cos())
+            self.rope_sin.copy_(angles.sin())
+
+    @torch.no_grad()
+    def init_weights(self):
+        """fsdp-train's scheme (LlamaImpl::reset_parameters), in distribution, not value: normal
+        std 0.02, output projections 0.02 / sqrt(2 layers), norms 1. Works on sharded parameters."""
+        out_std = 0.02 / math.sqrt(2 * self.c["n_layers"])
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, out_std if ("wo." in name or "w_down." in name) else 0.02)
+        self.init_rope()
 
     def forward(self, tokens):
         h = self.tok_emb(tokens)
@@ -171,7 +195,8 @@ def main():
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
-    p.add_argument("--init", required=True, help="weights written by fsdp-train --save-init")
+    p.add_argument("--init", help="weights written by fsdp-train --save-init (default: made on the meta "
+                                  "device, sharded, then initialised like fsdp-train's, not to the same values)")
     p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
     p.add_argument("--memory-log", help="sample memory into PATH-rankR.jsonl (fsdp-train's format)")
     p.add_argument("--optimizer-before-shard", action="store_true",
@@ -180,6 +205,8 @@ def main():
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
+    p.add_argument("--attention", choices=["auto", "aten", "flash"], default="auto",
+                   help="SDPA kernel: aten's choice, flash, or auto = flash for head_dim <= 64")
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
@@ -189,13 +216,22 @@ def main():
     if on_gpu:
         torch.cuda.set_device(device)
     c = PRESETS[args.model]
+    head_dim = c["dim"] // c["n_heads"]
+    if args.attention == "flash" or (args.attention == "auto" and head_dim <= 64):
+        torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
-    model = Llama(c, max(args.seq, 2048), args.checkpoint)
-    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
-        weights = torch.load(args.init)
-    missing = model.load_state_dict(weights, strict=False)
-    assert not missing.missing_keys and not missing.unexpected_keys, missing
-    model.to(device)
+    if args.init:
+        model = Llama(c, max(args.seq, 2048), args.checkpoint)
+        with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+            weights = torch.load(args.init)
+        missing = model.load_state_dict(weights, strict=False)
+        assert not missing.missing_keys and not missing.unexpected_keys, missing
+        model.to(device)
+    else:  # FSDP2's recipe for models too large for one process: shapes now, memory after sharding
+        assert not args.ddp and not args.optimizer_before_shard, "--ddp and --optimizer-before-shard need --init"
+        torch.manual_seed(args.seed)
+        with torch.device("meta"):
+            model = Llama(c, max(args.seq, 2048), args.checkpoint)
     def make_optimizer():
         # fused=True: the kernel fsdp-train's FusedAdamW calls (CUDA and CPU).
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -212,6 +248,9 @@ def main():
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+        if not args.init:
+            model.to_empty(device=device)
+            model.init_weights()
     opt = opt or make_optimizer()
     if on_gpu:
         torch.cuda.empty_cache()

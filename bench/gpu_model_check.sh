@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# One device call on 2 GPUs (about 7 minutes, at most 9) for the model's kernels (issue #12): build, the
-# 2-rank GPU suite (fused kernels against ATen, parity) and a 2-GPU training run, the SDPA
-# backends at the benchmark's shapes, then run_bench.py on 1b (vs FSDP2 eager and compiled) and
-# small (vs FSDP2 eager and DDP). Every phase has its own time limit, so a slow one cannot take
-# the others' results with it; everything lands in one tar under OUT.
-#   bash bench/gpu_model_check.sh OUT COMMIT [STEPS]
+# The model's kernels against what PyTorch users run (issue #12) on 2 GPUs, one part per device call
+# (each at most 9 minutes; back to back, the machine stays warm and the build is reused):
+#   suite   build, the 2-rank GPU suite (kernels against ATen, parity) and 2-GPU training runs, the
+#           SDPA backends at the benchmark's shapes, an allocator snapshot of 1b-ac (where its
+#           reserved-but-free memory sits at the peak: bench/snapshot_holes.py)
+#   1b      run_bench.py 1b: fsdp.cpp vs FSDP2 eager and compiled, REPEATS times
+#   1b-ac   the same with activation checkpointing, then 1b-lowlr once (the loss agreement at lr 1e-4)
+#   small   small vs FSDP2 eager, compiled and DDP, and small-aten (fsdp.cpp with ATen's attention
+#           choice instead of flash), REPEATS times
+#   8b-ac   8b with checkpointing vs eager FSDP2 (each its own initial weights), REPEATS times
+# Every phase has its own time limit, so a slow one cannot take the others' results with it;
+# everything lands in one tar per part under OUT, packed again after every phase.
+#   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?output folder}; commit=${2:-unknown}; steps=${3:-10}
+out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small or 8b-ac}
+steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
-work=/tmp/fsdp-model-check
+work=/tmp/fsdp-check-$part
 rm -rf "$work" && mkdir -p "$work" "$out"
-# Packs what exists so far (after every phase: a call cut off at its limit still returns the rest).
 pack() {
   gzip -f "$work"/*/profile-*-rank0.json 2>/dev/null
-  rm -f "$out"/model-check.tgz.part*
-  tar czf - -C /tmp --exclude='init-*.pt' --exclude='profile-*-rank[1-9]*' fsdp-model-check \
-    | split -b 15M -d - "$out/model-check.tgz.part"
+  rm -f "$out/$part.tgz.part"*
+  tar czf - -C /tmp --exclude='init-*.pt' --exclude='profile-*-rank[1-9]*' --exclude='*.pickle' \
+    "fsdp-check-$part" | split -b 15M -d - "$out/$part.tgz.part"
 }
 record_env "$work/env.txt" "$commit"
 phase() {  # phase NAME SECONDS COMMAND...: runs COMMAND under a time limit into NAME.log
@@ -30,9 +37,25 @@ phase() {  # phase NAME SECONDS COMMAND...: runs COMMAND under a time limit into
   pack
   return $status
 }
+bench() {  # bench NAME SECONDS RUN_BENCH_ARGS...
+  local name=$1 limit=$2; shift 2
+  phase "$name" "$limit" python3 bench/run_bench.py --out "$work/$name" --commit "$commit" --steps "$steps" "$@"
+}
 phase build 240 env FSDP_JOBS="$(nproc)" bash scripts/setup.sh || exit 1
-phase gpu-tests 100 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' --output-on-failure
-phase sdpa 30 python3 bench/sdpa_backends.py
-phase bench-1b 180 python3 bench/run_bench.py --out "$work/bench-1b" --commit "$commit" --configs 1b --steps "$steps"
-phase bench-small 90 python3 bench/run_bench.py --out "$work/bench-small" --commit "$commit" --configs small \
-  --steps "$steps" --systems pytorch-fsdp2,pytorch-ddp
+case $part in
+  suite)
+    phase gpu-tests 120 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
+      --output-on-failure
+    phase sdpa 30 python3 bench/sdpa_backends.py
+    phase snapshot-1b-ac 90 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+      --checkpoint --steps 5 --param-dtype bf16 --log "$work/snapshot-1b-ac.jsonl" \
+      --memory-snapshot "$work/snapshot-1b-ac"
+    phase holes-1b-ac 60 python3 bench/snapshot_holes.py "$work/snapshot-1b-ac-rank0.pickle" --step 4 ;;
+  1b) bench bench-1b 560 --configs 1b --repeats "$repeats" ;;
+  1b-ac)
+    bench bench-1b-ac 450 --configs 1b-ac --repeats "$repeats"
+    bench bench-1b-lowlr 100 --configs 1b-lowlr ;;
+  small) bench bench-small 520 --configs small,small-aten --repeats "$repeats" ;;
+  8b-ac) bench bench-8b-ac 520 --configs 8b-ac --repeats "$repeats" ;;
+  *) echo "unknown part '$part'"; exit 2 ;;
+esac

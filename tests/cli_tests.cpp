@@ -44,6 +44,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--model", "huge"}, "--model: unknown model preset 'huge'"},
       {{"--param-dtype", "fp8"}, "dtype must be fp32, bf16 or auto, not 'fp8'"},
       {{"--backend", "gloo"}, "--backend must be auto, mpi or nccl"},
+      {{"--attention", "cudnn"}, "--attention: attention kernel must be auto, aten or flash, not 'cudnn'"},
       {{"--profile", "/tmp/p", "--steps", "2", "--profile-steps", "3"}, "--profile-steps must be between 1 and --steps"},
       {{"--data", "/nonexistent"}, "--data: cannot read '/nonexistent': No such file or directory"},
       {{"--data", "/"}, "--data: '/' is not a regular file"},
@@ -74,7 +75,7 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
   std::ofstream(text) << std::string(300, 'x');
   const std::vector<std::string> names = {
       "--model", "--steps", "--batch", "--seq", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip",
-      "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--log", "--timeout",
+      "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--attention", "--log", "--timeout",
       "--prefetch-depth", "--max-inflight-allgathers", "--max-inflight-reduce-scatters", "--bucket-mb",
       "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",
       "--save-init", "--checkpoint", "--tie-embeddings", "--no-reshard-after-forward", "--dry-run",
@@ -82,7 +83,7 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
   const std::vector<std::string> values = {
       "0", "1", "2", "-1", "3.5", "1e308", "1e-320", "inf", "-inf", "nan", "0x10", "9223372036854775807",
       "18446744073709551616", "-9223372036854775809", "", " ", "1 2", "tiny", "small", "1b", "8b", "fp32",
-      "bf16", "auto", "mpi", "nccl", "synthetic", "/", "/dev/null", "/dev/full", "/nonexistent/x",
+      "bf16", "auto", "mpi", "nccl", "aten", "flash", "synthetic", "/", "/dev/null", "/dev/full", "/nonexistent/x",
       "/proc/self/status", text, std::string(5000, 'a'), std::string("\xff\xfe", 2), "--steps"};
   std::mt19937 rng(20261122);
   auto pick = [&rng](const std::vector<std::string>& from) { return from[rng() % from.size()]; };

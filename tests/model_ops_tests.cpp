@@ -81,6 +81,24 @@ TEST(FusedOps, SwigluIsSiluOfGateTimesUp) {
   EXPECT_THROW(swiglu(torch::randn({3, 5})), std::invalid_argument);
 }
 
+// Causal attention is softmax(q k^T / sqrt(d) + causal mask) v, each k/v head serving
+// heads / kv_heads q heads. On CPU every kernel choice takes ATen's path; float64 agrees to
+// summation order (1e-12).
+TEST(FusedOps, CausalAttentionIsMaskedSoftmaxAttentionForEveryKernelChoice) {
+  torch::manual_seed(2);
+  const int64_t b = 2, heads = 4, kv_heads = 2, t = 5, d = 8;
+  auto q = torch::randn({b, heads, t, d}, torch::kDouble);
+  auto k = torch::randn({b, kv_heads, t, d}, torch::kDouble), v = torch::randn({b, kv_heads, t, d}, torch::kDouble);
+  auto k_all = k.repeat_interleave(heads / kv_heads, 1), v_all = v.repeat_interleave(heads / kv_heads, 1);
+  auto scores = torch::matmul(q, k_all.transpose(-2, -1)) / std::sqrt(double(d));
+  auto future = torch::ones({t, t}, torch::kBool).triu(1);
+  auto expected = torch::matmul(scores.masked_fill(future, -INFINITY).softmax(-1), v_all);
+  for (const char* name : {"auto", "aten", "flash"})
+    EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, attention_kernel_named(name)), expected, 1e-12, 1e-12))
+        << name;
+  EXPECT_THROW(attention_kernel_named("cudnn"), std::invalid_argument);
+}
+
 // The model's fused loss is its logits' cross-entropy, and so are the gradients of every
 // parameter (float32: relative 1e-4 covers the different summation orders of two paths).
 TEST(FusedOps, ModelLossEqualsCrossEntropyOfItsLogits) {

@@ -150,7 +150,8 @@ int train(const fsdp::train::TrainArgs& args) {
                 config.parameter_count() / 1e6, args.grad_accum, (long long)args.batch, (long long)args.seq,
                 c10::toString(*shard.mixed_precision.param_dtype),
                 c10::toString(*shard.mixed_precision.reduce_dtype));
-    if (device.is_cuda()) std::printf(" | allocator '%s'", std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
+    if (device.is_cuda())
+      std::printf(" | attention %s | allocator '%s'", args.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
     std::printf("\n");
   }
   const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";

@@ -4,15 +4,18 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 #ifdef FSDP_WITH_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -65,22 +68,19 @@ void check_rope_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 
 #ifdef FSDP_WITH_CUDA_KERNELS
 
-kernels::Dtype kernel_dtype(const at::Tensor& t) {
+// The kernels' element type for t's dtype; none for dtypes they do not take.
+std::optional<kernels::Dtype> kernel_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return kernels::Dtype::Float;
     case at::kBFloat16: return kernels::Dtype::BFloat16;
     case at::kHalf: return kernels::Dtype::Half;
-    default: throw std::invalid_argument(std::string("fused kernels take float32, bfloat16 or float16, not ") +
-                                         c10::toString(t.scalar_type()));
+    default: return std::nullopt;
   }
 }
 
 void* current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-bool use_kernels(const at::Tensor& t) {
-  return t.is_cuda() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
-                         t.scalar_type() == at::kHalf);
-}
+bool use_kernels(const at::Tensor& t) { return t.is_cuda() && kernel_dtype(t).has_value(); }
 
 // Rotation is orthogonal: the backward rotates the gradient by minus the angle.
 at::Tensor launch_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
@@ -89,7 +89,7 @@ at::Tensor launch_rope(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const auto in = x.contiguous();
   auto out = at::empty_like(in);
   kernels::rope(in.data_ptr(), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), in.size(0) * in.size(1),
-                in.size(1), heads, rotated_heads, in.size(2) / heads, inverse, kernel_dtype(in), current_stream(in));
+                in.size(1), heads, rotated_heads, in.size(2) / heads, inverse, *kernel_dtype(in), current_stream(in));
   return out;
 }
 
@@ -111,15 +111,18 @@ struct RopeFunction : torch::autograd::Function<RopeFunction> {
   }
 };
 
+// Rows of gate/up pairs (gate_up is non-empty when the kernels run).
+int64_t swiglu_rows(const at::Tensor& gate_up) { return gate_up.numel() / gate_up.size(-1); }
+
 struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
     const c10::cuda::CUDAGuard guard(gate_up.device());
     const auto in = gate_up.contiguous();
-    const int64_t ffn = in.size(-1) / 2, rows = in.numel() / std::max<int64_t>(in.size(-1), 1);
+    const int64_t ffn = in.size(-1) / 2;
     auto sizes = in.sizes().vec();
     sizes.back() = ffn;
     auto out = at::empty(sizes, in.options());
-    kernels::swiglu_forward(in.data_ptr(), out.data_ptr(), rows, ffn, kernel_dtype(in), current_stream(in));
+    kernels::swiglu_forward(in.data_ptr(), out.data_ptr(), swiglu_rows(in), ffn, *kernel_dtype(in), current_stream(in));
     ctx->save_for_backward({in});
     return out;
   }
@@ -130,15 +133,43 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
     const auto grad_out = grads[0].contiguous();
     auto grad_in = at::empty_like(in);
     const int64_t ffn = in.size(-1) / 2;
-    kernels::swiglu_backward(in.data_ptr(), grad_out.data_ptr(), grad_in.data_ptr(), in.numel() / (2 * ffn), ffn,
-                             kernel_dtype(in), current_stream(in));
+    kernels::swiglu_backward(in.data_ptr(), grad_out.data_ptr(), grad_in.data_ptr(), swiglu_rows(in), ffn,
+                             *kernel_dtype(in), current_stream(in));
     return {grad_in};
   }
 };
 
 #endif
 
+// Whether `kernel` sends these inputs to FlashAttention (see AttentionKernel). Builds without our
+// CUDA kernels never do: ATen picks.
+bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  const int64_t head_dim = q.size(-1);
+  if (kernel == AttentionKernel::Aten || (kernel == AttentionKernel::Auto && head_dim > 64)) return false;
+  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 &&
+         head_dim <= 256 && k.size(1) == q.size(1) && at::cuda::getDeviceProperties(q.device().index())->major >= 8;
+#else
+  (void)kernel, (void)q, (void)k;
+  return false;
+#endif
+}
+
 }  // namespace
+
+AttentionKernel attention_kernel_named(const std::string& name) {
+  if (name == "auto") return AttentionKernel::Auto;
+  if (name == "aten") return AttentionKernel::Aten;
+  if (name == "flash") return AttentionKernel::Flash;
+  throw std::invalid_argument("attention kernel must be auto, aten or flash, not '" + name + "'");
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel) {
+  if (use_flash(kernel, q, k))
+    return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true));
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                          /*scale=*/std::nullopt, /*enable_gqa=*/k.size(1) != q.size(1));
+}
 
 bool have_fused_kernels() {
 #ifdef FSDP_WITH_CUDA_KERNELS

@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace fsdp::model {
 
 // Whether CUDA tensors use the fused kernels (built when CMake found nvcc).
@@ -19,6 +21,18 @@ at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 
 // silu(gate) * up of a fused gate/up projection's output [..., 2 * ffn] (gate first) -> [..., ffn].
 at::Tensor swiglu(const at::Tensor& gate_up);
+
+// Which kernel causal_attention asks for. Aten: ATen's choice (cuDNN on Hopper with torch 2.11).
+// Flash: FlashAttention-2 where it takes the inputs (CUDA sm80+, bf16/fp16, head_dim a multiple of
+// 8 up to 256, as many k/v heads as q heads), ATen's choice elsewhere. Auto: flash for head_dim up
+// to 64, ATen's choice above, as measured on H200 (bench/sdpa_backends.py: at head_dim 64 flash
+// takes 0.35 ms where cuDNN takes 0.43; at 128 cuDNN 0.78 where flash takes 1.23).
+enum class AttentionKernel { Auto, Aten, Flash };
+AttentionKernel attention_kernel_named(const std::string& name);  // "auto", "aten", "flash"
+
+// Causal scaled-dot-product attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads,
+// seq, head_dim] (kv_heads divides heads), default scale, no dropout.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel);
 
 namespace reference {
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,

@@ -47,6 +47,24 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
+struct SizedPart {
+  HfPart part;                 // rows resolved (never 0)
+  std::vector<int64_t> shape;  // the Hugging Face tensor's shape
+};
+
+// The Hugging Face tensors of our parameter `ours`, whose full shape is `full_shape`.
+std::vector<SizedPart> sized_parts(const std::string& ours, const LlamaConfig& c,
+                                   const std::vector<int64_t>& full_shape) {
+  std::vector<SizedPart> sized;
+  for (HfPart part : hf_parts(ours, c)) {
+    if (part.rows == 0) part.rows = full_shape.at(0);
+    auto shape = full_shape;
+    shape.at(0) = part.rows;
+    sized.push_back({part, shape});
+  }
+  return sized;
+}
+
 }  // namespace
 
 std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& c) {
@@ -143,16 +161,13 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
   for (auto& [ours, param] : model.named_parameters().pairs()) {
     const ShardRows rows = shard_rows_of(param);
     std::vector<at::Tensor> pieces;  // this rank's rows, part by part
-    for (HfPart part : hf_parts(ours, model.config)) {
-      if (part.rows == 0) part.rows = rows.full_shape.at(0);
+    for (const auto& [part, expected] : sized_parts(ours, model.config, rows.full_shape)) {
       const auto it = where.find(part.name);
       if (it == where.end()) {
         missing += " " + part.name;
         continue;
       }
       unused.erase(part.name);
-      auto expected = rows.full_shape;
-      expected.at(0) = part.rows;
       const auto& entry = it->second->entries().at(part.name);
       if (entry.shape != expected)
         throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name + "' has shape " +
@@ -217,11 +232,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
   std::vector<io::SafetensorsSpec> specs;
   std::vector<Source> sources;
   for (size_t i = 0; i < params.size(); ++i) {
-    const auto full_shape = shard_rows_of(params[i].second).full_shape;
-    for (HfPart part : hf_parts(params[i].first, c)) {
-      if (part.rows == 0) part.rows = full_shape.at(0);
-      auto shape = full_shape;
-      shape.at(0) = part.rows;
+    for (const auto& [part, shape] : sized_parts(params[i].first, c, shard_rows_of(params[i].second).full_shape)) {
       specs.push_back({part.name, at::kFloat, shape});
       sources.push_back({i, part});
     }

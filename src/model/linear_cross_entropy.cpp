@@ -27,18 +27,23 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       grad_hidden = at::empty_like(hidden);
       grad_weight = at::zeros_like(weight);
     }
+    // Each chunk holds one float32 [n, vocab] buffer, turned in place into exp(logit - max),
+    // then into the gradient of the mean loss: (softmax - one_hot(target)) / rows.
+    const double inv_rows = 1.0 / static_cast<double>(rows);
+    const at::Tensor minus_inv_rows =
+        with_gradients ? at::full({chunk_rows, 1}, -inv_rows, hidden.options().dtype(compute)) : at::Tensor();
     for (int64_t first = 0; first < rows; first += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - first);
       const auto h = hidden.narrow(0, first, n);
       const auto target = targets.narrow(0, first, n).unsqueeze(1);
       auto logits = at::mm(h, weight.t()).to(compute);  // [n, vocab]
-      const auto log_norm = logits.logsumexp(1, /*keepdim=*/true);
-      loss_sum += (log_norm - logits.gather(1, target)).sum();
+      const auto target_logit = logits.gather(1, target);
+      const auto max = logits.amax(1, /*keepdim=*/true);
+      const auto sum_exp = logits.sub_(max).exp_().sum(1, /*keepdim=*/true);
+      loss_sum += (sum_exp.log() - (target_logit - max)).sum();
       if (!with_gradients) continue;
-      // d(mean loss)/d logits = (softmax - one_hot(target)) / rows, computed in place.
-      logits.sub_(log_norm).exp_();
-      logits.scatter_add_(1, target, at::full({n, 1}, -1.0f, logits.options()));
-      logits.mul_(1.0 / static_cast<double>(rows));
+      logits.div_(sum_exp * static_cast<double>(rows));
+      logits.scatter_add_(1, target, minus_inv_rows.narrow(0, 0, n));
       const auto grad_logits = logits.to(hidden.scalar_type());
       auto grad_rows = grad_hidden.narrow(0, first, n);
       at::mm_out(grad_rows, grad_logits, weight);

@@ -16,7 +16,8 @@ namespace fsdp::model {
 // Each chunk's float32 logits take at most `chunk_bytes` (at least one row). The gradients
 // (hidden's [rows, dim] and weight's [vocab, dim], in their dtype) are made only where grad mode
 // is on and an input requires them; they live from the forward to the backward.
+constexpr int64_t kLossChunkBytes = int64_t(256) << 20;
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                int64_t chunk_bytes = int64_t(256) << 20);
+                                int64_t chunk_bytes = kLossChunkBytes);
 
 }  // namespace fsdp::model

@@ -9,7 +9,6 @@
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
-#include "model/fused_ops.h"
 #include "model/linear_cross_entropy.h"
 
 namespace fsdp::model {
@@ -84,7 +83,7 @@ uint64_t seed_of(uint64_t model_seed, const std::string& name) {
 }  // namespace
 
 AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
-    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()) {
+    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
   wqkv = register_module("wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where));
@@ -97,10 +96,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   const auto qkv = rope_qkv(wqkv(x), cos, sin, heads, n_heads_ + n_kv_heads_);
   // Views [b, heads, t, d] of the rotated projection; their gradients meet again in one cat.
   const auto parts = qkv.view({b, t, heads, head_dim_}).split_with_sizes({n_heads_, n_kv_heads_, n_kv_heads_}, 2);
-  auto y = at::scaled_dot_product_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2),
-                                            parts[2].transpose(1, 2), /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                            /*is_causal=*/true, /*scale=*/std::nullopt,
-                                            /*enable_gqa=*/n_kv_heads_ != n_heads_);
+  const auto y =
+      causal_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2), kernel_);
   return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
 }
 
@@ -149,7 +146,8 @@ void LlamaImpl::reset_parameters() {
   for (auto& item : named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     auto& p = item.value();
-    const bool is_output_projection = name.find("wo.") != std::string::npos || name.find("w_down.") != std::string::npos;
+    const bool is_output_projection =
+        name.find("wo.") != std::string::npos || name.find("w_down.") != std::string::npos;
     if (name.find("norm") != std::string::npos)
       p.fill_(1.0);
     else

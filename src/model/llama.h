@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "model/fused_ops.h"
+
 namespace fsdp::model {
 
 struct LlamaConfig {
@@ -26,6 +28,7 @@ struct LlamaConfig {
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
+  AttentionKernel attention = AttentionKernel::Auto;  // which attention kernel (fused_ops.h)
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
@@ -83,6 +86,7 @@ class AttentionImpl : public torch::nn::Module {
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
+  AttentionKernel kernel_;
 };
 TORCH_MODULE(Attention);
 

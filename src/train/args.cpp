@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include "fsdp/sharded_checkpoint.h"
 #include "io/files.h"
 #include "model/hf_llama.h"
+#include "model/linear_cross_entropy.h"
 #include "model/llama.h"
 #include "train/data.h"
 #include "train/memory.h"
@@ -83,6 +85,8 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
+      {"--attention", {"attention kernel: aten (ATen's choice), flash (FlashAttention-2 where it applies), auto = "
+                       "flash for head_dim up to 64, else aten (default auto)", text(a.attention)}},
       {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
@@ -162,6 +166,11 @@ void check_ranges(const TrainArgs& a) {
   require(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",
           "--backend must be auto, mpi or nccl, not '" + a.backend + "'");
   for (const auto* dtype : {&a.param_dtype, &a.reduce_dtype}) dtype_named(*dtype, true);
+  try {
+    model::attention_kernel_named(a.attention);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--attention: ") + e.what());
+  }
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
   require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
           "--grad-accum-sync must be last or every, not '" + a.grad_accum_sync + "'");
@@ -252,16 +261,16 @@ void check_memory(const TrainArgs& a) {
   const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
   const int world = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"}, 1);
   const double tokens = static_cast<double>(a.batch) * a.seq;
-  // Sharded fp32 weights, gradients and AdamW's two moments; the logits in the compute dtype, their
-  // float32 copy for the loss and its gradient; per block at least its input (checkpointed) or
-  // its input, q, k, v, attention output and the MLP's three ffn-wide products.
+  // Sharded fp32 weights, gradients and AdamW's two moments; one chunk of the loss's float32
+  // logits (model::linear_cross_entropy's default cap); per block at least its input
+  // (checkpointed) or its input, q, k, v, attention output and the MLP's three ffn-wide products.
   // --grad-accum-sync last holds every group's full gradients in the reduce dtype between micro-batches.
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
   const double sharded_state = 16.0 * params / world;  // fp32 weights, gradients, two AdamW moments
   const double state = sharded_state + held_gradients;
-  const double logits = tokens * config.vocab * (compute_bytes + 8);
+  const double logits = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
   const double per_block = a.checkpoint ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
   const double activations = tokens * config.n_layers * per_block * compute_bytes;
   const double needed = state + logits + activations;
@@ -337,6 +346,7 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   auto config = from_hf ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
   if (!from_hf) config.tie_embeddings = a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
+  config.attention = model::attention_kernel_named(a.attention);
   config.max_seq = std::max(config.max_seq, a.seq);
   config.seed = a.seed;
   return config;
