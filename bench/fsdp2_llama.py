@@ -12,9 +12,8 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
     torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
         [--compile]   torch.compile each block before fully_shard (torchtitan's recipe)
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
-        [--attention auto|aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2;
-                      auto (fsdp-train's rule): flash for head_dim up to 64 (faster there on H200,
-                      bench/sdpa_backends.py), ATen's choice (cuDNN) above
+        [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
+                      (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
 """
 import argparse
 import json
@@ -205,8 +204,8 @@ def main():
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
-    p.add_argument("--attention", choices=["auto", "aten", "flash"], default="auto",
-                   help="SDPA kernel: aten's choice, flash, or auto = flash for head_dim <= 64")
+    p.add_argument("--attention", choices=["aten", "flash"], default="aten",
+                   help="SDPA kernel: ATen's choice or flash")
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
@@ -216,8 +215,7 @@ def main():
     if on_gpu:
         torch.cuda.set_device(device)
     c = PRESETS[args.model]
-    head_dim = c["dim"] // c["n_heads"]
-    if args.attention == "flash" or (args.attention == "auto" and head_dim <= 64):
+    if args.attention == "flash":
         torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
     if args.init:

@@ -6,8 +6,8 @@
 #           reserved-but-free memory sits at the peak: bench/snapshot_holes.py)
 #   1b      run_bench.py 1b: fsdp.cpp vs FSDP2 eager and compiled, REPEATS times
 #   1b-ac   the same with activation checkpointing, then 1b-lowlr once (the loss agreement at lr 1e-4)
-#   small   small vs FSDP2 eager, compiled and DDP, and small-aten (fsdp.cpp with ATen's attention
-#           choice instead of flash), REPEATS times
+#   small   small vs FSDP2 eager, compiled and DDP, and small-flash (fsdp.cpp with FlashAttention-2
+#           instead of ATen's choice), REPEATS times
 #   8b-ac   8b with checkpointing vs eager FSDP2 (each its own initial weights), REPEATS times
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
@@ -55,7 +55,7 @@ case $part in
   1b-ac)
     bench bench-1b-ac 450 --configs 1b-ac --repeats "$repeats"
     bench bench-1b-lowlr 100 --configs 1b-lowlr ;;
-  small) bench bench-small 520 --configs small,small-aten --repeats "$repeats" ;;
+  small) bench bench-small 520 --configs small,small-flash --repeats "$repeats" ;;
   8b-ac) bench bench-8b-ac 520 --configs 8b-ac --repeats "$repeats" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

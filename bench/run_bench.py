@@ -46,8 +46,8 @@ CONFIGS = {
     # two runs of one system end up to 0.09 apart by step 15.
     "1b-lowlr": ("1b", 2048, 4, ["--lr", "1e-4", "--min-lr", "1e-5"], {}),
     "small": ("small", 512, 2, [], {}),
-    # The small model with ATen's attention choice (cuDNN) instead of flash (the auto rule's).
-    "small-aten": ("small", 512, 2, ["--attention", "aten"], {}),
+    # The small model with FlashAttention-2 instead of ATen's choice (cuDNN on Hopper).
+    "small-flash": ("small", 512, 2, ["--attention", "flash"], {}),
     "small-bucket16": ("small", 512, 2, ["--bucket-mb", "16"], {}),
     "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): these and the 1B ones on 2, 4 and 8 GPUs.

@@ -44,7 +44,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--model", "huge"}, "--model: unknown model preset 'huge'"},
       {{"--param-dtype", "fp8"}, "dtype must be fp32, bf16 or auto, not 'fp8'"},
       {{"--backend", "gloo"}, "--backend must be auto, mpi or nccl"},
-      {{"--attention", "cudnn"}, "--attention: attention kernel must be auto, aten or flash, not 'cudnn'"},
+      {{"--attention", "cudnn"}, "--attention: attention kernel must be aten or flash, not 'cudnn'"},
       {{"--profile", "/tmp/p", "--steps", "2", "--profile-steps", "3"}, "--profile-steps must be between 1 and --steps"},
       {{"--data", "/nonexistent"}, "--data: cannot read '/nonexistent': No such file or directory"},
       {{"--data", "/"}, "--data: '/' is not a regular file"},

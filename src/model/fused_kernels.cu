@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -21,8 +23,34 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 
 constexpr int kThreads = 256;
 
-// One block per row (batch x seq position); its threads stride over the row's (head, pair) slots.
+// V consecutive elements moved as one access (16 bytes for V = kVector<T>): one element at a time
+// keeps too few bytes in flight per thread to approach the memory bandwidth.
+template <class T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
 template <class T>
+constexpr int kVector = 16 / sizeof(T);
+
+template <int V, class T>
+__device__ __forceinline__ Pack<float, V> load_pack(const T* p) {
+  const Pack<T, V> raw = *reinterpret_cast<const Pack<T, V>*>(p);
+  Pack<float, V> values;
+#pragma unroll
+  for (int k = 0; k < V; ++k) values.v[k] = load(&raw.v[k]);
+  return values;
+}
+
+template <int V, class T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<float, V>& values) {
+  Pack<T, V> raw;
+#pragma unroll
+  for (int k = 0; k < V; ++k) store(&raw.v[k], values.v[k]);
+  *reinterpret_cast<Pack<T, V>*>(p) = raw;
+}
+
+// One block per row (batch x seq position); its threads stride over the row's (head, V pairs) slots.
+template <class T, int V>
 __global__ void rope_kernel(const T* __restrict__ in, T* __restrict__ out, const float* __restrict__ cos,
                             const float* __restrict__ sin, int seq, int heads, int rotated_heads, int half,
                             float sign) {
@@ -31,43 +59,68 @@ __global__ void rope_kernel(const T* __restrict__ in, T* __restrict__ out, const
   const float* row_sin = sin + (row % seq) * half;
   const T* x = in + row * heads * 2 * half;
   T* y = out + row * heads * 2 * half;
-  for (int slot = threadIdx.x; slot < heads * half; slot += blockDim.x) {
-    const int head = slot / half, i = slot % half, at = head * 2 * half + i;
-    const float x1 = load(x + at), x2 = load(x + at + half);
+  const int packs = half / V;  // per head
+  for (int slot = threadIdx.x; slot < heads * packs; slot += blockDim.x) {
+    const int head = slot / packs, i = (slot % packs) * V, at = head * 2 * half + i;
+    const auto x1 = load_pack<V>(x + at), x2 = load_pack<V>(x + at + half);
     if (head < rotated_heads) {
-      const float c = row_cos[i], s = sign * row_sin[i];
-      store(y + at, x1 * c - x2 * s);
-      store(y + at + half, x2 * c + x1 * s);
+      const auto c = load_pack<V>(row_cos + i), s = load_pack<V>(row_sin + i);
+      Pack<float, V> y1, y2;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float sk = sign * s.v[k];
+        y1.v[k] = x1.v[k] * c.v[k] - x2.v[k] * sk;
+        y2.v[k] = x2.v[k] * c.v[k] + x1.v[k] * sk;
+      }
+      store_pack<V>(y + at, y1);
+      store_pack<V>(y + at + half, y2);
     } else {
-      store(y + at, x1);
-      store(y + at + half, x2);
+      store_pack<V>(y + at, x1);
+      store_pack<V>(y + at + half, x2);
     }
   }
 }
 
 // One block per row; gate is the first half of the row, up the second.
-template <class T>
+template <class T, int V>
 __global__ void swiglu_forward_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int ffn) {
   const T* gate = gate_up + int64_t(blockIdx.x) * 2 * ffn;
   const T* up = gate + ffn;
   T* y = out + int64_t(blockIdx.x) * ffn;
-  for (int j = threadIdx.x; j < ffn; j += blockDim.x) {
-    const float g = load(gate + j);
-    store(y + j, g / (1.0f + expf(-g)) * load(up + j));
+  for (int j = threadIdx.x * V; j < ffn; j += blockDim.x * V) {
+    const auto g = load_pack<V>(gate + j), u = load_pack<V>(up + j);
+    Pack<float, V> result;
+#pragma unroll
+    for (int k = 0; k < V; ++k) result.v[k] = g.v[k] / (1.0f + expf(-g.v[k])) * u.v[k];
+    store_pack<V>(y + j, result);
   }
 }
 
-template <class T>
+template <class T, int V>
 __global__ void swiglu_backward_kernel(const T* __restrict__ gate_up, const T* __restrict__ grad_out,
                                        T* __restrict__ grad_gate_up, int ffn) {
   const int64_t at = int64_t(blockIdx.x) * 2 * ffn;
   const T* go_row = grad_out + int64_t(blockIdx.x) * ffn;
-  for (int j = threadIdx.x; j < ffn; j += blockDim.x) {
-    const float g = load(gate_up + at + j), u = load(gate_up + at + ffn + j), go = load(go_row + j);
-    const float sig = 1.0f / (1.0f + expf(-g));
-    store(grad_gate_up + at + j, go * u * sig * (1.0f + g * (1.0f - sig)));  // d silu(g) / dg
-    store(grad_gate_up + at + ffn + j, go * g * sig);
+  for (int j = threadIdx.x * V; j < ffn; j += blockDim.x * V) {
+    const auto g = load_pack<V>(gate_up + at + j), u = load_pack<V>(gate_up + at + ffn + j);
+    const auto go = load_pack<V>(go_row + j);
+    Pack<float, V> grad_gate, grad_up;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float sig = 1.0f / (1.0f + expf(-g.v[k]));
+      grad_gate.v[k] = go.v[k] * u.v[k] * sig * (1.0f + g.v[k] * (1.0f - sig));  // d silu(g) / dg
+      grad_up.v[k] = go.v[k] * g.v[k] * sig;
+    }
+    store_pack<V>(grad_gate_up + at + j, grad_gate);
+    store_pack<V>(grad_gate_up + at + ffn + j, grad_up);
   }
+}
+
+// Whether every pointer is aligned to `bytes` (row lengths are checked by the callers).
+bool aligned(int64_t bytes, std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+  return true;
 }
 
 // One block per row: the grid's x dimension holds up to 2^31 - 1 rows.
@@ -78,7 +131,8 @@ dim3 grid_of(int64_t rows) {
 
 void check_launch(const char* kernel) {
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string(kernel) + " kernel launch failed: " + cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(kernel) + " kernel launch failed: " + cudaGetErrorString(e));
 }
 
 // Calls f with a null pointer of the element type `dtype` names.
@@ -98,9 +152,13 @@ void rope(const void* in, void* out, const float* cos, const float* sin, int64_t
   if (rows * heads * head_dim == 0) return;
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    rope_kernel<T><<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    constexpr int V = kVector<T>;
+    const int64_t half = head_dim / 2;
+    const bool packed = half % V == 0 && aligned(16, {in, out}) && aligned(sizeof(float) * V, {cos, sin});
+    const auto kernel = packed ? rope_kernel<T, V> : rope_kernel<T, 1>;
+    kernel<<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(in), static_cast<T*>(out), cos, sin, static_cast<int>(seq), static_cast<int>(heads),
-        static_cast<int>(rotated_heads), static_cast<int>(head_dim / 2), inverse ? -1.0f : 1.0f);
+        static_cast<int>(rotated_heads), static_cast<int>(half), inverse ? -1.0f : 1.0f);
   });
   check_launch("rope");
 }
@@ -109,7 +167,10 @@ void swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t ffn, D
   if (rows * ffn == 0) return;
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    swiglu_forward_kernel<T><<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    constexpr int V = kVector<T>;
+    const auto kernel = ffn % V == 0 && aligned(16, {gate_up, out}) ? swiglu_forward_kernel<T, V>
+                                                                    : swiglu_forward_kernel<T, 1>;
+    kernel<<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(gate_up), static_cast<T*>(out), static_cast<int>(ffn));
   });
   check_launch("swiglu_forward");
@@ -120,7 +181,10 @@ void swiglu_backward(const void* gate_up, const void* grad_out, void* grad_gate_
   if (rows * ffn == 0) return;
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    swiglu_backward_kernel<T><<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    constexpr int V = kVector<T>;
+    const auto kernel = ffn % V == 0 && aligned(16, {gate_up, grad_out, grad_gate_up}) ? swiglu_backward_kernel<T, V>
+                                                                                       : swiglu_backward_kernel<T, 1>;
+    kernel<<<grid_of(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(gate_up), static_cast<const T*>(grad_out), static_cast<T*>(grad_gate_up),
         static_cast<int>(ffn));
   });

@@ -146,8 +146,7 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
 bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k) {
 #ifdef FSDP_WITH_CUDA_KERNELS
   const int64_t head_dim = q.size(-1);
-  if (kernel == AttentionKernel::Aten || (kernel == AttentionKernel::Auto && head_dim > 64)) return false;
-  return q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 &&
+  return kernel == AttentionKernel::Flash && q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 &&
          head_dim <= 256 && k.size(1) == q.size(1) && at::cuda::getDeviceProperties(q.device().index())->major >= 8;
 #else
   (void)kernel, (void)q, (void)k;
@@ -158,10 +157,9 @@ bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k)
 }  // namespace
 
 AttentionKernel attention_kernel_named(const std::string& name) {
-  if (name == "auto") return AttentionKernel::Auto;
   if (name == "aten") return AttentionKernel::Aten;
   if (name == "flash") return AttentionKernel::Flash;
-  throw std::invalid_argument("attention kernel must be auto, aten or flash, not '" + name + "'");
+  throw std::invalid_argument("attention kernel must be aten or flash, not '" + name + "'");
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel) {

@@ -24,11 +24,11 @@ at::Tensor swiglu(const at::Tensor& gate_up);
 
 // Which kernel causal_attention asks for. Aten: ATen's choice (cuDNN on Hopper with torch 2.11).
 // Flash: FlashAttention-2 where it takes the inputs (CUDA sm80+, bf16/fp16, head_dim a multiple of
-// 8 up to 256, as many k/v heads as q heads), ATen's choice elsewhere. Auto: flash for head_dim up
-// to 64, ATen's choice above, as measured on H200 (bench/sdpa_backends.py: at head_dim 64 flash
-// takes 0.35 ms where cuDNN takes 0.43; at 128 cuDNN 0.78 where flash takes 1.23).
-enum class AttentionKernel { Auto, Aten, Flash };
-AttentionKernel attention_kernel_named(const std::string& name);  // "auto", "aten", "flash"
+// 8 up to 256, as many k/v heads as q heads), ATen's choice elsewhere. ATen's choice is the
+// default: on H200 cuDNN is 1.6-1.9x faster than flash at head_dim 128, and at 64 neither won
+// twice in a row (bench/sdpa_backends.py, bench/results/2026-11-22-h200x2-be5eb77).
+enum class AttentionKernel { Aten, Flash };
+AttentionKernel attention_kernel_named(const std::string& name);  // "aten", "flash"
 
 // Causal scaled-dot-product attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads,
 // seq, head_dim] (kv_heads divides heads), default scale, no dropout.

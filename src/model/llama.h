@@ -28,7 +28,7 @@ struct LlamaConfig {
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
-  AttentionKernel attention = AttentionKernel::Auto;  // which attention kernel (fused_ops.h)
+  AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".

@@ -85,8 +85,8 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
-      {"--attention", {"attention kernel: aten (ATen's choice), flash (FlashAttention-2 where it applies), auto = "
-                       "flash for head_dim up to 64, else aten (default auto)", text(a.attention)}},
+      {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
+                       "it applies) (default aten)", text(a.attention)}},
       {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",

@@ -31,7 +31,7 @@ struct TrainArgs {
   std::string param_dtype = "auto", reduce_dtype = "fp32";
   bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
   std::string backend = "auto";
-  std::string attention = "auto";  // attention kernel: auto, aten, flash (model::AttentionKernel)
+  std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
   double timeout_s = 0;
   RuntimeOptions runtime;
