@@ -1,0 +1,48 @@
+// What one training step of a sharded model costs, group by group (issue #13): the input of the
+// schedule simulator and the planner. Plain numbers, no torch: measured on a real step, or
+// written by hand in tests.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::plan {
+
+// One parameter group (one fully_shard call), in forward order. Memory is in bytes of the
+// caching allocator's "allocated" count; times in milliseconds.
+struct GroupCost {
+  std::string name;
+  int64_t param_bytes = 0;  // the unsharded parameters in the compute dtype (all-gather output)
+  int64_t grad_bytes = 0;   // the unsharded gradients in the reduce dtype (reduce-scatter input)
+  double allgather_ms = 0, reduce_scatter_ms = 0;
+  // Above the level at the start of its forward: the most in use during the forward, and what
+  // stays allocated after it until its backward, without and with activation checkpointing.
+  int64_t forward_peak_bytes = 0, saved_bytes = 0, checkpoint_saved_bytes = 0;
+  // Above the level at the start of its backward (after a recompute): the most in use during it.
+  // Its saved activations are freed at its end, and its gradients stay until reduce-scattered.
+  int64_t backward_peak_bytes = 0;
+  double forward_ms = 0, backward_ms = 0;          // device time; a recompute costs forward_ms again
+  double forward_cpu_ms = 0, backward_cpu_ms = 0;  // host time to issue that work (CPU-bound models)
+  bool checkpointable = true;  // whether the model can recompute this group in backward
+};
+
+struct CostModel {
+  std::vector<GroupCost> groups;
+  int64_t fixed_bytes = 0;  // always allocated: shards, sharded gradients, optimizer state, workspaces
+  double fixed_ms = 0;      // device time outside the groups (optimizer step, loss)
+};
+
+// The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).
+struct Schedule {
+  std::vector<bool> checkpoint;             // recompute the group's activations in backward
+  std::vector<bool> reshard_after_forward;  // free its parameters between forward and backward
+  int prefetch_depth = 1;
+  int max_inflight_allgathers = 2;      // 0: unlimited
+  int max_inflight_reduce_scatters = 2;  // 0: unlimited
+};
+
+// The runtime's defaults for `groups` groups: every group resharded, none checkpointed.
+Schedule default_schedule(size_t groups);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,106 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+namespace fsdp::plan {
+namespace {
+
+// Checkpointable groups, those that free the most activation bytes per ms of recompute first.
+std::vector<size_t> checkpoint_order(const CostModel& model) {
+  std::vector<size_t> order;
+  for (size_t g = 0; g < model.groups.size(); ++g)
+    if (model.groups[g].checkpointable) order.push_back(g);
+  auto gain = [&](size_t g) {
+    const auto& c = model.groups[g];
+    return double(c.saved_bytes - c.checkpoint_saved_bytes) / std::max(c.forward_ms, 1e-6);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return gain(a) > gain(b); });
+  return order;
+}
+
+// How many of the last groups to keep unsharded: 0, 1, 2, 4, ... up to all.
+std::vector<size_t> kept_unsharded_counts(size_t groups) {
+  std::vector<size_t> counts{0};
+  for (size_t m = 1; m < groups; m *= 2) counts.push_back(m);
+  if (groups > 0) counts.push_back(groups);
+  return counts;
+}
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
+  return text;
+}
+
+std::string names(const std::vector<bool>& chosen, const CostModel& model, bool value) {
+  std::string out;
+  int listed = 0, count = 0;
+  for (size_t g = 0; g < chosen.size(); ++g) {
+    if (chosen[g] != value) continue;
+    ++count;
+    if (listed < 4) out += (listed++ ? ", " : "") + model.groups[g].name;
+  }
+  return count > listed ? out + ", ..." : out;
+}
+
+}  // namespace
+
+std::string describe(const Schedule& s, const CostModel& model) {
+  const auto count = [](const std::vector<bool>& v, bool value) { return std::count(v.begin(), v.end(), value); };
+  const auto cap = [](int c) { return c == 0 ? std::string("unlimited") : std::to_string(c); };
+  const long checkpointed = count(s.checkpoint, true), kept = count(s.reshard_after_forward, false);
+  std::string text = "checkpoint " + std::to_string(checkpointed) + " of " + std::to_string(s.checkpoint.size());
+  if (checkpointed > 0) text += " (" + names(s.checkpoint, model, true) + ")";
+  text += ", " + std::to_string(kept) + " kept unsharded";
+  if (kept > 0) text += " (" + names(s.reshard_after_forward, model, false) + ")";
+  return text + ", prefetch " + std::to_string(s.prefetch_depth) + ", in flight " +
+         cap(s.max_inflight_allgathers) + " all-gathers / " + cap(s.max_inflight_reduce_scatters) +
+         " reduce-scatters";
+}
+
+Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) {
+  if (!(margin >= 0 && margin < 1)) throw std::invalid_argument("plan: the margin must be in [0, 1)");
+  const size_t n = model.groups.size();
+  const auto usable = static_cast<int64_t>(std::floor(double(budget_bytes) * (1 - margin)));
+  const auto order = checkpoint_order(model);
+  std::vector<Planned> fits;
+  int64_t smallest_peak = std::numeric_limits<int64_t>::max();
+  Schedule s = default_schedule(n);
+  for (size_t k = 0; k <= order.size(); ++k) {
+    std::fill(s.checkpoint.begin(), s.checkpoint.end(), false);
+    for (size_t i = 0; i < k; ++i) s.checkpoint[order[i]] = true;
+    for (size_t m : kept_unsharded_counts(n)) {
+      for (size_t g = 0; g < n; ++g) s.reshard_after_forward[g] = g < n - m;
+      for (int depth : {0, 1, 2})
+        for (int gathers : {1, 2, 0})
+          for (int reductions : {1, 2, 0}) {
+            s.prefetch_depth = depth;
+            s.max_inflight_allgathers = gathers;
+            s.max_inflight_reduce_scatters = reductions;
+            Prediction p = simulate(model, s);
+            smallest_peak = std::min(smallest_peak, p.peak_bytes);
+            if (p.peak_bytes <= usable) fits.push_back({s, std::move(p)});
+          }
+    }
+  }
+  if (fits.empty()) {
+    const auto smallest_budget = static_cast<int64_t>(std::ceil(double(smallest_peak) / (1 - margin)));
+    throw BudgetTooSmall("a memory budget of " + gib(budget_bytes) + " is too small: the schedule with the least " +
+                             "memory peaks at " + gib(smallest_peak) + ", so the smallest budget that fits is " +
+                             gib(smallest_budget) + " (with the " + std::to_string(int(margin * 100)) +
+                             "% margin); use more GPUs, a smaller batch or sequence",
+                         smallest_budget);
+  }
+  std::stable_sort(fits.begin(), fits.end(), [](const Planned& a, const Planned& b) {
+    if (a.prediction.step_ms != b.prediction.step_ms) return a.prediction.step_ms < b.prediction.step_ms;
+    return a.prediction.peak_bytes < b.prediction.peak_bytes;
+  });
+  Plan plan{fits.front(), {}, usable};
+  for (size_t i = 1; i < fits.size() && plan.runners_up.size() < 3; ++i) plan.runners_up.push_back(fits[i]);
+  return plan;
+}
+
+}  // namespace fsdp::plan

@@ -1,0 +1,46 @@
+// Picks the fastest schedule whose predicted peak memory fits a budget (issue #13), by simulating
+// every schedule of a search space on the cost model:
+//   - checkpoint the k checkpointable groups that free the most activation bytes per millisecond
+//     of recompute, for every k from none to all;
+//   - keep the last m groups (whose backward comes first) unsharded between forward and backward;
+//   - prefetch depth 0-2 and in-flight caps of 1, 2 or unlimited for all-gathers and reduce-scatters.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/cost_model.h"
+#include "plan/simulator.h"
+
+namespace fsdp::plan {
+
+struct Planned {
+  Schedule schedule;
+  Prediction prediction;
+};
+
+struct Plan {
+  Planned chosen;
+  std::vector<Planned> runners_up;  // the next fastest that fit, up to three
+  int64_t usable_bytes = 0;         // the budget less its margin
+};
+
+// No schedule fits: smallest_budget_bytes is the least budget (margin included) that would.
+class BudgetTooSmall : public std::invalid_argument {
+ public:
+  BudgetTooSmall(const std::string& message, int64_t smallest_budget_bytes)
+      : std::invalid_argument(message), smallest_budget_bytes(smallest_budget_bytes) {}
+  int64_t smallest_budget_bytes;
+};
+
+// The fastest schedule whose predicted peak stays within budget_bytes * (1 - margin); equal
+// times go to the lower peak. Throws BudgetTooSmall naming the smallest budget that fits.
+Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin = 0.05);
+
+// One line: "checkpoint 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
+// in flight 2 all-gathers / 2 reduce-scatters".
+std::string describe(const Schedule& schedule, const CostModel& model);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,180 @@
+#include "plan/simulator.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+namespace fsdp::plan {
+
+Schedule default_schedule(size_t groups) {
+  Schedule s;
+  s.checkpoint.assign(groups, false);
+  s.reshard_after_forward.assign(groups, true);
+  return s;
+}
+
+namespace {
+
+class Replay {
+ public:
+  Replay(const CostModel& model, const Schedule& schedule)
+      : model_(model), schedule_(schedule), gathered_at_(model.groups.size(), 0.0),
+        unsharded_(model.groups.size(), false) {
+    const size_t n = model.groups.size();
+    if (schedule.checkpoint.size() != n || schedule.reshard_after_forward.size() != n)
+      throw std::invalid_argument("schedule: " + std::to_string(schedule.checkpoint.size()) + " checkpoint and " +
+                                  std::to_string(schedule.reshard_after_forward.size()) +
+                                  " reshard choices for a model of " + std::to_string(n) + " groups");
+    if (schedule.prefetch_depth < 0 || schedule.max_inflight_allgathers < 0 ||
+        schedule.max_inflight_reduce_scatters < 0)
+      throw std::invalid_argument("schedule: prefetch depth and in-flight caps must be 0 or more");
+    for (size_t g = 0; g < n; ++g)
+      if (schedule.checkpoint[g] && !model.groups[g].checkpointable)
+        throw std::invalid_argument("schedule: group " + model.groups[g].name + " cannot be checkpointed");
+    allocate("fixed (shards, optimizer state, workspaces)", model.fixed_bytes, "start of the step");
+  }
+
+  Prediction run() {
+    const int n = static_cast<int>(model_.groups.size());
+    for (int g = 0; g < n; ++g) forward(g);
+    for (int g = n - 1; g >= 0; --g) backward(g);
+    // The end of backward waits for every reduce-scatter; then the optimizer.
+    compute_end_ = std::max(compute_end_, reduce_end_);
+    while (!reductions_.empty()) finish_oldest_reduction();
+    compute(model_.fixed_ms, 0.0, 0.0);
+    prediction_.step_ms = std::max(compute_end_, cpu_);
+    std::sort(prediction_.live_at_peak.begin(), prediction_.live_at_peak.end(),
+              [](const LiveBuffer& a, const LiveBuffer& b) { return a.bytes > b.bytes; });
+    return prediction_;
+  }
+
+ private:
+  const GroupCost& cost(int g) const { return model_.groups[g]; }
+
+  void forward(int g) {
+    gather_with_prefetch(g, +1);
+    compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
+    const bool checkpointed = schedule_.checkpoint[g];
+    touch(cost(g).forward_peak_bytes, "forward of " + cost(g).name);
+    allocate("activations of " + cost(g).name, checkpointed ? cost(g).checkpoint_saved_bytes : cost(g).saved_bytes,
+             "forward of " + cost(g).name);
+    if (schedule_.reshard_after_forward[g]) reshard(g);
+  }
+
+  void backward(int g) {
+    gather_with_prefetch(g, -1);
+    const std::string during = "backward of " + cost(g).name;
+    if (schedule_.checkpoint[g]) {
+      compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
+      touch(cost(g).forward_peak_bytes, "recompute of " + cost(g).name);
+      allocate("recomputed activations of " + cost(g).name, cost(g).saved_bytes, "recompute of " + cost(g).name);
+    }
+    compute(cost(g).backward_ms, cost(g).backward_cpu_ms, gathered_at_[g]);
+    touch(cost(g).backward_peak_bytes, during);
+    release("activations of " + cost(g).name, during);
+    if (schedule_.checkpoint[g]) release("recomputed activations of " + cost(g).name, during);
+    allocate("gradients of " + cost(g).name, cost(g).grad_bytes, during);
+    reshard(g);
+    reduce_scatter(g);
+  }
+
+  // The group's own all-gather if its parameters are not there, then the next prefetch_depth
+  // groups' in this pass's order (step +1 forward, -1 backward).
+  void gather_with_prefetch(int g, int step) {
+    const int n = static_cast<int>(model_.groups.size());
+    for (int k = 0; k <= schedule_.prefetch_depth; ++k) {
+      const int next = g + step * k;
+      if (next < 0 || next >= n) break;
+      if (!unsharded_[next]) all_gather(next);
+    }
+  }
+
+  void all_gather(int g) {
+    // Past the cap the host waits for the oldest release of gathered memory.
+    while (!releases_.empty() && releases_.front() <= cpu_) releases_.pop_front();
+    const int cap = schedule_.max_inflight_allgathers;
+    while (cap > 0 && static_cast<int>(releases_.size()) >= cap) {
+      cpu_ = std::max(cpu_, releases_.front());
+      releases_.pop_front();
+    }
+    allocate("parameters of " + cost(g).name, cost(g).param_bytes, "all-gather of " + cost(g).name);
+    const double start = std::max({gather_end_, compute_end_, cpu_});
+    gather_end_ = start + cost(g).allgather_ms;
+    gathered_at_[g] = gather_end_;
+    unsharded_[g] = true;
+  }
+
+  void reshard(int g) {
+    release("parameters of " + cost(g).name, "reshard of " + cost(g).name);
+    unsharded_[g] = false;
+    releases_.push_back(compute_end_);  // the last use: the compute issued so far
+  }
+
+  void reduce_scatter(int g) {
+    while (!reductions_.empty() && reductions_.front().first <= cpu_) finish_oldest_reduction();
+    const int cap = schedule_.max_inflight_reduce_scatters;
+    while (cap > 0 && static_cast<int>(reductions_.size()) >= cap) {
+      cpu_ = std::max(cpu_, reductions_.front().first);
+      finish_oldest_reduction();
+    }
+    const double start = std::max({reduce_end_, compute_end_, cpu_});
+    reduce_end_ = start + cost(g).reduce_scatter_ms;
+    reductions_.emplace_back(reduce_end_, g);
+  }
+
+  void finish_oldest_reduction() {
+    const int g = reductions_.front().second;
+    reductions_.pop_front();
+    release("gradients of " + cost(g).name, "reduce-scatter of " + cost(g).name);
+  }
+
+  void compute(double device_ms, double cpu_ms, double not_before) {
+    cpu_ += cpu_ms;
+    compute_end_ = std::max({compute_end_, cpu_, not_before}) + device_ms;
+  }
+
+  // Memory: what is allocated, by name, in the host's order.
+  void allocate(const std::string& what, int64_t bytes, const std::string& during) {
+    live_[what] += bytes;
+    in_use_ += bytes;
+    note(what, during, 0);
+  }
+  void release(const std::string& what, const std::string& during) {
+    const auto it = live_.find(what);
+    if (it == live_.end()) return;
+    in_use_ -= it->second;
+    live_.erase(it);
+    note("freed " + what, during, 0);
+  }
+  // A momentary high of `extra` bytes above what is allocated (inside a forward or backward).
+  void touch(int64_t extra, const std::string& during) { note("inside the " + during, during, extra); }
+
+  void note(const std::string& event, const std::string& during, int64_t extra) {
+    prediction_.timeline.emplace_back(event, in_use_ + extra);
+    if (in_use_ + extra <= prediction_.peak_bytes) return;
+    prediction_.peak_bytes = in_use_ + extra;
+    prediction_.peak_during = during;
+    prediction_.live_at_peak.clear();
+    for (const auto& [what, bytes] : live_) prediction_.live_at_peak.push_back({what, bytes});
+    if (extra > 0) prediction_.live_at_peak.push_back({"working memory of the " + during, extra});
+  }
+
+  const CostModel& model_;
+  const Schedule& schedule_;
+  Prediction prediction_;
+  std::map<std::string, int64_t> live_;
+  int64_t in_use_ = 0;
+  double cpu_ = 0, compute_end_ = 0, gather_end_ = 0, reduce_end_ = 0;
+  std::vector<double> gathered_at_;             // when each group's latest all-gather ends
+  std::vector<bool> unsharded_;
+  std::deque<double> releases_;                 // device times of resharded groups' last uses
+  std::deque<std::pair<double, int>> reductions_;  // (end, group) of reduce-scatters in flight
+};
+
+}  // namespace
+
+Prediction simulate(const CostModel& model, const Schedule& schedule) { return Replay(model, schedule).run(); }
+
+}  // namespace fsdp::plan

@@ -1,0 +1,38 @@
+// Replays one step of a schedule on a cost model and predicts its time and peak memory.
+//
+// Memory follows the host's order of allocations and frees, as the caching allocator counts
+// them: a group's parameters from its all-gather's issue to its reshard, its activations from
+// its forward to the end of its backward, its gradients until a later reduce-scatter issue finds
+// their reduce-scatter done (or the in-flight cap makes the host wait for it).
+// Time follows three device streams as the runtime orders them: compute; all-gathers and
+// reduce-scatters, each starting no earlier than the compute work issued before it (the
+// runtime's event wait) and the previous operation of its stream; the host issues work in
+// program order, paying each group's CPU time, and blocks where a cap says so (past
+// max_inflight_allgathers unreleased parameter buffers it waits for the oldest release, past
+// max_inflight_reduce_scatters for the oldest reduce-scatter).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "plan/cost_model.h"
+
+namespace fsdp::plan {
+
+struct LiveBuffer {
+  std::string what;  // "parameters of blocks.3", "activations of blocks.3", ...
+  int64_t bytes = 0;
+};
+
+struct Prediction {
+  double step_ms = 0;
+  int64_t peak_bytes = 0;                // fixed bytes included
+  std::string peak_during;               // "backward of blocks.3", ...
+  std::vector<LiveBuffer> live_at_peak;  // largest first, the fixed bytes among them
+  std::vector<std::pair<std::string, int64_t>> timeline;  // (event, bytes in use after it)
+};
+
+// Throws std::invalid_argument when the schedule's per-group vectors do not match the model.
+Prediction simulate(const CostModel& model, const Schedule& schedule);
+
+}  // namespace fsdp::plan

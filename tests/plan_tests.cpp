@@ -1,0 +1,156 @@
+// The schedule simulator and the planner on hand-made cost models whose answers are worked out
+// by hand in the comments (no device: times and bytes are the model's own numbers).
+#include <gtest/gtest.h>
+
+#include "plan/planner.h"
+#include "plan/simulator.h"
+
+namespace {
+
+using namespace fsdp::plan;
+
+// Two groups A, B: 100 bytes of parameters, 50 of gradients, 30 saved (5 when checkpointed),
+// 40 above the start inside a forward, 20 inside a backward; all-gather and reduce-scatter
+// 0.5 ms, forward 1 ms, backward 2 ms; 1000 fixed bytes, 1 ms of optimizer.
+CostModel two_groups() {
+  CostModel m;
+  for (const char* name : {"A", "B"}) {
+    GroupCost g;
+    g.name = name;
+    g.param_bytes = 100, g.grad_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
+    g.forward_peak_bytes = 40, g.backward_peak_bytes = 20;
+    g.allgather_ms = 0.5, g.reduce_scatter_ms = 0.5, g.forward_ms = 1, g.backward_ms = 2;
+    m.groups.push_back(g);
+  }
+  m.fixed_bytes = 1000, m.fixed_ms = 1;
+  return m;
+}
+
+// Without prefetch every all-gather waits for the compute before it:
+//   AG A 0-0.5, fwd A 0.5-1.5, AG B 1.5-2, fwd B 2-3, AG B 3-3.5, bwd B 3.5-5.5 (RS B 5.5-6),
+//   AG A 5.5-6, bwd A 6-8, RS A 8-8.5, optimizer 8.5-9.5.
+// Memory: after the forward 1000 + 30 + 30; in B's backward its parameters come back (1160) and
+// its gradients replace its activations (1080 after its reshard); A's backward adds its
+// parameters (1180) and 20 working bytes: the peak, 1200, with B's gradients still in flight.
+TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  const Prediction p = simulate(two_groups(), s);
+  EXPECT_DOUBLE_EQ(p.step_ms, 9.5);
+  EXPECT_EQ(p.peak_bytes, 1200);
+  EXPECT_EQ(p.peak_during, "backward of A");
+  int64_t sum = 0;
+  for (const auto& b : p.live_at_peak) sum += b.bytes;
+  EXPECT_EQ(sum, p.peak_bytes);
+  ASSERT_EQ(p.live_at_peak.size(), 5u);  // largest first
+  EXPECT_EQ(p.live_at_peak[0].what, "fixed (shards, optimizer state, workspaces)");
+  EXPECT_EQ(p.live_at_peak[1].what, "parameters of A");
+  EXPECT_EQ(p.live_at_peak[2].what, "gradients of B");
+  EXPECT_EQ(p.timeline.back().second, 1000);  // everything but the fixed bytes freed
+}
+
+// Prefetch depth 1: B's all-gather (0.5-1) hides behind A's forward and A's (3-3.5) behind B's
+// backward: fwd A 0.5-1.5, fwd B 1.5-2.5, AG B 2.5-3, bwd B 3-5, bwd A 5-7, RS A 7-7.5, then the
+// optimizer: 8.5 ms. The price is memory: in B's backward A's parameters are already there, next
+// to B's and both groups' activations: 1000 + 30 + 30 + 100 + 100 + 20 working = 1280.
+TEST(Simulator, PrefetchHidesAllGathersAndHoldsOneMoreGroup) {
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 1;
+  const Prediction p = simulate(two_groups(), s);
+  EXPECT_DOUBLE_EQ(p.step_ms, 8.5);
+  EXPECT_EQ(p.peak_bytes, 1280);
+  EXPECT_EQ(p.peak_during, "backward of B");
+}
+
+// Checkpointing A keeps 5 bytes instead of 30 through the forward and recomputes it (1 ms) in
+// backward: AG A 5.5-6, recompute 6-7, bwd A 7-9, RS A 9-9.5, optimizer: 10.5 ms. Its recompute
+// runs while B's gradients are in flight: 1000 + 50 (grads B) + 5 + 100 (params A) + 40 = 1195,
+// then 30 recomputed and 20 working: 1205, more than without checkpointing (1200).
+TEST(Simulator, CheckpointingTradesRecomputeTimeForSavedBytes) {
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  s.checkpoint = {true, false};
+  const Prediction p = simulate(two_groups(), s);
+  EXPECT_DOUBLE_EQ(p.step_ms, 10.5);
+  EXPECT_EQ(p.peak_bytes, 1205);
+  s.checkpoint = {true, true};  // B: 5 saved, recomputed at once in its backward
+  auto model = two_groups();
+  model.groups[1].checkpointable = false;
+  EXPECT_THROW(simulate(model, s), std::invalid_argument);
+  EXPECT_THROW(simulate(two_groups(), default_schedule(3)), std::invalid_argument);
+}
+
+// Keeping B unsharded from forward to backward skips its second all-gather.
+TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  s.reshard_after_forward = {true, false};
+  // fwd B ends at 3 and bwd B starts at once (3-5); AG A 5-5.5, bwd A 5.5-7.5, RS A 7.5-8, +1.
+  EXPECT_DOUBLE_EQ(simulate(two_groups(), s).step_ms, 9.0);
+}
+
+// A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
+// 1 ms forward, 2 ms backward; communication hides behind compute.
+CostModel deep() {
+  CostModel m;
+  for (int i = 0; i < 8; ++i) {
+    GroupCost g;
+    g.name = "blocks." + std::to_string(i);
+    g.param_bytes = 100, g.grad_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
+    g.forward_peak_bytes = 1200, g.backward_peak_bytes = 500;
+    g.allgather_ms = 0.2, g.reduce_scatter_ms = 0.2, g.forward_ms = 1, g.backward_ms = 2;
+    m.groups.push_back(g);
+  }
+  m.fixed_bytes = 5000;
+  return m;
+}
+
+TEST(Planner, UnboundedBudgetTakesTheFastestWithoutCheckpointing) {
+  const auto model = deep();
+  const Plan plan = plan_schedule(model, int64_t(1) << 40);
+  for (bool c : plan.chosen.schedule.checkpoint) EXPECT_FALSE(c);
+  const Schedule none = default_schedule(8);
+  EXPECT_LE(plan.chosen.prediction.step_ms, simulate(model, none).step_ms);
+  ASSERT_EQ(plan.runners_up.size(), 3u);
+  for (const auto& r : plan.runners_up) EXPECT_GE(r.prediction.step_ms, plan.chosen.prediction.step_ms);
+}
+
+TEST(Planner, TightBudgetCheckpointsJustEnoughAndTooSmallOneNamesTheLeastThatFits) {
+  const auto model = deep();
+  Schedule all = default_schedule(8);
+  all.checkpoint.assign(8, true);
+  const int64_t full_peak = simulate(model, default_schedule(8)).peak_bytes;
+  const int64_t checkpointed_peak = simulate(model, all).peak_bytes;
+  ASSERT_LT(checkpointed_peak, full_peak);
+  // Halfway between the two peaks: some blocks checkpointed, not all, under the usable budget,
+  // and slower than no checkpointing only by the recompute it chose.
+  const int64_t budget = (full_peak + checkpointed_peak) / 2;
+  const Plan plan = plan_schedule(model, budget, 0.05);
+  const auto& chosen = plan.chosen.schedule.checkpoint;
+  const long k = std::count(chosen.begin(), chosen.end(), true);
+  EXPECT_GT(k, 0);
+  EXPECT_LT(k, 8);
+  EXPECT_LE(plan.chosen.prediction.peak_bytes, plan.usable_bytes);
+  EXPECT_EQ(plan.usable_bytes, int64_t(budget * 0.95));
+  EXPECT_LT(plan.chosen.prediction.step_ms, simulate(model, all).step_ms);
+  try {
+    plan_schedule(model, 1000);
+    FAIL() << "expected BudgetTooSmall";
+  } catch (const BudgetTooSmall& e) {
+    EXPECT_NE(std::string(e.what()).find("the smallest budget that fits is"), std::string::npos) << e.what();
+    EXPECT_NO_THROW(plan_schedule(model, e.smallest_budget_bytes));  // the named budget is enough
+    EXPECT_THROW(plan_schedule(model, e.smallest_budget_bytes - 64), BudgetTooSmall);
+  }
+}
+
+TEST(Planner, DescribeNamesTheChoices) {
+  Schedule s = default_schedule(8);
+  s.checkpoint[0] = s.checkpoint[1] = true;
+  s.reshard_after_forward[7] = false;
+  s.max_inflight_reduce_scatters = 0;
+  EXPECT_EQ(describe(s, deep()),
+            "checkpoint 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
+            "all-gathers / unlimited reduce-scatters");
+}
+
+}  // namespace
