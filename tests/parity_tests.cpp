@@ -1,6 +1,7 @@
 // FSDP training against single-process training of the same model on the
 // same global batch.
 #include "helpers.h"
+#include "train/sharding_plan.h"
 
 namespace fsdp::testing {
 namespace {
@@ -252,6 +253,32 @@ TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
     s.loss(0, world()->rank() * s.rows_per_rank, s.rows_per_rank).backward();
   EXPECT_EQ(runtime_stats().order_departures, before.order_departures);
   EXPECT_GT(runtime_stats().prefetches, before.prefetches);
+}
+
+// A schedule as the planner makes them (block 0 checkpointed, block 1 kept unsharded from forward
+// to backward, prefetch 2, one collective of each kind in flight) changes memory and time, never
+// what is computed: the single-process run's numbers, as with every block checkpointed.
+TEST(Parity, AppliedScheduleMatchesSingleProcess) {
+  const RuntimeOptions defaults = runtime_options();
+  auto want = reference(tiny_llama(), 0, /*sgd=*/true);
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
+    plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
+    schedule.checkpoint[1] = true;
+    schedule.reshard_after_forward[2] = false;
+    schedule.prefetch_depth = 2;
+    schedule.max_inflight_allgathers = schedule.max_inflight_reduce_scatters = 1;
+    train::apply_schedule(m, schedule, {});
+    EXPECT_EQ(m->config.checkpointed_blocks, std::vector<int64_t>{0});
+    EXPECT_EQ(runtime_options().prefetch_depth, 2);
+  });
+  s.sgd = true;
+  expect_same_run(train(s), want);
+  set_runtime_options(defaults);
+  model::Llama unsharded(tiny_llama());
+  plan::Schedule root_checkpointed = plan::default_schedule(unsharded->blocks.size() + 1);
+  root_checkpointed.checkpoint[0] = true;
+  EXPECT_THROW(train::apply_schedule(unsharded, root_checkpointed, {}), std::invalid_argument);
+  EXPECT_THROW(train::apply_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
 }
 
 // Prefetch depth and the in-flight caps change when work is issued, never

@@ -26,6 +26,7 @@
 #include "train/memory_sampler.h"
 #include "train/profile.h"
 #include "train/schedule.h"
+#include "train/sharding_plan.h"
 
 namespace {
 
@@ -95,8 +96,8 @@ int train(const fsdp::train::TrainArgs& args) {
   };
   std::unique_ptr<fsdp::train::FusedAdamW> optimizer;
   if (args.optimizer_before_shard) optimizer = make_optimizer();
-  for (auto& block : model->blocks) fsdp::fully_shard(block, shard);
-  fsdp::fully_shard(model, shard);
+  fsdp::train::apply_schedule(model, fsdp::train::llama_schedule(config, args.reshard_after_forward, args.runtime),
+                              shard);
   if (args.init_from.empty()) {
     model->reset_parameters();
   } else {

@@ -4,6 +4,7 @@
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/functional/embedding.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -32,6 +33,11 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     return c;
   }
   throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 8b)");
+}
+
+bool LlamaConfig::checkpoints(int64_t block) const {
+  return checkpoint_blocks ||
+         std::find(checkpointed_blocks.begin(), checkpointed_blocks.end(), block) != checkpointed_blocks.end();
 }
 
 int64_t LlamaConfig::parameter_count() const {
@@ -162,8 +168,9 @@ torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
                                 std::to_string(config.max_seq));
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
   auto h = tok_emb(tokens);
-  for (auto& block : blocks)
-    h = config.checkpoint_blocks ? fsdp::checkpoint(block, h, cos, sin) : fsdp::forward(block, h, cos, sin);
+  for (size_t i = 0; i < blocks.size(); ++i)
+    h = config.checkpoints(static_cast<int64_t>(i)) ? fsdp::checkpoint(blocks[i], h, cos, sin)
+                                                    : fsdp::forward(blocks[i], h, cos, sin);
   return norm(h);
 }
 

@@ -28,12 +28,14 @@ struct LlamaConfig {
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
+  std::vector<int64_t> checkpointed_blocks;  // or only these blocks' (selective checkpointing)
   AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
   static LlamaConfig preset(const std::string& name);
   int64_t head_dim() const { return dim / n_heads; }
+  bool checkpoints(int64_t block) const;
   int64_t parameter_count() const;
   // Forward+backward FLOPs per token (6 N plus attention), for MFU.
   double flops_per_token(int64_t seq) const;

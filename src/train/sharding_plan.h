@@ -1,0 +1,29 @@
+// A schedule (plan/cost_model.h) applied to fsdp-train's Llama: its parameter groups are the root
+// (embeddings, final norm, head: group 0, first in forward order) and each block (groups 1..n).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "fsdp/runtime_options.h"
+#include "model/llama.h"
+#include "plan/cost_model.h"
+
+namespace fsdp::train {
+
+// The group names in forward order: "root", "blocks.0", ...
+std::vector<std::string> llama_group_names(const model::LlamaConfig& config);
+
+// The schedule of fsdp-train's flags: every block checkpointed or none, every block resharded
+// after forward or none (the root always keeps its parameters), the runtime's depth and caps.
+plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_after_forward,
+                              const RuntimeOptions& runtime);
+
+// Shards each block and then the root with `shard` and the schedule's per-group reshard choice,
+// checkpoints the blocks it names, and sets the runtime's prefetch depth and caps (bucket_mb as
+// it was). Throws std::invalid_argument when the schedule is not one of this model's groups or
+// checkpoints the root.
+void apply_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard);
+
+}  // namespace fsdp::train
