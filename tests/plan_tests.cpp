@@ -2,6 +2,10 @@
 // by hand in the comments (no device: times and bytes are the model's own numbers).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "plan/planner.h"
 #include "plan/simulator.h"
 
@@ -26,6 +30,16 @@ CostModel two_groups() {
   return m;
 }
 
+// The two groups under the default schedule with these changes.
+Prediction two_groups_with(int depth, std::vector<bool> checkpoint = {false, false},
+                           std::vector<bool> reshard_after_forward = {true, true}) {
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = depth;
+  s.checkpoint = std::move(checkpoint);
+  s.reshard_after_forward = std::move(reshard_after_forward);
+  return simulate(two_groups(), s);
+}
+
 // Without prefetch every all-gather waits for the compute before it:
 //   AG A 0-0.5, fwd A 0.5-1.5, AG B 1.5-2, fwd B 2-3, AG B 3-3.5, bwd B 3.5-5.5 (RS B 5.5-6),
 //   AG A 5.5-6, bwd A 6-8, RS A 8-8.5, optimizer 8.5-9.5.
@@ -33,9 +47,7 @@ CostModel two_groups() {
 // its gradients replace its activations (1080 after its reshard); A's backward adds its
 // parameters (1180) and 20 working bytes: the peak, 1200, with B's gradients still in flight.
 TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
-  Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
-  const Prediction p = simulate(two_groups(), s);
+  const Prediction p = two_groups_with(0);
   EXPECT_DOUBLE_EQ(p.step_ms, 9.5);
   EXPECT_EQ(p.peak_bytes, 1200);
   EXPECT_EQ(p.peak_during, "backward of A");
@@ -54,9 +66,7 @@ TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
 // optimizer: 8.5 ms. The price is memory: in B's backward A's parameters are already there, next
 // to B's and both groups' activations: 1000 + 30 + 30 + 100 + 100 + 20 working = 1280.
 TEST(Simulator, PrefetchHidesAllGathersAndHoldsOneMoreGroup) {
-  Schedule s = default_schedule(2);
-  s.prefetch_depth = 1;
-  const Prediction p = simulate(two_groups(), s);
+  const Prediction p = two_groups_with(1);
   EXPECT_DOUBLE_EQ(p.step_ms, 8.5);
   EXPECT_EQ(p.peak_bytes, 1280);
   EXPECT_EQ(p.peak_during, "backward of B");
@@ -67,13 +77,11 @@ TEST(Simulator, PrefetchHidesAllGathersAndHoldsOneMoreGroup) {
 // runs while B's gradients are in flight: 1000 + 50 (grads B) + 5 + 100 (params A) + 40 = 1195,
 // then 30 recomputed and 20 working: 1205, more than without checkpointing (1200).
 TEST(Simulator, CheckpointingTradesRecomputeTimeForSavedBytes) {
-  Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
-  s.checkpoint = {true, false};
-  const Prediction p = simulate(two_groups(), s);
+  const Prediction p = two_groups_with(0, {true, false});
   EXPECT_DOUBLE_EQ(p.step_ms, 10.5);
   EXPECT_EQ(p.peak_bytes, 1205);
-  s.checkpoint = {true, true};  // B: 5 saved, recomputed at once in its backward
+  Schedule s = default_schedule(2);
+  s.checkpoint = {true, true};
   auto model = two_groups();
   model.groups[1].checkpointable = false;
   EXPECT_THROW(simulate(model, s), std::invalid_argument);
@@ -82,11 +90,8 @@ TEST(Simulator, CheckpointingTradesRecomputeTimeForSavedBytes) {
 
 // Keeping B unsharded from forward to backward skips its second all-gather.
 TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
-  Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
-  s.reshard_after_forward = {true, false};
   // fwd B ends at 3 and bwd B starts at once (3-5); AG A 5-5.5, bwd A 5.5-7.5, RS A 7.5-8, +1.
-  EXPECT_DOUBLE_EQ(simulate(two_groups(), s).step_ms, 9.0);
+  EXPECT_DOUBLE_EQ(two_groups_with(0, {false, false}, {true, false}).step_ms, 9.0);
 }
 
 // A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
