@@ -140,7 +140,8 @@ def run_config(config, world, args, repeat):
     # may come from another model version).
     shared_init = preset not in OWN_INIT_PRESETS
     save_init = ["--save-init", init] if shared_init and init not in SAVED_INITS else []
-    SAVED_INITS.add(init)
+    if save_init:
+        SAVED_INITS.add(init)
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
          *save_init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
