@@ -119,6 +119,7 @@ struct TrainSetup {
   // Loss of the model on rows [first, first + count) of step's global batch.
   std::function<at::Tensor(int64_t step, int64_t first, int64_t count)> loss;
   std::function<void()> shard;  // empty: single-process reference
+  std::function<void(int step)> before_step;  // sharded runs: called before each step's zero_grad
   int steps = 4;
   int64_t rows_per_rank = 2;
   double clip = 0;  // 0: no clipping
@@ -170,6 +171,7 @@ inline TrainResult train(const TrainSetup& s) {
   const double eps = Rounding{s.chain_depth, s.longest_sum(s.rows_per_rank * world_size)}.eps();
   double largest_delta = 0;  // the largest gradient difference allowed so far
   for (int step = 0; step < s.steps; ++step) {
+    if (sharded && s.before_step) s.before_step(step);
     optimizer->zero_grad();
     const int64_t rows = sharded ? s.rows_per_rank : s.rows_per_rank * world_size;
     const int64_t first = sharded ? rank * s.rows_per_rank : 0;

@@ -267,7 +267,7 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
     schedule.reshard_after_forward[2] = false;
     schedule.prefetch_depth = 2;
     schedule.max_inflight_allgathers = schedule.max_inflight_reduce_scatters = 1;
-    train::apply_schedule(m, schedule, {});
+    train::shard_with_schedule(m, schedule, {});
     EXPECT_EQ(m->config.checkpointed_blocks, std::vector<int64_t>{0});
     EXPECT_EQ(runtime_options().prefetch_depth, 2);
   });
@@ -277,8 +277,8 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   model::Llama unsharded(tiny_llama());
   plan::Schedule root_checkpointed = plan::default_schedule(unsharded->blocks.size() + 1);
   root_checkpointed.checkpoint[0] = true;
-  EXPECT_THROW(train::apply_schedule(unsharded, root_checkpointed, {}), std::invalid_argument);
-  EXPECT_THROW(train::apply_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
+  EXPECT_THROW(train::shard_with_schedule(unsharded, root_checkpointed, {}), std::invalid_argument);
+  EXPECT_THROW(train::shard_with_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
 }
 
 // Prefetch depth and the in-flight caps change when work is issued, never

@@ -6,14 +6,14 @@
 #include <utility>
 #include <vector>
 
-#include "plan/planner.h"
-#include "plan/simulator.h"
+#include "fsdp/plan/planner.h"
+#include "fsdp/plan/simulator.h"
 
 namespace {
 
 using namespace fsdp::plan;
 
-// Two groups A, B: 100 bytes of parameters, 50 of gradients, 30 saved (5 when checkpointed),
+// Two groups A, B: 100 bytes of parameters, 50 of reduce-scatter input (gradients), 30 saved (5 when checkpointed),
 // 40 above the start inside a forward, 20 inside a backward; all-gather and reduce-scatter
 // 0.5 ms, forward 1 ms, backward 2 ms; 1000 fixed bytes, 1 ms of optimizer.
 CostModel two_groups() {
@@ -21,7 +21,7 @@ CostModel two_groups() {
   for (const char* name : {"A", "B"}) {
     GroupCost g;
     g.name = name;
-    g.param_bytes = 100, g.grad_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
+    g.param_bytes = 100, g.reduce_input_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
     g.forward_peak_bytes = 40, g.backward_peak_bytes = 20;
     g.allgather_ms = 0.5, g.reduce_scatter_ms = 0.5, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);
@@ -57,7 +57,7 @@ TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
   ASSERT_EQ(p.live_at_peak.size(), 5u);  // largest first
   EXPECT_EQ(p.live_at_peak[0].what, "fixed (shards, optimizer state, workspaces)");
   EXPECT_EQ(p.live_at_peak[1].what, "parameters of A");
-  EXPECT_EQ(p.live_at_peak[2].what, "gradients of B");
+  EXPECT_EQ(p.live_at_peak[2].what, "reduce-scatter input of B");
   EXPECT_EQ(p.timeline.back().second, 1000);  // everything but the fixed bytes freed
 }
 
@@ -94,6 +94,43 @@ TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
   EXPECT_DOUBLE_EQ(two_groups_with(0, {false, false}, {true, false}).step_ms, 9.0);
 }
 
+// A root R (embedding and head around the blocks) enclosing one block B; 1000 fixed bytes, 1 ms
+// for every compute, free communication, no prefetch. R: 100 bytes of parameters and of unsharded
+// gradients, 200 of reduce-scatter input, 10 sharded, 20 saved; B: 50, 50, 100, 5, 30 (2 ms backward).
+//   forward:  gather R (1100), gather B (1150), B saves 30 (1180), B reshards (1130), R's head
+//             saves 20 (1150);
+//   backward: R's head first: its activations go, its gradients come (1230); B gathered (1280),
+//             its activations go and gradients come (1300), its reduce-scatter input and shard
+//             replace them (1355), it reshards (1305); R last: input 200 and shard 10 (1515: the
+//             peak, B's reduce-scatter still in flight), its gradients go (1415).
+// At the end only the fixed bytes and the shards remain: 1015. Time: B 0-1, head 1-2, head's
+// backward 2-3, B's backward 3-5.
+TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
+  CostModel m;
+  auto add = [&](const char* name, int64_t params, int64_t reduce_input, int64_t shard, int64_t saved, double bwd) {
+    GroupCost g;
+    g.name = name;
+    g.param_bytes = g.grad_bytes = params, g.reduce_input_bytes = reduce_input, g.sharded_grad_bytes = shard;
+    g.saved_bytes = g.checkpoint_saved_bytes = saved;
+    g.forward_ms = 1, g.backward_ms = bwd;
+    m.groups.push_back(g);
+  };
+  add("R", 100, 200, 10, 20, 1);
+  add("B", 50, 100, 5, 30, 2);
+  m.groups[0].encloses_later = true;
+  m.groups[0].checkpointable = false;
+  m.fixed_bytes = 1000;
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  const Prediction p = simulate(m, s);
+  EXPECT_EQ(p.peak_bytes, 1515);
+  EXPECT_EQ(p.peak_during, "reduce-scatter of R");
+  EXPECT_EQ(p.timeline.back().second, 1015);
+  EXPECT_DOUBLE_EQ(p.step_ms, 5);
+  m.groups[1].encloses_later = true;
+  EXPECT_THROW(simulate(m, s), std::invalid_argument);  // only the first group can be a root
+}
+
 // A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
 // 1 ms forward, 2 ms backward; communication hides behind compute.
 CostModel deep() {
@@ -101,7 +138,7 @@ CostModel deep() {
   for (int i = 0; i < 8; ++i) {
     GroupCost g;
     g.name = "blocks." + std::to_string(i);
-    g.param_bytes = 100, g.grad_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
+    g.param_bytes = 100, g.reduce_input_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
     g.forward_peak_bytes = 1200, g.backward_peak_bytes = 500;
     g.allgather_ms = 0.2, g.reduce_scatter_ms = 0.2, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);

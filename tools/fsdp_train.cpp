@@ -6,6 +6,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/stack.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -15,10 +16,12 @@
 #include <optional>
 
 #include "fsdp/fsdp.h"
+#include "shard/memory_stats.h"
 #include "io/files.h"
 #include "model/hf_llama.h"
 #include "model/llama.h"
 #include "train/args.h"
+#include "train/budget_plan.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 #include "train/fused_adamw.h"
@@ -82,6 +85,8 @@ int train(const fsdp::train::TrainArgs& args) {
   auto eval_data = args.eval_data.empty() ? nullptr : fsdp::train::file_tokens(args.eval_data, args.seed);
 
   fsdp::set_runtime_options(args.runtime);
+  const bool planning = fsdp::train::plans_schedule(args);
+  if (planning && device.is_cpu()) fsdp::count_host_allocations();  // the profile's memory, on CPU
   // Parameters deferred: each rank allocates only its shards, which reset_parameters fills after
   // sharding with values that do not depend on the number of ranks.
   fsdp::model::Llama model(config, fsdp::model::Placement{device, /*deferred=*/true});
@@ -96,8 +101,10 @@ int train(const fsdp::train::TrainArgs& args) {
   };
   std::unique_ptr<fsdp::train::FusedAdamW> optimizer;
   if (args.optimizer_before_shard) optimizer = make_optimizer();
-  fsdp::train::apply_schedule(model, fsdp::train::llama_schedule(config, args.reshard_after_forward, args.runtime),
-                              shard);
+  auto first_schedule = fsdp::train::llama_schedule(config, args.reshard_after_forward, args.runtime);
+  if (planning)  // the step before the profile runs with the least memory too: every block checkpointed
+    std::fill(first_schedule.checkpoint.begin() + 1, first_schedule.checkpoint.end(), true);
+  fsdp::train::shard_with_schedule(model, first_schedule, shard);
   if (args.init_from.empty()) {
     model->reset_parameters();
   } else {
@@ -167,17 +174,13 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   int exit_code = 0;
-  for (int step = first_step; step < args.steps; ++step) {
-    const auto start = std::chrono::steady_clock::now();
-    const double lr = schedule.at(step);
-    for (auto& group : optimizer->param_groups())
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    if (!args.trace.empty() && step == std::min(1, args.steps - 1)) fsdp::start_trace();
-    if (!args.profile.empty() && step == std::max(0, args.steps - args.profile_steps))
-      fsdp::train::start_profile(device);
-    at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
-    if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
+  // --memory-budget / --plan-check: the step after the first is profiled, then planned for.
+  const int profiled_step = planning ? first_step + 1 : -1;
+  const int trace_step = planning ? profiled_step + 1 : std::min(1, args.steps - 1);
+  // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
+  auto train_step = [&](int step, bool profiled) {
     optimizer->zero_grad();
+    if (profiled) fsdp::start_profiled_step();
     // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
     // rows, the same rows one step of K x --batch rows would take.
     at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -193,6 +196,21 @@ int train(const fsdp::train::TrainArgs& args) {
     }
     const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
     optimizer->step();
+    return std::make_pair(loss, grad_norm_on_device);
+  };
+  std::optional<fsdp::plan::CostModel> profile;
+  for (int step = first_step; step < args.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    const double lr = schedule.at(step);
+    for (auto& group : optimizer->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    if (!args.trace.empty() && step == trace_step) fsdp::start_trace();
+    if (!args.profile.empty() && step == std::max(0, args.steps - args.profile_steps))
+      fsdp::train::start_profile(device);
+    at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
+    if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
+    if (step == profiled_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
+    const auto [loss, grad_norm_on_device] = train_step(step, step == profiled_step);
 
     // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
     auto loss_and_stop = at::stack({loss,
@@ -202,13 +220,16 @@ int train(const fsdp::train::TrainArgs& args) {
     const double loss_value = totals[0].item<double>() / comm->world_size();
     const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
+    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model);
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
     const double tok_s = tokens_per_step / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
       fsdp::write_trace(output(args.trace, ".json"));
-    const auto mem = fsdp::train::take_memory_peaks(device);
+    auto mem = fsdp::train::take_memory_peaks(device);
+    if (step == profiled_step)  // its marks restarted the allocator's peak: the profile has the step's
+      mem.allocated_gib = std::max(mem.allocated_gib, profile->profiled_peak_bytes / double(int64_t(1) << 30));
     const auto stats = fsdp::runtime_stats();
     const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
     const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
@@ -249,6 +270,28 @@ int train(const fsdp::train::TrainArgs& args) {
       log << "}\n";
       log.flush();
       check_log();
+    }
+    if (step == profiled_step) {
+      if (lead) std::printf("%s", fsdp::train::profile_report(*profile, fsdp::profiling_schedule(*model)).c_str());
+      if (!args.plan_check.empty()) {
+        auto one_step = [&] { train_step(step, false).first.item<double>(); };  // .item(): the device is idle after
+        fsdp::train::check_plans(model, *profile, one_step, device, args.plan_check_budgets, args.plan_check_steps,
+                                 fsdp::train::smallest_gpu_bytes(), args.plan_check, lead);
+        if (lead) std::printf("fsdp-train: plan check written to %s\n", args.plan_check.c_str());
+        break;
+      }
+      const auto budget = static_cast<int64_t>(args.memory_budget_gib * double(int64_t(1) << 30));
+      fsdp::plan::Plan plan;
+      try {
+        plan = fsdp::plan_for_budget(*model, budget, *profile);
+      } catch (const fsdp::plan::BudgetTooSmall& e) {
+        if (lead) std::fprintf(stderr, "fsdp-train: error: --memory-budget: %s\n", e.what());
+        exit_code = 2;
+        break;
+      }
+      if (lead) std::printf("%s", fsdp::train::plan_report(plan, *profile, budget).c_str());
+      if (args.plan_only) break;
+      fsdp::train::apply_schedule(model, plan.chosen.schedule);
     }
     if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0)))
       save(done);

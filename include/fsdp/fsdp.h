@@ -7,4 +7,5 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "fsdp/options.h"
+#include "fsdp/planning.h"
 #include "fsdp/runtime_options.h"

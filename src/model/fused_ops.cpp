@@ -146,8 +146,9 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
 bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k) {
 #ifdef FSDP_WITH_CUDA_KERNELS
   const int64_t head_dim = q.size(-1);
-  return kernel == AttentionKernel::Flash && q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && head_dim % 8 == 0 &&
-         head_dim <= 256 && k.size(1) == q.size(1) && at::cuda::getDeviceProperties(q.device().index())->major >= 8;
+  const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  return kernel == AttentionKernel::Flash && q.is_cuda() && half && head_dim % 8 == 0 && head_dim <= 256 &&
+         k.size(1) == q.size(1) && at::cuda::getDeviceProperties(q.device().index())->major >= 8;
 #else
   (void)kernel, (void)q, (void)k;
   return false;

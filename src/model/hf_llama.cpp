@@ -68,34 +68,45 @@ std::vector<SizedPart> sized_parts(const std::string& ours, const LlamaConfig& c
 }  // namespace
 
 std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& c) {
-  const int64_t q_rows = c.n_heads * c.head_dim(), kv_rows = c.n_kv_heads * c.head_dim();
+  // The rows each part takes of our tensor, known once the config is: all, q's, k's or v's, ffn's.
+  enum class Rows { All, Query, KeyValue, Ffn };
   struct Rule {
     std::regex pattern;
-    std::vector<std::pair<std::string, int64_t>> parts;  // Hugging Face name ($1: the layer), rows (0: all)
+    std::vector<std::pair<std::string, Rows>> parts;  // Hugging Face name ($1: the layer), rows
   };
   static const std::string layer = "model.layers.$1.";
-  const std::vector<Rule> rules = {
-      {std::regex(R"(tok_emb\.weight)"), {{"model.embed_tokens.weight", 0}}},
-      {std::regex(R"(norm\.weight)"), {{"model.norm.weight", 0}}},
-      {std::regex(R"(head\.weight)"), {{"lm_head.weight", 0}}},
-      {std::regex(R"(blocks\.(\d+)\.attn_norm\.weight)"), {{layer + "input_layernorm.weight", 0}}},
-      {std::regex(R"(blocks\.(\d+)\.mlp_norm\.weight)"), {{layer + "post_attention_layernorm.weight", 0}}},
+  // Compiled once, not for every parameter name.
+  static const std::vector<Rule> rules = {
+      {std::regex(R"(tok_emb\.weight)"), {{"model.embed_tokens.weight", Rows::All}}},
+      {std::regex(R"(norm\.weight)"), {{"model.norm.weight", Rows::All}}},
+      {std::regex(R"(head\.weight)"), {{"lm_head.weight", Rows::All}}},
+      {std::regex(R"(blocks\.(\d+)\.attn_norm\.weight)"), {{layer + "input_layernorm.weight", Rows::All}}},
+      {std::regex(R"(blocks\.(\d+)\.mlp_norm\.weight)"), {{layer + "post_attention_layernorm.weight", Rows::All}}},
       {std::regex(R"(blocks\.(\d+)\.attn\.wqkv\.weight)"),
-       {{layer + "self_attn.q_proj.weight", q_rows},
-        {layer + "self_attn.k_proj.weight", kv_rows},
-        {layer + "self_attn.v_proj.weight", kv_rows}}},
-      {std::regex(R"(blocks\.(\d+)\.attn\.wo\.weight)"), {{layer + "self_attn.o_proj.weight", 0}}},
+       {{layer + "self_attn.q_proj.weight", Rows::Query},
+        {layer + "self_attn.k_proj.weight", Rows::KeyValue},
+        {layer + "self_attn.v_proj.weight", Rows::KeyValue}}},
+      {std::regex(R"(blocks\.(\d+)\.attn\.wo\.weight)"), {{layer + "self_attn.o_proj.weight", Rows::All}}},
       {std::regex(R"(blocks\.(\d+)\.mlp\.w_gate_up\.weight)"),
-       {{layer + "mlp.gate_proj.weight", c.ffn}, {layer + "mlp.up_proj.weight", c.ffn}}},
-      {std::regex(R"(blocks\.(\d+)\.mlp\.w_down\.weight)"), {{layer + "mlp.down_proj.weight", 0}}},
+       {{layer + "mlp.gate_proj.weight", Rows::Ffn}, {layer + "mlp.up_proj.weight", Rows::Ffn}}},
+      {std::regex(R"(blocks\.(\d+)\.mlp\.w_down\.weight)"), {{layer + "mlp.down_proj.weight", Rows::All}}},
+  };
+  const auto row_count = [&c](Rows rows) -> int64_t {
+    switch (rows) {
+      case Rows::Query: return c.n_heads * c.head_dim();
+      case Rows::KeyValue: return c.n_kv_heads * c.head_dim();
+      case Rows::Ffn: return c.ffn;
+      case Rows::All: break;
+    }
+    return 0;  // 0: all rows
   };
   for (const auto& rule : rules) {
     if (!std::regex_match(ours, rule.pattern)) continue;
     std::vector<HfPart> parts;
     int64_t row = 0;
     for (const auto& [name, rows] : rule.parts) {
-      parts.push_back({std::regex_replace(ours, rule.pattern, name), row, rows});
-      row += rows;
+      parts.push_back({std::regex_replace(ours, rule.pattern, name), row, row_count(rows)});
+      row += row_count(rows);
     }
     return parts;
   }

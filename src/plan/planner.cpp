@@ -1,4 +1,4 @@
-#include "plan/planner.h"
+#include "fsdp/plan/planner.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +31,10 @@ std::vector<size_t> kept_unsharded_counts(size_t groups) {
 
 std::string gib(int64_t bytes) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
+  if (bytes >= (int64_t(1) << 30))
+    std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
+  else
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / double(1 << 20));
   return text;
 }
 
@@ -73,7 +76,7 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
     std::fill(s.checkpoint.begin(), s.checkpoint.end(), false);
     for (size_t i = 0; i < k; ++i) s.checkpoint[order[i]] = true;
     for (size_t m : kept_unsharded_counts(n)) {
-      for (size_t g = 0; g < n; ++g) s.reshard_after_forward[g] = g < n - m;
+      for (size_t g = 0; g < n; ++g) s.reshard_after_forward[g] = g < n - m && !model.groups[g].encloses_later;
       for (int depth : {0, 1, 2})
         for (int gathers : {1, 2, 0})
           for (int reductions : {1, 2, 0}) {
@@ -99,7 +102,16 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
     return a.prediction.peak_bytes < b.prediction.peak_bytes;
   });
   Plan plan{fits.front(), {}, usable};
-  for (size_t i = 1; i < fits.size() && plan.runners_up.size() < 3; ++i) plan.runners_up.push_back(fits[i]);
+  // Runners-up that predict something else than the choice and each other (many schedules differ
+  // only in a cap that changes nothing).
+  for (size_t i = 1; i < fits.size() && plan.runners_up.size() < 3; ++i) {
+    const auto& p = fits[i].prediction;
+    const auto same = [&](const Planned& other) {
+      return other.prediction.step_ms == p.step_ms && other.prediction.peak_bytes == p.peak_bytes;
+    };
+    if (!same(plan.chosen) && std::none_of(plan.runners_up.begin(), plan.runners_up.end(), same))
+      plan.runners_up.push_back(fits[i]);
+  }
   return plan;
 }
 

@@ -1,4 +1,4 @@
-#include "plan/simulator.h"
+#include "fsdp/plan/simulator.h"
 
 #include <algorithm>
 #include <deque>
@@ -30,6 +30,10 @@ class Replay {
     if (schedule.prefetch_depth < 0 || schedule.max_inflight_allgathers < 0 ||
         schedule.max_inflight_reduce_scatters < 0)
       throw std::invalid_argument("schedule: prefetch depth and in-flight caps must be 0 or more");
+    for (size_t g = 1; g < n; ++g)
+      if (model.groups[g].encloses_later)
+        throw std::invalid_argument("cost model: only the first group can enclose the others (" +
+                                    model.groups[g].name + " does)");
     for (size_t g = 0; g < n; ++g)
       if (schedule.checkpoint[g] && !model.groups[g].checkpointable)
         throw std::invalid_argument("schedule: group " + model.groups[g].name + " cannot be checkpointed");
@@ -38,8 +42,19 @@ class Replay {
 
   Prediction run() {
     const int n = static_cast<int>(model_.groups.size());
-    for (int g = 0; g < n; ++g) forward(g);
-    for (int g = n - 1; g >= 0; --g) backward(g);
+    const bool root = n > 0 && cost(0).encloses_later;
+    for (int g = 0; g < n; ++g) forward_order_.push_back(g);
+    if (root) backward_order_.push_back(0);
+    for (int g = n - 1; g >= (root ? 1 : 0); --g) backward_order_.push_back(g);
+
+    if (root) gather_and_wait(0, forward_order_, 0);  // the root's parameters come first
+    for (int i = root ? 1 : 0; i < n; ++i) {
+      gather_and_wait(forward_order_[i], forward_order_, i);
+      forward_compute(forward_order_[i]);
+    }
+    if (root) forward_compute(0);  // the head, after every block
+    for (int i = 0; i < n; ++i) backward(backward_order_[i], i);
+    if (root) reduce_and_reshard(0);  // the root's gradients are complete last
     // The end of backward waits for every reduce-scatter; then the optimizer.
     compute_end_ = std::max(compute_end_, reduce_end_);
     while (!reductions_.empty()) finish_oldest_reduction();
@@ -53,18 +68,25 @@ class Replay {
  private:
   const GroupCost& cost(int g) const { return model_.groups[g]; }
 
-  void forward(int g) {
-    gather_with_prefetch(g, +1);
+  // The group's parameters, with the prefetches its start issues; its compute waits for its own.
+  void gather_and_wait(int g, const std::vector<int>& order, int position) {
+    const int n = static_cast<int>(order.size());
+    for (int k = 0; k <= schedule_.prefetch_depth && position + k < n; ++k)
+      if (!unsharded_[order[position + k]]) all_gather(order[position + k]);
+    release("all-gather buffers of " + cost(g).name, "start of " + cost(g).name);
+  }
+
+  void forward_compute(int g) {
     compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
     const bool checkpointed = schedule_.checkpoint[g];
     touch(cost(g).forward_peak_bytes, "forward of " + cost(g).name);
     allocate("activations of " + cost(g).name, checkpointed ? cost(g).checkpoint_saved_bytes : cost(g).saved_bytes,
              "forward of " + cost(g).name);
-    if (schedule_.reshard_after_forward[g]) reshard(g);
+    if (schedule_.reshard_after_forward[g] && !cost(g).encloses_later) reshard(g);  // a root keeps them
   }
 
-  void backward(int g) {
-    gather_with_prefetch(g, -1);
+  void backward(int g, int position) {
+    gather_and_wait(g, backward_order_, position);
     const std::string during = "backward of " + cost(g).name;
     if (schedule_.checkpoint[g]) {
       compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
@@ -76,19 +98,12 @@ class Replay {
     release("activations of " + cost(g).name, during);
     if (schedule_.checkpoint[g]) release("recomputed activations of " + cost(g).name, during);
     allocate("gradients of " + cost(g).name, cost(g).grad_bytes, during);
-    reshard(g);
-    reduce_scatter(g);
+    if (!cost(g).encloses_later) reduce_and_reshard(g);
   }
 
-  // The group's own all-gather if its parameters are not there, then the next prefetch_depth
-  // groups' in this pass's order (step +1 forward, -1 backward).
-  void gather_with_prefetch(int g, int step) {
-    const int n = static_cast<int>(model_.groups.size());
-    for (int k = 0; k <= schedule_.prefetch_depth; ++k) {
-      const int next = g + step * k;
-      if (next < 0 || next >= n) break;
-      if (!unsharded_[next]) all_gather(next);
-    }
+  void reduce_and_reshard(int g) {
+    reduce_scatter(g);
+    reshard(g);
   }
 
   void all_gather(int g) {
@@ -100,6 +115,7 @@ class Replay {
       releases_.pop_front();
     }
     allocate("parameters of " + cost(g).name, cost(g).param_bytes, "all-gather of " + cost(g).name);
+    allocate("all-gather buffers of " + cost(g).name, cost(g).gather_buffer_bytes, "all-gather of " + cost(g).name);
     const double start = std::max({gather_end_, compute_end_, cpu_});
     gather_end_ = start + cost(g).allgather_ms;
     gathered_at_[g] = gather_end_;
@@ -112,6 +128,8 @@ class Replay {
     releases_.push_back(compute_end_);  // the last use: the compute issued so far
   }
 
+  // Copies the gradients into the reduce-scatter input (freeing them) and issues it; its output
+  // (the sharded gradients) stays to the end of the step.
   void reduce_scatter(int g) {
     while (!reductions_.empty() && reductions_.front().first <= cpu_) finish_oldest_reduction();
     const int cap = schedule_.max_inflight_reduce_scatters;
@@ -119,6 +137,10 @@ class Replay {
       cpu_ = std::max(cpu_, reductions_.front().first);
       finish_oldest_reduction();
     }
+    const std::string during = "reduce-scatter of " + cost(g).name;
+    allocate("reduce-scatter input of " + cost(g).name, cost(g).reduce_input_bytes, during);
+    allocate("sharded gradients of " + cost(g).name, cost(g).sharded_grad_bytes, during);
+    release("gradients of " + cost(g).name, during);
     const double start = std::max({reduce_end_, compute_end_, cpu_});
     reduce_end_ = start + cost(g).reduce_scatter_ms;
     reductions_.emplace_back(reduce_end_, g);
@@ -127,7 +149,7 @@ class Replay {
   void finish_oldest_reduction() {
     const int g = reductions_.front().second;
     reductions_.pop_front();
-    release("gradients of " + cost(g).name, "reduce-scatter of " + cost(g).name);
+    release("reduce-scatter input of " + cost(g).name, "reduce-scatter of " + cost(g).name);
   }
 
   void compute(double device_ms, double cpu_ms, double not_before) {
@@ -137,6 +159,7 @@ class Replay {
 
   // Memory: what is allocated, by name, in the host's order.
   void allocate(const std::string& what, int64_t bytes, const std::string& during) {
+    if (bytes == 0) return;
     live_[what] += bytes;
     in_use_ += bytes;
     note(what, during, 0);
@@ -167,6 +190,7 @@ class Replay {
   std::map<std::string, int64_t> live_;
   int64_t in_use_ = 0;
   double cpu_ = 0, compute_end_ = 0, gather_end_ = 0, reduce_end_ = 0;
+  std::vector<int> forward_order_, backward_order_;
   std::vector<double> gathered_at_;             // when each group's latest all-gather ends
   std::vector<bool> unsharded_;
   std::deque<double> releases_;                 // device times of resharded groups' last uses

@@ -100,7 +100,10 @@ void ModuleState::prefetch() {
   Runtime::get().count_prefetch();
 }
 
-void ModuleState::reshard() { Runtime::get().after_reshard(group_.reshard()); }
+void ModuleState::reshard() {
+  Runtime::get().after_reshard(group_.reshard());
+  Trace::get().mark();  // the parameters' memory is back (cost model)
+}
 
 void ModuleState::abort_forward() { Runtime::get().exit_forward(); }
 
@@ -111,7 +114,10 @@ std::optional<c10::Stream> ModuleState::compute_stream() const {
 }
 
 void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
-  if (!Runtime::get().recomputing()) Trace::get().end(compute_span_, compute_stream());
+  Trace::get().end(compute_span_, compute_stream());
+  // A recompute is traced apart from the backward that follows it (the cost model tells them apart).
+  if (Runtime::get().recomputing())
+    compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
   Runtime::get().exit_forward();
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
@@ -167,7 +173,8 @@ void ModuleState::start_backward() {
   unshard();
   for (ModuleState* next : runtime.backward_prefetch_targets(*this)) next->prefetch();
   group_.wait_for_unshard();
-  compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
+  const char* phase = runtime.recomputing() ? "recompute " : "backward ";
+  compute_span_ = Trace::get().begin(phase + group_.label(), Trace::Track::Compute, compute_stream());
 }
 
 // AccumulateGrad runs once per parameter per backward, after every use of the

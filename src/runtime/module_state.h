@@ -29,6 +29,9 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
               const ShardOptions& options);
 
   const std::string& module_name() const { return module_name_; }
+  int id() const { return id_; }
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
   ParamGroup& group() { return group_; }
   const ParamGroup& group() const { return group_; }
 

@@ -177,6 +177,7 @@ void Runtime::all_gather(ModuleState& state) {
     }
   }
   make_room(allgathers_, options_.max_inflight_allgathers, stats_.allgather_waits);
+  Trace::get().mark();  // what the compute before it left allocated (cost model)
   ParamGroup::unshard_together(groups);
   ++stats_.all_gathers;
 }

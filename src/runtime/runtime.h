@@ -74,6 +74,9 @@ class Runtime {
   };
   bool recomputing() const { return recomputing_ > 0; }
 
+  // Group ids in the forward order the last step recorded.
+  const std::vector<int>& recorded_forward_order() const { return forward_pass_.recorded(); }
+
   RuntimeOptions options() const;
   void set_options(const RuntimeOptions& options);
   RuntimeStats stats() const;

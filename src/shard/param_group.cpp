@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/accumulate.h>
 
 #include <c10/core/StreamGuard.h>
 
@@ -227,6 +228,21 @@ void ParamGroup::copy_out(const at::Tensor& gathered) {
 
 size_t ParamGroup::unsharded_size_bytes() const {
   return static_cast<size_t>(shard_numel_) * comm_->world_size() * c10::elementSize(compute_dtype_);
+}
+
+ParamGroup::MemoryShape ParamGroup::memory_shape() const {
+  const int64_t world = comm_->world_size(), compute = c10::elementSize(compute_dtype_);
+  const int64_t reduce = c10::elementSize(reduce_dtype_), count = static_cast<int64_t>(params_.size());
+  int64_t trainable_numel = 0;
+  for (const auto& p : params_)
+    if (p.param.requires_grad()) trainable_numel += c10::multiply_integers(p.full_shape);
+  MemoryShape shape;
+  shape.unsharded = world * shard_numel_ * compute;
+  shape.gather_buffers = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
+  shape.unsharded_grads = trainable_numel * compute;
+  shape.sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
+  shape.reduce_input = world * shape.sharded_grads;
+  return shape;
 }
 
 void ParamGroup::wait_for_unshard() {

@@ -81,6 +81,14 @@ class ParamGroup {
   size_t unsharded_bytes() const { return unsharded_storage_.nbytes(); }
   // Bytes the group takes when unsharded (what bucketing compares).
   size_t unsharded_size_bytes() const;
+  // The bytes of each buffer above (the planner's cost model).
+  struct MemoryShape {
+    int64_t unsharded = 0;        // unsharded storage
+    int64_t gather_buffers = 0;   // all-gather input and (2+ parameters) output
+    int64_t unsharded_grads = 0;  // what autograd leaves in backward, compute dtype
+    int64_t reduce_input = 0, sharded_grads = 0;
+  };
+  MemoryShape memory_shape() const;
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
   const at::Device& device() const { return device_; }

@@ -123,6 +123,19 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                        text(a.init_from)}},
       {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
                     "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
+      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled and the "
+                           "fastest schedule predicted to fit (blocks checkpointed, blocks kept unsharded, "
+                           "prefetch depth, in-flight caps) trains from step 3; replaces --checkpoint and the "
+                           "prefetch and in-flight flags", number(a.memory_budget_gib)}},
+      {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
+                       set_true(a.plan_only), false}},
+      {"--plan-check", {"benchmark of the planner: after the profile, train each budget's plan a few steps and "
+                        "write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
+                        text(a.plan_check)}},
+      {"--plan-check-budgets", {"budgets --plan-check spreads from the fully checkpointed peak to the "
+                                "unconstrained one (default 8)", number(a.plan_check_budgets)}},
+      {"--plan-check-steps", {"steps per schedule in --plan-check, two of them warm-up (default 6)",
+                              number(a.plan_check_steps)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
   };
@@ -177,6 +190,22 @@ void check_ranges(const TrainArgs& a) {
   require(a.eval_every >= 0, "--eval-every must be 0 (after the last step) or positive");
   require(a.eval_batches >= 1, "--eval-batches must be at least 1");
   require(a.eval_data != "synthetic", "--eval-data needs a file (synthetic data has no held-out set)");
+  require(a.memory_budget_gib >= 0, "--memory-budget must be a positive number of GiB");
+  require(!a.plan_only || a.memory_budget_gib > 0, "--plan-only needs --memory-budget (the budget to plan for)");
+  require(a.plan_check_budgets >= 1, "--plan-check-budgets must be at least 1");
+  require(a.plan_check_steps >= 3, "--plan-check-steps must be at least 3 (two are warm-up)");
+  if (plans_schedule(a)) {
+    const std::string flag = a.memory_budget_gib > 0 ? "--memory-budget" : "--plan-check";
+    require(!a.checkpoint && a.reshard_after_forward,
+            flag + " chooses which blocks are checkpointed and kept unsharded: drop --checkpoint and "
+                   "--no-reshard-after-forward");
+    require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
+    require(a.grad_accum == 1, flag + " plans a step of one micro-batch: drop --grad-accum");
+    require(a.steps >= 2 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
+            flag + ": step 1 records the order, step 2 is profiled" +
+                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 2"
+                                                      : ", the plan trains from step 3: --steps must be at least 3"));
+  }
 }
 
 // An output path must be creatable: an existing regular file we may write, or a new name in an
@@ -270,10 +299,12 @@ void check_memory(const TrainArgs& a) {
                                     : 0.0;
   const double sharded_state = 16.0 * params / world;  // fp32 weights, gradients, two AdamW moments
   const double state = sharded_state + held_gradients;
-  const double logits = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
-  const double per_block = a.checkpoint ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
+  const double loss_chunk = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
+  // A budget's plan may checkpoint every block: its bound is the checkpointed one.
+  const bool checkpointed = a.checkpoint || plans_schedule(a);
+  const double per_block = checkpointed ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
   const double activations = tokens * config.n_layers * per_block * compute_bytes;
-  const double needed = state + logits + activations;
+  const double needed = state + loss_chunk + activations;
   const double have = on_gpu ? gpu : host / local;
   const std::string where = on_gpu ? " of a GPU" : " of host memory per process";
   // Parameters are made as shards (sharded initialisation): the model itself needs only its
@@ -282,12 +313,15 @@ void check_memory(const TrainArgs& a) {
     throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
                      "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(world) +
                      " rank(s), more than the " + gib(have) + where + ": use more ranks or a smaller model");
+  if (on_gpu && a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0 > gpu)
+    throw UsageError("--memory-budget " + gib(a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0) +
+                     " is more than the GPU's " + gib(gpu) + ": give at most that");
   if (have > 0 && needed > have)
     throw UsageError("--batch " + std::to_string(a.batch) + " x --seq " + std::to_string(a.seq) + " on the " +
                      model_name(a) + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
                      (held_gradients > 0 ? " sharded state and held gradients, " : " sharded state, ") +
-                     gib(logits + activations) + " activations), more than the " + gib(have) + where +
-                     ": lower --batch or --seq" + (a.checkpoint ? "" : ", or add --checkpoint") +
+                     gib(loss_chunk + activations) + " activations), more than the " + gib(have) + where +
+                     ": lower --batch or --seq" + (checkpointed ? "" : ", or add --checkpoint") +
                      (held_gradients > 0 ? ", or use --grad-accum-sync every" : ""));
 }
 

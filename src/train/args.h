@@ -50,6 +50,10 @@ struct TrainArgs {
   int eval_batches = 8;               // evaluation set: this many batches of --batch rows
   std::string init_from;    // Hugging Face weights (.safetensors, or a directory with config.json)
   std::string export_path;  // write the trained model with Hugging Face names (.safetensors or a directory)
+  double memory_budget_gib = 0;  // > 0: plan the schedule within this much allocated memory per rank
+  bool plan_only = false;        // with --memory-budget: profile, print the plan, stop
+  std::string plan_check;        // bench: predicted vs measured for several budgets' plans, to this file
+  int plan_check_budgets = 8, plan_check_steps = 6;
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool help = false;
 };
@@ -69,6 +73,9 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 model::LlamaConfig model_config(const TrainArgs& args);
 // How messages name that model: the --init-from directory, or the preset.
 std::string model_name(const TrainArgs& args);
+
+// Whether the run profiles a step and plans (--memory-budget or --plan-check).
+inline bool plans_schedule(const TrainArgs& a) { return a.memory_budget_gib > 0 || !a.plan_check.empty(); }
 
 // runs/<YYYYmmdd-HHMMSS>/fsdp-train.jsonl for the current local time.
 std::string default_log_path();

@@ -3,14 +3,31 @@
 #include <stdexcept>
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/planning.h"
 
 namespace fsdp::train {
+namespace {
 
-std::vector<std::string> llama_group_names(const model::LlamaConfig& config) {
-  std::vector<std::string> names{"root"};
-  for (int64_t i = 0; i < config.n_layers; ++i) names.push_back("blocks." + std::to_string(i));
-  return names;
+// The checkpointed blocks and the runtime's choices; the groups' reshard choices are the caller's.
+void checkpoint_blocks_and_set_runtime(model::Llama& model, const plan::Schedule& schedule) {
+  const size_t groups = model->blocks.size() + 1;
+  if (schedule.checkpoint.size() != groups || schedule.reshard_after_forward.size() != groups)
+    throw std::invalid_argument("apply_schedule: the schedule has " + std::to_string(schedule.checkpoint.size()) +
+                                " groups, the model " + std::to_string(groups) + " (the root and each block)");
+  if (schedule.checkpoint[0]) throw std::invalid_argument("apply_schedule: the root group cannot be checkpointed");
+  auto& config = model->config;
+  config.checkpoint_blocks = false;
+  config.checkpointed_blocks.clear();
+  for (size_t i = 0; i < model->blocks.size(); ++i)
+    if (schedule.checkpoint[i + 1]) config.checkpointed_blocks.push_back(static_cast<int64_t>(i));
+  RuntimeOptions runtime = runtime_options();
+  runtime.prefetch_depth = schedule.prefetch_depth;
+  runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
+  runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
+  set_runtime_options(runtime);
 }
+
+}  // namespace
 
 plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_after_forward,
                               const RuntimeOptions& runtime) {
@@ -26,27 +43,19 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
   return s;
 }
 
-void apply_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard) {
-  const size_t groups = model->blocks.size() + 1;
-  if (schedule.checkpoint.size() != groups || schedule.reshard_after_forward.size() != groups)
-    throw std::invalid_argument("apply_schedule: the schedule has " + std::to_string(schedule.checkpoint.size()) +
-                                " groups, the model " + std::to_string(groups) + " (the root and each block)");
-  if (schedule.checkpoint[0]) throw std::invalid_argument("apply_schedule: the root group cannot be checkpointed");
-  auto& config = model->config;
-  config.checkpoint_blocks = false;
-  config.checkpointed_blocks.clear();
+void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard) {
+  checkpoint_blocks_and_set_runtime(model, schedule);
   for (size_t i = 0; i < model->blocks.size(); ++i) {
-    if (schedule.checkpoint[i + 1]) config.checkpointed_blocks.push_back(static_cast<int64_t>(i));
     ShardOptions block_shard = shard;
     block_shard.reshard_after_forward = schedule.reshard_after_forward[i + 1];
     fully_shard(model->blocks[i], block_shard);
   }
   fully_shard(model, shard);
-  RuntimeOptions runtime = runtime_options();
-  runtime.prefetch_depth = schedule.prefetch_depth;
-  runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
-  runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
-  set_runtime_options(runtime);
+}
+
+void apply_schedule(model::Llama& model, const plan::Schedule& schedule) {
+  checkpoint_blocks_and_set_runtime(model, schedule);
+  set_schedule(*model, schedule);
 }
 
 }  // namespace fsdp::train

@@ -1,19 +1,16 @@
-// A schedule (plan/cost_model.h) applied to fsdp-train's Llama: its parameter groups are the root
-// (embeddings, final norm, head: group 0, first in forward order) and each block (groups 1..n).
+// A schedule (fsdp/plan/cost_model.h) applied to fsdp-train's Llama: its parameter groups are the
+// root (embeddings, final norm, head: group 0, first in forward order) and each block (groups 1..n).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "fsdp/options.h"
+#include "fsdp/plan/cost_model.h"
 #include "fsdp/runtime_options.h"
 #include "model/llama.h"
-#include "plan/cost_model.h"
 
 namespace fsdp::train {
-
-// The group names in forward order: "root", "blocks.0", ...
-std::vector<std::string> llama_group_names(const model::LlamaConfig& config);
 
 // The schedule of fsdp-train's flags: every block checkpointed or none, every block resharded
 // after forward or none (the root always keeps its parameters), the runtime's depth and caps.
@@ -21,9 +18,13 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
                               const RuntimeOptions& runtime);
 
 // Shards each block and then the root with `shard` and the schedule's per-group reshard choice,
-// checkpoints the blocks it names, and sets the runtime's prefetch depth and caps (bucket_mb as
-// it was). Throws std::invalid_argument when the schedule is not one of this model's groups or
-// checkpoints the root.
-void apply_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard);
+// then applies the rest of it as apply_schedule does.
+void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard);
+
+// On a sharded model: checkpoints the blocks the schedule names, sets each group's reshard choice
+// (after a step has recorded the forward order: fsdp::set_schedule) and the runtime's prefetch
+// depth and caps (bucket_mb as it was). Throws std::invalid_argument when the schedule is not one
+// of this model's groups or checkpoints the root.
+void apply_schedule(model::Llama& model, const plan::Schedule& schedule);
 
 }  // namespace fsdp::train

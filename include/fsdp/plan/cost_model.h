@@ -13,24 +13,33 @@ namespace fsdp::plan {
 // caching allocator's "allocated" count; times in milliseconds.
 struct GroupCost {
   std::string name;
-  int64_t param_bytes = 0;  // the unsharded parameters in the compute dtype (all-gather output)
-  int64_t grad_bytes = 0;   // the unsharded gradients in the reduce dtype (reduce-scatter input)
+  // Parameters: unsharded in the compute dtype from its all-gather's issue to its reshard, and the
+  // all-gather's input and output buffers from the issue until its compute waits for them.
+  int64_t param_bytes = 0, gather_buffer_bytes = 0;
+  // Gradients: the unsharded ones autograd leaves (from its backward until its reduce-scatter
+  // copies them out), the reduce-scatter input (until that is done), the sharded result (until
+  // the end of the step).
+  int64_t grad_bytes = 0, reduce_input_bytes = 0, sharded_grad_bytes = 0;
   double allgather_ms = 0, reduce_scatter_ms = 0;
   // Above the level at the start of its forward: the most in use during the forward, and what
   // stays allocated after it until its backward, without and with activation checkpointing.
   int64_t forward_peak_bytes = 0, saved_bytes = 0, checkpoint_saved_bytes = 0;
   // Above the level at the start of its backward (after a recompute): the most in use during it.
-  // Its saved activations are freed at its end, and its gradients stay until reduce-scattered.
   int64_t backward_peak_bytes = 0;
   double forward_ms = 0, backward_ms = 0;          // device time; a recompute costs forward_ms again
   double forward_cpu_ms = 0, backward_cpu_ms = 0;  // host time to issue that work (CPU-bound models)
   bool checkpointable = true;  // whether the model can recompute this group in backward
+  // The root (only the first group may be one): its forward wraps every later group's. Its
+  // parameters are gathered first; its own compute (a model's head) runs after the others'
+  // forward and its own backward before theirs; its gradients are reduce-scattered last.
+  bool encloses_later = false;
 };
 
 struct CostModel {
   std::vector<GroupCost> groups;
-  int64_t fixed_bytes = 0;  // always allocated: shards, sharded gradients, optimizer state, workspaces
-  double fixed_ms = 0;      // device time outside the groups (optimizer step, loss)
+  int64_t fixed_bytes = 0;  // allocated when the step starts: shards, optimizer state, workspaces
+  double fixed_ms = 0;      // time outside the groups (optimizer step, launch gaps)
+  int64_t profiled_peak_bytes = 0;  // measured: the peak of the step this model was profiled from
 };
 
 // The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).

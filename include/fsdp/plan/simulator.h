@@ -1,9 +1,12 @@
 // Replays one step of a schedule on a cost model and predicts its time and peak memory.
 //
 // Memory follows the host's order of allocations and frees, as the caching allocator counts
-// them: a group's parameters from its all-gather's issue to its reshard, its activations from
-// its forward to the end of its backward, its gradients until a later reduce-scatter issue finds
-// their reduce-scatter done (or the in-flight cap makes the host wait for it).
+// them: a group's parameters from its all-gather's issue to its reshard (and the all-gather's
+// buffers until its compute waits for them), its activations from its forward to the end of its
+// backward, its gradients until its reduce-scatter's issue, the reduce-scatter input until a
+// later issue finds it done (or the in-flight cap makes the host wait for it), the sharded
+// gradients to the end of the step. A root group (GroupCost::encloses_later) is gathered first,
+// computes after the others' forward and before their backward, and is reduced last.
 // Time follows three device streams as the runtime orders them: compute; all-gathers and
 // reduce-scatters, each starting no earlier than the compute work issued before it (the
 // runtime's event wait) and the previous operation of its stream; the host issues work in
@@ -15,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "plan/cost_model.h"
+#include "fsdp/plan/cost_model.h"
 
 namespace fsdp::plan {
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "plan/cost_model.h"
-#include "plan/simulator.h"
+#include "fsdp/plan/cost_model.h"
+#include "fsdp/plan/simulator.h"
 
 namespace fsdp::plan {
 
@@ -23,7 +23,7 @@ struct Planned {
 
 struct Plan {
   Planned chosen;
-  std::vector<Planned> runners_up;  // the next fastest that fit, up to three
+  std::vector<Planned> runners_up;  // the next fastest that fit with other predictions, up to three
   int64_t usable_bytes = 0;         // the budget less its margin
 };
 

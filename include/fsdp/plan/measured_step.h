@@ -1,0 +1,60 @@
+// The cost model measured from one training step recorded with memory marks (shard/trace.h's
+// recording, copied here without torch by the runtime: fsdp::finish_profiled_step).
+//
+// The step is recorded under profiling_schedule(): every checkpointable group checkpointed (the
+// least memory, so the profile fits wherever training can), the root unsharded and every other
+// group resharded after forward, no prefetch. Each checkpointed group then shows all of its
+// costs apart: its forward without saving (checkpoint_saved_bytes), its recompute (the forward
+// with saving: saved_bytes, forward_peak_bytes, forward_ms), its backward after the recompute.
+// The root's own compute is the part of its spans outside the other groups' (its head and
+// embedding), less the all-gathers the compute stream waited for there.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fsdp/plan/cost_model.h"
+
+namespace fsdp::plan {
+
+// A span of the recorded step; names as the runtime traces them: "forward L", "recompute L",
+// "backward L", "all-gather L", "reduce-scatter L" for a group labelled L.
+struct RecordedSpan {
+  std::string name;
+  double start_ms = 0, end_ms = 0;            // device time
+  double host_start_ms = 0, host_end_ms = 0;  // when the host issued them
+  int start_mark = -1, end_mark = -1;         // into RecordedStep::marks
+};
+
+struct MemoryMark {
+  int64_t allocated = 0;        // at the mark
+  int64_t peak_since_last = 0;  // the most allocated since the previous mark
+};
+
+struct RecordedStep {
+  std::vector<RecordedSpan> spans;
+  std::vector<MemoryMark> marks;  // marks[0]: the start of the step
+  double step_ms = 0;             // wall time from the start of the forward to the optimizer's end
+  bool host_is_device = false;    // CPU training: the host's time is the compute time
+};
+
+// What the runtime knows of a group without running it (ParamGroup's sizes).
+struct GroupShape {
+  std::string name;   // "blocks.3"
+  std::string label;  // its trace label, "#4 blocks.3"
+  int64_t param_bytes = 0, gather_buffer_bytes = 0;
+  int64_t grad_bytes = 0, reduce_input_bytes = 0, sharded_grad_bytes = 0;
+  bool checkpointable = true;
+  bool encloses_later = false;  // the root
+};
+
+// The schedule a profiled step runs under (see above).
+Schedule profiling_schedule(const std::vector<GroupShape>& groups);
+
+// Throws std::invalid_argument naming the span that is missing when the record does not hold a
+// step of these groups under profiling_schedule(groups). fixed_ms is what the groups do not
+// explain: the step's time less the simulator's prediction of it without fixed_ms.
+CostModel measure_cost_model(const std::vector<GroupShape>& groups, const RecordedStep& step);
+
+}  // namespace fsdp::plan

@@ -1,0 +1,52 @@
+// Planning a schedule under a GPU memory budget (docs/design.md, "Planning a schedule under a
+// memory budget"): profile one step, let the planner choose, apply its choice.
+//
+//   train_one_step();                               // records the forward order
+//   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and checkpoint every block
+//   fsdp::start_profiled_step();
+//   train_one_step();
+//   auto profile = fsdp::finish_profiled_step(model);             // the cost model
+//   auto plan = fsdp::plan_for_budget(model, 40LL << 30, profile);  // 40 GiB
+//   fsdp::set_schedule(model, plan.chosen.schedule);  // the model checkpoints the groups it names
+//
+// The runtime applies the per-group and runtime choices of a schedule; which groups are
+// recomputed in backward is the model's to do (fsdp::checkpoint), as the schedule's checkpoint
+// vector says.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fsdp/fully_shard.h"
+#include "fsdp/plan/measured_step.h"
+#include "fsdp/plan/planner.h"
+
+namespace fsdp {
+
+// The sharded groups under `root` in the forward order recorded by the last step (so at least
+// one step must have run), with their buffers' sizes. The root group is marked as enclosing the
+// others and not checkpointable; every other group checkpointable (change it where the model
+// cannot recompute a group).
+std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root);
+
+// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
+plan::Schedule profiling_schedule(const torch::nn::Module& root);
+
+// Each group's reshard_after_forward and the runtime's prefetch depth and in-flight caps, as the
+// schedule says (bucketing as it was). Takes effect from the next step. Throws
+// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
+void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule);
+
+// Records the next step with memory marks (call right before its forward; not while a Chrome
+// trace is being recorded). finish_profiled_step, after the optimizer step, waits for the device
+// and measures the cost model of the groups under `root`. Collective: every number is the
+// largest any rank measured, so all ranks plan the same schedule.
+void start_profiled_step();
+plan::CostModel finish_profiled_step(const torch::nn::Module& root);
+
+// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
+// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.
+plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,
+                           double margin = 0.05);
+
+}  // namespace fsdp

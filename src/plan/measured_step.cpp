@@ -1,0 +1,168 @@
+#include "fsdp/plan/measured_step.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "fsdp/plan/simulator.h"
+
+namespace fsdp::plan {
+
+Schedule profiling_schedule(const std::vector<GroupShape>& groups) {
+  Schedule s = default_schedule(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    s.checkpoint[g] = groups[g].checkpointable;
+    s.reshard_after_forward[g] = !groups[g].encloses_later;
+  }
+  s.prefetch_depth = 0;
+  return s;
+}
+
+namespace {
+
+class Measure {
+ public:
+  explicit Measure(const RecordedStep& step) : step_(step) {}
+
+  const RecordedSpan* find(const std::string& name, int occurrence = 0) const {
+    for (const auto& span : step_.spans)
+      if (span.name == name && occurrence-- == 0) return &span;
+    return nullptr;
+  }
+  const RecordedSpan& get(const std::string& name, int occurrence = 0) const {
+    const RecordedSpan* span = find(name, occurrence);
+    if (!span)
+      throw std::invalid_argument("profiled step: no span '" + name + "'" +
+                                  (occurrence ? " (occurrence " + std::to_string(occurrence + 1) + ")" : "") +
+                                  "; was it recorded under plan::profiling_schedule, bucketing off?");
+    if (span->start_mark < 0 || span->end_mark < 0 || span->end_mark >= static_cast<int>(step_.marks.size()))
+      throw std::invalid_argument("profiled step: span '" + name + "' has no memory marks");
+    return *span;
+  }
+
+  int64_t allocated(int mark) const { return step_.marks.at(mark).allocated; }
+  // The most allocated after mark `from` up to mark `to`.
+  int64_t peak(int from, int to) const {
+    int64_t most = allocated(from);
+    for (int i = from + 1; i <= to; ++i) most = std::max(most, step_.marks.at(i).peak_since_last);
+    return most;
+  }
+  double device_ms(const RecordedSpan& s) const { return s.end_ms - s.start_ms; }
+  double host_ms(const RecordedSpan& s) const { return s.host_end_ms - s.host_start_ms; }
+
+  // The mean time of the group's all-gathers, and of its reduce-scatter.
+  double mean_ms(const std::string& name) const {
+    double total = 0;
+    int count = 0;
+    for (const auto& span : step_.spans)
+      if (span.name == name) total += device_ms(span), ++count;
+    return count ? total / count : 0.0;
+  }
+
+ private:
+  const RecordedStep& step_;
+};
+
+// A group that is not the root: each of its phases is a span of its own.
+void measure_group(const Measure& m, const GroupShape& shape, GroupCost& cost) {
+  const RecordedSpan& forward = m.get("forward " + shape.label);
+  const RecordedSpan& backward = m.get("backward " + shape.label);
+  const int64_t forward_delta = m.allocated(forward.end_mark) - m.allocated(forward.start_mark);
+  cost.forward_ms = m.device_ms(forward);
+  cost.forward_cpu_ms = m.host_ms(forward);
+  if (shape.checkpointable) {
+    const RecordedSpan& recompute = m.get("recompute " + shape.label);
+    cost.checkpoint_saved_bytes = forward_delta;
+    cost.saved_bytes = m.allocated(recompute.end_mark) - m.allocated(recompute.start_mark);
+    cost.forward_peak_bytes = m.peak(recompute.start_mark, recompute.end_mark) - m.allocated(recompute.start_mark);
+    cost.forward_ms = m.device_ms(recompute);  // with autograd saving, as in a forward that is not checkpointed
+    cost.forward_cpu_ms = m.host_ms(recompute);
+  } else {
+    cost.saved_bytes = cost.checkpoint_saved_bytes = forward_delta;
+    cost.forward_peak_bytes = m.peak(forward.start_mark, forward.end_mark) - m.allocated(forward.start_mark);
+  }
+  cost.backward_ms = m.device_ms(backward);
+  cost.backward_cpu_ms = m.host_ms(backward);
+  cost.backward_peak_bytes = m.peak(backward.start_mark, backward.end_mark) - m.allocated(backward.start_mark);
+}
+
+// The root: its forward span holds the others' (its own part is before the first and after the
+// last), its backward span too (its head's backward before the last group's, its embedding's
+// after the first group's). The all-gathers the compute stream waited for inside are not its own.
+void measure_root(const Measure& m, const std::vector<GroupShape>& groups, GroupCost& cost) {
+  const GroupShape& root = groups.front();
+  const GroupShape& first = groups[1];
+  const GroupShape& last = groups.back();
+  const RecordedSpan& forward = m.get("forward " + root.label);
+  const RecordedSpan& backward = m.get("backward " + root.label);
+  const RecordedSpan& first_forward = m.get("forward " + first.label);
+  const RecordedSpan& last_forward = m.get("forward " + last.label);
+  const RecordedSpan& first_gather = m.get("all-gather " + first.label, 0);
+  const RecordedSpan& last_gather = m.get("all-gather " + last.label, 1);  // its backward's
+  const RecordedSpan& last_backward_start = m.find("recompute " + last.label) ? m.get("recompute " + last.label)
+                                                                            : m.get("backward " + last.label);
+  const RecordedSpan& first_backward = m.get("backward " + first.label);
+  // Marks: before the first group's all-gather allocates, after the last group's reshard, before
+  // the last group's all-gather in backward.
+  const int embed_end = first_gather.start_mark - 1, head_start = last_forward.end_mark + 1;
+  const int head_backward_end = last_gather.start_mark - 1;
+
+  const int64_t embed_saved = m.allocated(embed_end) - m.allocated(forward.start_mark);
+  cost.saved_bytes = cost.checkpoint_saved_bytes =
+      embed_saved + m.allocated(forward.end_mark) - m.allocated(head_start);
+  cost.forward_peak_bytes = std::max(m.peak(forward.start_mark, embed_end) - m.allocated(forward.start_mark),
+                                     embed_saved + m.peak(head_start, forward.end_mark) - m.allocated(head_start));
+  // The embedding's backward comes when the blocks' memory is gone: only the head's counts.
+  cost.backward_peak_bytes = m.peak(backward.start_mark, head_backward_end) - m.allocated(backward.start_mark);
+  for (bool host : {false, true}) {
+    const auto at = [host](const RecordedSpan& s, bool end) {
+      return host ? (end ? s.host_end_ms : s.host_start_ms) : (end ? s.end_ms : s.start_ms);
+    };
+    const auto length = [&](const RecordedSpan& s) { return at(s, true) - at(s, false); };
+    const double embed = at(first_forward, false) - at(forward, false) - length(first_gather);
+    const double head = at(forward, true) - at(last_forward, true);
+    const double head_backward = at(last_backward_start, false) - at(backward, false) - length(last_gather);
+    const double embed_backward = at(backward, true) - at(first_backward, true);
+    (host ? cost.forward_cpu_ms : cost.forward_ms) = std::max(0.0, embed) + std::max(0.0, head);
+    (host ? cost.backward_cpu_ms : cost.backward_ms) = std::max(0.0, head_backward) + std::max(0.0, embed_backward);
+  }
+}
+
+}  // namespace
+
+CostModel measure_cost_model(const std::vector<GroupShape>& groups, const RecordedStep& step) {
+  if (step.marks.empty()) throw std::invalid_argument("profiled step: recorded without memory marks");
+  for (size_t g = 0; g < groups.size(); ++g)
+    if (groups[g].encloses_later && (g != 0 || groups.size() < 2))
+      throw std::invalid_argument("profiled step: only the first of two or more groups can be the root (" +
+                                  groups[g].name + ")");
+  const Measure m(step);
+  CostModel model;
+  model.fixed_bytes = step.marks.front().allocated;
+  for (const auto& mark : step.marks) model.profiled_peak_bytes = std::max(model.profiled_peak_bytes, mark.peak_since_last);
+  for (const auto& shape : groups) {
+    GroupCost cost;
+    cost.name = shape.name;
+    cost.param_bytes = shape.param_bytes;
+    cost.gather_buffer_bytes = shape.gather_buffer_bytes;
+    cost.grad_bytes = shape.grad_bytes;
+    cost.reduce_input_bytes = shape.reduce_input_bytes;
+    cost.sharded_grad_bytes = shape.sharded_grad_bytes;
+    cost.checkpointable = shape.checkpointable;
+    cost.encloses_later = shape.encloses_later;
+    cost.allgather_ms = m.mean_ms("all-gather " + shape.label);
+    cost.reduce_scatter_ms = m.mean_ms("reduce-scatter " + shape.label);
+    if (shape.encloses_later)
+      measure_root(m, groups, cost);
+    else
+      measure_group(m, shape, cost);
+    for (int64_t* bytes : {&cost.saved_bytes, &cost.checkpoint_saved_bytes, &cost.forward_peak_bytes,
+                           &cost.backward_peak_bytes})
+      *bytes = std::max<int64_t>(0, *bytes);
+    if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = 0;  // no separate host time
+    model.groups.push_back(std::move(cost));
+  }
+  model.fixed_ms = std::max(0.0, step.step_ms - simulate(model, profiling_schedule(groups)).step_ms);
+  return model;
+}
+
+}  // namespace fsdp::plan

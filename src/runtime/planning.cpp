@@ -1,0 +1,160 @@
+#include "fsdp/planning.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "fsdp/communicator.h"
+#include "fsdp/launch.h"
+#include "fsdp/runtime_options.h"
+#include "runtime/module_state.h"
+#include "runtime/runtime.h"
+#include "shard/streams.h"
+#include "shard/trace.h"
+
+namespace fsdp {
+namespace {
+
+struct Group {
+  std::string path;  // in root's named_modules(): "blocks.3"; "root" for root itself
+  ModuleState* state;
+};
+
+// The groups under `root`, in the recorded forward order.
+std::vector<Group> groups_in_order(const torch::nn::Module& root, const char* caller) {
+  std::unordered_map<int, Group> under_root;
+  auto& mutable_root = const_cast<torch::nn::Module&>(root);  // named_modules() is not const
+  for (const auto& item : mutable_root.named_modules("", /*include_self=*/true))
+    if (ModuleState* state = Runtime::get().state_of(*item.value()))
+      under_root.emplace(state->id(), Group{item.key().empty() ? "root" : item.key(), state});
+  if (under_root.empty())
+    throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
+                                "): no module in it is sharded; call fully_shard first");
+  std::vector<Group> order;
+  for (int id : Runtime::get().recorded_forward_order())
+    if (under_root.count(id)) order.push_back(under_root.at(id));
+  if (order.size() != under_root.size())
+    throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
+                                "): no recorded forward order of all its groups; run one training step first");
+  return order;
+}
+
+std::chrono::steady_clock::time_point g_profile_start;
+
+// Every measured number of the model, in a fixed order (bytes are exact in a double up to 2^53).
+template <class Visit>
+void visit_measurements(plan::CostModel& model, Visit&& visit) {
+  for (auto& g : model.groups) {
+    for (int64_t* bytes : {&g.forward_peak_bytes, &g.saved_bytes, &g.checkpoint_saved_bytes, &g.backward_peak_bytes})
+      visit(*bytes);
+    for (double* ms : {&g.allgather_ms, &g.reduce_scatter_ms, &g.forward_ms, &g.backward_ms, &g.forward_cpu_ms,
+                       &g.backward_cpu_ms})
+      visit(*ms);
+  }
+  visit(model.fixed_bytes);
+  visit(model.fixed_ms);
+  visit(model.profiled_peak_bytes);
+}
+
+// Collective: each number becomes its largest over the ranks, so that every rank plans the same
+// schedule (different ones would issue different collectives) and the plan fits the fullest rank.
+void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
+  std::vector<double> values;
+  visit_measurements(model, [&](auto& field) { values.push_back(static_cast<double>(field)); });
+  const auto n = static_cast<int64_t>(values.size());
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor mine = at::from_blob(values.data(), {n}, opts).to(comm.device());
+  at::Tensor all = at::empty({comm.world_size() * n}, opts.device(comm.device()));
+  comm.all_gather(all, mine);
+  const at::Tensor largest = std::get<0>(all.view({comm.world_size(), n}).max(0)).cpu();
+  const double* agreed = largest.data_ptr<double>();
+  size_t i = 0;
+  visit_measurements(model, [&](auto& field) { field = static_cast<std::decay_t<decltype(field)>>(agreed[i++]); });
+}
+
+}  // namespace
+
+std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
+  const auto groups = groups_in_order(root, "group_shapes");
+  const ModuleState* root_state = Runtime::get().state_of(root);
+  std::vector<plan::GroupShape> shapes;
+  for (const Group& group : groups) {
+    const auto memory = group.state->group().memory_shape();
+    plan::GroupShape shape;
+    shape.name = group.path;
+    shape.label = group.state->group().label();
+    shape.param_bytes = memory.unsharded;
+    shape.gather_buffer_bytes = memory.gather_buffers;
+    shape.grad_bytes = memory.unsharded_grads;
+    shape.reduce_input_bytes = memory.reduce_input;
+    shape.sharded_grad_bytes = memory.sharded_grads;
+    shape.encloses_later = group.state == root_state && groups.size() > 1 && shapes.empty();
+    shape.checkpointable = !shape.encloses_later;
+    shapes.push_back(std::move(shape));
+  }
+  return shapes;
+}
+
+plan::Schedule profiling_schedule(const torch::nn::Module& root) {
+  return plan::profiling_schedule(group_shapes(root));
+}
+
+void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule) {
+  const auto groups = groups_in_order(root, "set_schedule");
+  if (schedule.reshard_after_forward.size() != groups.size() || schedule.checkpoint.size() != groups.size())
+    throw std::invalid_argument("fsdp::set_schedule: the schedule has " +
+                                std::to_string(schedule.reshard_after_forward.size()) + " groups, " + root.name() +
+                                " has " + std::to_string(groups.size()));
+  for (size_t g = 0; g < groups.size(); ++g)
+    groups[g].state->set_reshard_after_forward(schedule.reshard_after_forward[g]);
+  RuntimeOptions runtime = runtime_options();
+  runtime.prefetch_depth = schedule.prefetch_depth;
+  runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
+  runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
+  set_runtime_options(runtime);
+}
+
+void start_profiled_step() {
+  if (Trace::get().active())
+    throw std::logic_error("fsdp::start_profiled_step: a Chrome trace is being recorded; write it first");
+  if (runtime_options().bucket_mb > 0)
+    throw std::invalid_argument("fsdp::start_profiled_step: bucketing is on (bucket_mb > 0): the profile needs "
+                                "each group's collectives apart; set bucket_mb to 0 for the profiled step");
+  Trace::get().start(default_communicator()->device(), /*with_memory=*/true);
+  g_profile_start = std::chrono::steady_clock::now();
+}
+
+plan::CostModel finish_profiled_step(const torch::nn::Module& root) {
+  if (!Trace::get().active()) throw std::logic_error("fsdp::finish_profiled_step: no start_profiled_step before");
+  const c10::Device device = default_communicator()->device();
+  plan::RecordedStep step;
+  step.host_is_device = device.is_cpu();
+  const auto& streams = DeviceStreams::of(device);
+  if (streams.active()) streams.record(streams.compute())->synchronize();  // the optimizer's work too
+  Trace::Recording recording = Trace::get().finish();
+  step.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_profile_start).count();
+  for (const auto& span : recording.spans)
+    step.spans.push_back({span.name, span.start_ms, span.end_ms, span.host_start_ms, span.host_end_ms, span.start_mark,
+                          span.end_mark});
+  for (const auto& mark : recording.marks) step.marks.push_back({mark.allocated, mark.peak_since_last});
+  plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
+  agree_across_ranks(model, *default_communicator());
+  return model;
+}
+
+plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,
+                           double margin) {
+  const auto shapes = group_shapes(root);
+  bool same = shapes.size() == profile.groups.size();
+  for (size_t g = 0; same && g < shapes.size(); ++g) same = shapes[g].name == profile.groups[g].name;
+  if (!same)
+    throw std::invalid_argument("fsdp::plan_for_budget: the profile is not of " + root.name() +
+                                "'s groups (in its forward order); profile this model with finish_profiled_step");
+  return plan::plan_schedule(profile, budget_bytes, margin);
+}
+
+}  // namespace fsdp

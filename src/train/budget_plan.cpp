@@ -1,0 +1,127 @@
+#include "train/budget_plan.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+
+#include "fsdp/planning.h"
+#include "shard/memory_stats.h"
+#include "train/memory.h"
+#include "train/sharding_plan.h"
+
+namespace fsdp::train {
+namespace {
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  if (bytes >= (int64_t(1) << 30))
+    std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
+  else
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / double(1 << 20));
+  return text;
+}
+
+std::string prediction_text(const plan::Prediction& p) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f ms/step, peak ", p.step_ms);
+  return text + gib(p.peak_bytes);
+}
+
+// The schedule of the runtime's defaults with every block checkpointed or none.
+plan::Schedule uniform_schedule(const plan::CostModel& profile, bool checkpointed) {
+  plan::Schedule s = plan::default_schedule(profile.groups.size());
+  for (size_t g = 0; g < profile.groups.size(); ++g) {
+    s.checkpoint[g] = checkpointed && profile.groups[g].checkpointable;
+    s.reshard_after_forward[g] = !profile.groups[g].encloses_later;
+  }
+  return s;
+}
+
+std::string checkpointed_blocks_json(const plan::Schedule& s) {
+  std::string out = "[";
+  for (size_t g = 1; g < s.checkpoint.size(); ++g)
+    if (s.checkpoint[g]) out += (out.size() > 1 ? "," : "") + std::to_string(g - 1);
+  return out + "]";
+}
+
+}  // namespace
+
+std::string profile_report(const plan::CostModel& profile, const plan::Schedule& profiled) {
+  const plan::Prediction replay = plan::simulate(profile, profiled);
+  return "fsdp-train: profiled step: peak " + gib(profile.profiled_peak_bytes) + " allocated (the simulator's replay: " +
+         gib(replay.peak_bytes) + "); " + gib(profile.fixed_bytes) + " held throughout (shards, optimizer state)\n";
+}
+
+std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, int64_t budget_bytes) {
+  std::string text = "fsdp-train: plan for a " + gib(budget_bytes) + " budget (" + gib(plan.usable_bytes) +
+                     " usable): " + describe(plan.chosen.schedule, profile) + "\nfsdp-train:   predicted " +
+                     prediction_text(plan.chosen.prediction) + " (during the " + plan.chosen.prediction.peak_during +
+                     ": ";
+  const auto& live = plan.chosen.prediction.live_at_peak;
+  for (size_t i = 0; i < live.size() && i < 4; ++i) text += (i ? ", " : "") + live[i].what + " " + gib(live[i].bytes);
+  text += live.size() > 4 ? ", ...)\n" : ")\n";
+  for (const auto& r : plan.runners_up)
+    text += "fsdp-train:   runner-up: " + describe(r.schedule, profile) + ": " + prediction_text(r.prediction) + "\n";
+  return text;
+}
+
+void check_plans(model::Llama& model, const plan::CostModel& profile, const std::function<void()>& one_step,
+                 const c10::Device& device, int budgets, int steps, double device_bytes, const std::string& path,
+                 bool lead) {
+  if (steps < 3) throw std::invalid_argument("--plan-check-steps must be at least 3 (two are warm-up)");
+  std::vector<std::pair<std::string, plan::Schedule>> schedules{{"no checkpointing", uniform_schedule(profile, false)},
+                                                                {"full checkpointing", uniform_schedule(profile, true)}};
+  const int64_t low = plan::simulate(profile, schedules[1].second).peak_bytes;
+  const int64_t high = plan::simulate(profile, schedules[0].second).peak_bytes;
+  for (int i = 0; i < budgets; ++i) {
+    // Budgets whose usable part (less the 5% margin) runs from the low peak to the high one.
+    const double usable = low + (high - low) * double(i) / std::max(1, budgets - 1);
+    const auto budget = static_cast<int64_t>(usable / 0.95) + 1;
+    try {
+      schedules.emplace_back("planned for " + gib(budget), plan::plan_schedule(profile, budget).chosen.schedule);
+    } catch (const plan::BudgetTooSmall&) {
+    }
+  }
+  std::ofstream out;
+  if (lead) {
+    out.open(path);
+    if (!out) throw std::runtime_error("--plan-check: cannot write '" + path + "'");
+  }
+  std::vector<plan::Schedule> done;
+  for (const auto& [name, schedule] : schedules) {
+    const bool repeated = std::any_of(done.begin(), done.end(), [&](const plan::Schedule& s) {
+      return s.checkpoint == schedule.checkpoint && s.reshard_after_forward == schedule.reshard_after_forward &&
+             s.prefetch_depth == schedule.prefetch_depth && s.max_inflight_allgathers == schedule.max_inflight_allgathers &&
+             s.max_inflight_reduce_scatters == schedule.max_inflight_reduce_scatters;
+    });
+    const plan::Prediction predicted = plan::simulate(profile, schedule);
+    if (repeated || (device_bytes > 0 && predicted.peak_bytes > 0.95 * device_bytes)) continue;
+    done.push_back(schedule);
+    apply_schedule(model, schedule);
+    std::vector<double> times;
+    for (int i = 0; i < steps; ++i) {
+      if (i == 2) reset_peak_allocated(device);
+      const auto start = std::chrono::steady_clock::now();
+      one_step();  // ends with the device idle
+      if (i >= 2) times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    const int64_t peak = allocated_bytes(device).peak;
+    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+    const double median = times[times.size() / 2];
+    if (lead) {
+      std::printf("fsdp-train: plan check: %s: %s | predicted %.1f ms, %s | measured %.1f ms, %s\n", name.c_str(),
+                  describe(schedule, profile).c_str(), predicted.step_ms, gib(predicted.peak_bytes).c_str(), median,
+                  gib(peak).c_str());
+      std::fflush(stdout);
+      out << "{\"name\":\"" << name << "\",\"schedule\":\"" << describe(schedule, profile)
+          << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(schedule)
+          << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
+          << ",\"measured_ms\":" << median << ",\"measured_peak_bytes\":" << peak << "}\n";
+    }
+  }
+  if (lead && !out.flush()) throw std::runtime_error("--plan-check: could not write '" + path + "'");
+}
+
+}  // namespace fsdp::train
