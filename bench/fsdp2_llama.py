@@ -83,9 +83,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, c, max_seq, checkpoint_blocks=False):
+    def __init__(self, c, max_seq, checkpointed=()):
         super().__init__()
-        self.checkpoint_blocks = checkpoint_blocks
+        self.checkpointed = set(checkpointed)  # indices of the blocks recomputed in backward
         self.tok_emb = nn.Embedding(c["vocab"], c["dim"])
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
         self.norm = nn.RMSNorm(c["dim"], eps=EPS)
@@ -120,8 +120,8 @@ class Llama(nn.Module):
         h = self.tok_emb(tokens)
         t = tokens.shape[1]
         cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
-        for block in self.blocks:
-            if self.checkpoint_blocks:
+        for i, block in enumerate(self.blocks):
+            if i in self.checkpointed:
                 h = torch.utils.checkpoint.checkpoint(block, h, cos, sin, use_reentrant=False)
             else:
                 h = block(h, cos, sin)
@@ -194,6 +194,9 @@ def main():
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
+    p.add_argument("--checkpoint-blocks", default="",
+                   help="comma-separated indices of the blocks to recompute in backward (selective "
+                        "checkpointing, e.g. the blocks fsdp-train --plan-check's plans name)")
     p.add_argument("--init", help="weights written by fsdp-train --save-init (default: made on the meta "
                                   "device, sharded, then initialised like fsdp-train's, not to the same values)")
     p.add_argument("--jsonl", required=True, help="per-step log (JSON lines)")
@@ -215,11 +218,13 @@ def main():
     if on_gpu:
         torch.cuda.set_device(device)
     c = PRESETS[args.model]
+    checkpointed = (range(c["n_layers"]) if args.checkpoint else
+                    [int(i) for i in args.checkpoint_blocks.split(",") if i.strip()])
     if args.attention == "flash":
         torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
     if args.init:
-        model = Llama(c, max(args.seq, 2048), args.checkpoint)
+        model = Llama(c, max(args.seq, 2048), checkpointed)
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
             weights = torch.load(args.init)
         missing = model.load_state_dict(weights, strict=False)
@@ -229,7 +234,7 @@ def main():
         assert not args.ddp and not args.optimizer_before_shard, "--ddp and --optimizer-before-shard need --init"
         torch.manual_seed(args.seed)
         with torch.device("meta"):
-            model = Llama(c, max(args.seq, 2048), args.checkpoint)
+            model = Llama(c, max(args.seq, 2048), checkpointed)
     def make_optimizer():
         # fused=True: the kernel fsdp-train's FusedAdamW calls (CUDA and CPU).
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),

@@ -9,12 +9,18 @@
 #   small   small vs FSDP2 eager, compiled and DDP, and small-flash (fsdp.cpp with FlashAttention-2
 #           instead of ATen's choice), REPEATS times
 #   8b-ac   8b with checkpointing vs eager FSDP2 (each its own initial weights), REPEATS times
+# and the memory-budget planner (issue #13):
+#   plan-1b build, fsdp-train --plan-check on the 1B (predicted vs measured for no and full
+#           checkpointing and 8 budgets' plans), the same checkpointed blocks in eager FSDP2, the
+#           frontier (bench/plan_frontier.py)
+#   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
+#           --memory-budget 48 --plan-only on the 8B
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small or 8b-ac}
+out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b or plan-8b}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -57,5 +63,19 @@ case $part in
     bench bench-1b-lowlr 100 --configs 1b-lowlr ;;
   small) bench bench-small 520 --configs small,small-flash --repeats "$repeats" ;;
   8b-ac) bench bench-8b-ac 520 --configs 8b-ac --repeats "$repeats" ;;
+  plan-1b)
+    phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+      --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-1b.jsonl" --log "$work/plan-1b.jsonl"
+    phase frontier-1b 330 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" \
+      --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6" ;;
+  plan-8b)
+    phase gpu-tests 150 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
+      --output-on-failure
+    phase plan-check-8b 240 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-8b.jsonl" --plan-check-budgets 6 \
+      --plan-check-steps 4 --log "$work/plan-8b.jsonl"
+    phase frontier-8b 20 python3 bench/plan_frontier.py --check "$work/plan-check-8b.jsonl" --out "$work/frontier-8b"
+    phase budget-48-8b 150 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --steps 3 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

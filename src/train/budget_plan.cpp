@@ -71,26 +71,33 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
                  const c10::Device& device, int budgets, int steps, double device_bytes, const std::string& path,
                  bool lead) {
   if (steps < 3) throw std::invalid_argument("--plan-check-steps must be at least 3 (two are warm-up)");
-  std::vector<std::pair<std::string, plan::Schedule>> schedules{{"no checkpointing", uniform_schedule(profile, false)},
-                                                                {"full checkpointing", uniform_schedule(profile, true)}};
-  const int64_t low = plan::simulate(profile, schedules[1].second).peak_bytes;
-  const int64_t high = plan::simulate(profile, schedules[0].second).peak_bytes;
+  struct Candidate {
+    std::string name;
+    plan::Schedule schedule;
+    int64_t budget_bytes = 0;  // 0: a fixed point, not planned
+  };
+  // Least memory first: were the device to run out, the lines already written stay.
+  const Candidate none{"no checkpointing", uniform_schedule(profile, false)};
+  std::vector<Candidate> schedules{{"full checkpointing", uniform_schedule(profile, true)}};
+  const int64_t low = plan::simulate(profile, schedules[0].schedule).peak_bytes;
+  const int64_t high = plan::simulate(profile, none.schedule).peak_bytes;
   for (int i = 0; i < budgets; ++i) {
     // Budgets whose usable part (less the 5% margin) runs from the low peak to the high one.
     const double usable = low + (high - low) * double(i) / std::max(1, budgets - 1);
     const auto budget = static_cast<int64_t>(usable / 0.95) + 1;
     try {
-      schedules.emplace_back("planned for " + gib(budget), plan::plan_schedule(profile, budget).chosen.schedule);
+      schedules.push_back({"planned for " + gib(budget), plan::plan_schedule(profile, budget).chosen.schedule, budget});
     } catch (const plan::BudgetTooSmall&) {
     }
   }
+  schedules.push_back(none);
   std::ofstream out;
   if (lead) {
     out.open(path);
     if (!out) throw std::runtime_error("--plan-check: cannot write '" + path + "'");
   }
   std::vector<plan::Schedule> done;
-  for (const auto& [name, schedule] : schedules) {
+  for (const auto& [name, schedule, budget_bytes] : schedules) {
     const bool repeated = std::any_of(done.begin(), done.end(), [&](const plan::Schedule& s) {
       return s.checkpoint == schedule.checkpoint && s.reshard_after_forward == schedule.reshard_after_forward &&
              s.prefetch_depth == schedule.prefetch_depth && s.max_inflight_allgathers == schedule.max_inflight_allgathers &&
@@ -116,9 +123,9 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
                   gib(peak).c_str());
       std::fflush(stdout);
       out << "{\"name\":\"" << name << "\",\"schedule\":\"" << describe(schedule, profile)
-          << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(schedule)
+          << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(schedule) << ",\"budget_bytes\":" << budget_bytes
           << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
-          << ",\"measured_ms\":" << median << ",\"measured_peak_bytes\":" << peak << "}\n";
+          << ",\"measured_ms\":" << median << ",\"measured_peak_bytes\":" << peak << "}" << std::endl;
     }
   }
   if (lead && !out.flush()) throw std::runtime_error("--plan-check: could not write '" + path + "'");
