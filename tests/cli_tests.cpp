@@ -53,6 +53,13 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--log", "/"}, "--log: '/' exists and is not a file"},
       {{"--trace", "/nonexistent/t"}, "--trace: cannot write '/nonexistent/t-rank0.json'"},
       {{"--model", "small", "--batch", "64", "--seq", "1000000"}, "lower --batch or --seq, or add --checkpoint"},
+      {{"--memory-budget", "-1"}, "--memory-budget must be a positive number of GiB"},
+      {{"--plan-only"}, "--plan-only needs --memory-budget"},
+      {{"--memory-budget", "8", "--checkpoint"}, "--memory-budget chooses which blocks are checkpointed"},
+      {{"--memory-budget", "8", "--bucket-mb", "4"}, "drop --bucket-mb"},
+      {{"--memory-budget", "8", "--grad-accum", "2"}, "drop --grad-accum"},
+      {{"--memory-budget", "8", "--steps", "2"}, "--steps must be at least 3"},
+      {{"--plan-check", "/tmp/p.jsonl", "--plan-check-steps", "2"}, "--plan-check-steps must be at least 3"},
   };
   for (const auto& [argv, message] : cases) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv[0];
 }
@@ -78,7 +85,8 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
       "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--attention", "--log", "--timeout",
       "--prefetch-depth", "--max-inflight-allgathers", "--max-inflight-reduce-scatters", "--bucket-mb",
       "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",
-      "--save-init", "--checkpoint", "--tie-embeddings", "--no-reshard-after-forward", "--dry-run",
+      "--save-init", "--memory-budget", "--plan-only", "--checkpoint", "--tie-embeddings",
+      "--no-reshard-after-forward", "--dry-run",
       "--optimizer-before-shard", "-", "--", "---steps", "--STEPS", "--steps=3", ""};
   const std::vector<std::string> values = {
       "0", "1", "2", "-1", "3.5", "1e308", "1e-320", "inf", "-inf", "nan", "0x10", "9223372036854775807",
