@@ -36,6 +36,9 @@ plan::Schedule profiling_schedule(const torch::nn::Module& root);
 // schedule says (bucketing as it was). Takes effect from the next step. Throws
 // std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
 void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule);
+// Only the runtime's part of it: prefetch depth and in-flight caps (for use before any step,
+// while sharding with the schedule's per-group choices).
+void set_runtime_choices(const plan::Schedule& schedule);
 
 // Records the next step with memory marks (call right before its forward; not while a Chrome
 // trace is being recorded). finish_profiled_step, after the optimizer step, waits for the device

@@ -29,15 +29,6 @@ std::vector<size_t> kept_unsharded_counts(size_t groups) {
   return counts;
 }
 
-std::string gib(int64_t bytes) {
-  char text[32];
-  if (bytes >= (int64_t(1) << 30))
-    std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
-  else
-    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / double(1 << 20));
-  return text;
-}
-
 std::string names(const std::vector<bool>& chosen, const CostModel& model, bool value) {
   std::string out;
   int listed = 0, count = 0;
@@ -50,6 +41,15 @@ std::string names(const std::vector<bool>& chosen, const CostModel& model, bool 
 }
 
 }  // namespace
+
+std::string format_bytes(int64_t bytes) {
+  char text[32];
+  if (bytes >= (int64_t(1) << 30))
+    std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
+  else
+    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / double(1 << 20));
+  return text;
+}
 
 std::string describe(const Schedule& s, const CostModel& model) {
   const auto count = [](const std::vector<bool>& v, bool value) { return std::count(v.begin(), v.end(), value); };
@@ -91,9 +91,10 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
   }
   if (fits.empty()) {
     const auto smallest_budget = static_cast<int64_t>(std::ceil(double(smallest_peak) / (1 - margin)));
-    throw BudgetTooSmall("a memory budget of " + gib(budget_bytes) + " is too small: the schedule with the least " +
-                             "memory peaks at " + gib(smallest_peak) + ", so the smallest budget that fits is " +
-                             gib(smallest_budget) + " (with the " + std::to_string(int(margin * 100)) +
+    throw BudgetTooSmall("a memory budget of " + format_bytes(budget_bytes) +
+                             " is too small: the schedule with the least memory peaks at " +
+                             format_bytes(smallest_peak) + ", so the smallest budget that fits is " +
+                             format_bytes(smallest_budget) + " (with the " + std::to_string(int(margin * 100)) +
                              "% margin); use more GPUs, a smaller batch or sequence",
                          smallest_budget);
   }

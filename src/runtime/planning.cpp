@@ -111,6 +111,10 @@ void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule)
                                 " has " + std::to_string(groups.size()));
   for (size_t g = 0; g < groups.size(); ++g)
     groups[g].state->set_reshard_after_forward(schedule.reshard_after_forward[g]);
+  set_runtime_choices(schedule);
+}
+
+void set_runtime_choices(const plan::Schedule& schedule) {
   RuntimeOptions runtime = runtime_options();
   runtime.prefetch_depth = schedule.prefetch_depth;
   runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;

@@ -14,19 +14,12 @@
 namespace fsdp::train {
 namespace {
 
-std::string gib(int64_t bytes) {
-  char text[32];
-  if (bytes >= (int64_t(1) << 30))
-    std::snprintf(text, sizeof(text), "%.2f GiB", bytes / double(int64_t(1) << 30));
-  else
-    std::snprintf(text, sizeof(text), "%.1f MiB", bytes / double(1 << 20));
-  return text;
-}
+using plan::format_bytes;
 
 std::string prediction_text(const plan::Prediction& p) {
   char text[64];
   std::snprintf(text, sizeof(text), "%.1f ms/step, peak ", p.step_ms);
-  return text + gib(p.peak_bytes);
+  return text + format_bytes(p.peak_bytes);
 }
 
 // The schedule of the runtime's defaults with every block checkpointed or none.
@@ -50,17 +43,19 @@ std::string checkpointed_blocks_json(const plan::Schedule& s) {
 
 std::string profile_report(const plan::CostModel& profile, const plan::Schedule& profiled) {
   const plan::Prediction replay = plan::simulate(profile, profiled);
-  return "fsdp-train: profiled step: peak " + gib(profile.profiled_peak_bytes) + " allocated (the simulator's replay: " +
-         gib(replay.peak_bytes) + "); " + gib(profile.fixed_bytes) + " held throughout (shards, optimizer state)\n";
+  return "fsdp-train: profiled step: peak " + format_bytes(profile.profiled_peak_bytes) +
+         " allocated (the simulator's replay: " + format_bytes(replay.peak_bytes) + "); " +
+         format_bytes(profile.fixed_bytes) + " held throughout (shards, optimizer state)\n";
 }
 
 std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, int64_t budget_bytes) {
-  std::string text = "fsdp-train: plan for a " + gib(budget_bytes) + " budget (" + gib(plan.usable_bytes) +
-                     " usable): " + describe(plan.chosen.schedule, profile) + "\nfsdp-train:   predicted " +
-                     prediction_text(plan.chosen.prediction) + " (during the " + plan.chosen.prediction.peak_during +
-                     ": ";
+  std::string text = "fsdp-train: plan for a " + format_bytes(budget_bytes) + " budget (" +
+                     format_bytes(plan.usable_bytes) + " usable): " + describe(plan.chosen.schedule, profile) +
+                     "\nfsdp-train:   predicted " + prediction_text(plan.chosen.prediction) + " (during the " +
+                     plan.chosen.prediction.peak_during + ": ";
   const auto& live = plan.chosen.prediction.live_at_peak;
-  for (size_t i = 0; i < live.size() && i < 4; ++i) text += (i ? ", " : "") + live[i].what + " " + gib(live[i].bytes);
+  for (size_t i = 0; i < live.size() && i < 4; ++i)
+    text += (i ? ", " : "") + live[i].what + " " + format_bytes(live[i].bytes);
   text += live.size() > 4 ? ", ...)\n" : ")\n";
   for (const auto& r : plan.runners_up)
     text += "fsdp-train:   runner-up: " + describe(r.schedule, profile) + ": " + prediction_text(r.prediction) + "\n";
@@ -86,7 +81,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     const double usable = low + (high - low) * double(i) / std::max(1, budgets - 1);
     const auto budget = static_cast<int64_t>(usable / 0.95) + 1;
     try {
-      schedules.push_back({"planned for " + gib(budget), plan::plan_schedule(profile, budget).chosen.schedule, budget});
+      const plan::Schedule chosen = plan::plan_schedule(profile, budget).chosen.schedule;
+      schedules.push_back({"planned for " + format_bytes(budget), chosen, budget});
     } catch (const plan::BudgetTooSmall&) {
     }
   }
@@ -98,11 +94,7 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
   }
   std::vector<plan::Schedule> done;
   for (const auto& [name, schedule, budget_bytes] : schedules) {
-    const bool repeated = std::any_of(done.begin(), done.end(), [&](const plan::Schedule& s) {
-      return s.checkpoint == schedule.checkpoint && s.reshard_after_forward == schedule.reshard_after_forward &&
-             s.prefetch_depth == schedule.prefetch_depth && s.max_inflight_allgathers == schedule.max_inflight_allgathers &&
-             s.max_inflight_reduce_scatters == schedule.max_inflight_reduce_scatters;
-    });
+    const bool repeated = std::find(done.begin(), done.end(), schedule) != done.end();
     const plan::Prediction predicted = plan::simulate(profile, schedule);
     if (repeated || (device_bytes > 0 && predicted.peak_bytes > 0.95 * device_bytes)) continue;
     done.push_back(schedule);
@@ -112,15 +104,16 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
       if (i == 2) reset_peak_allocated(device);
       const auto start = std::chrono::steady_clock::now();
       one_step();  // ends with the device idle
-      if (i >= 2) times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
+      if (i >= 2) times.push_back(elapsed.count());
     }
     const int64_t peak = allocated_bytes(device).peak;
     std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
     const double median = times[times.size() / 2];
     if (lead) {
       std::printf("fsdp-train: plan check: %s: %s | predicted %.1f ms, %s | measured %.1f ms, %s\n", name.c_str(),
-                  describe(schedule, profile).c_str(), predicted.step_ms, gib(predicted.peak_bytes).c_str(), median,
-                  gib(peak).c_str());
+                  describe(schedule, profile).c_str(), predicted.step_ms, format_bytes(predicted.peak_bytes).c_str(),
+                  median, format_bytes(peak).c_str());
       std::fflush(stdout);
       out << "{\"name\":\"" << name << "\",\"schedule\":\"" << describe(schedule, profile)
           << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(schedule) << ",\"budget_bytes\":" << budget_bytes

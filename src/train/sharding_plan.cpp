@@ -8,8 +8,8 @@
 namespace fsdp::train {
 namespace {
 
-// The checkpointed blocks and the runtime's choices; the groups' reshard choices are the caller's.
-void checkpoint_blocks_and_set_runtime(model::Llama& model, const plan::Schedule& schedule) {
+// Checks the schedule against the model and sets which blocks the Llama recomputes.
+void checkpoint_blocks(model::Llama& model, const plan::Schedule& schedule) {
   const size_t groups = model->blocks.size() + 1;
   if (schedule.checkpoint.size() != groups || schedule.reshard_after_forward.size() != groups)
     throw std::invalid_argument("apply_schedule: the schedule has " + std::to_string(schedule.checkpoint.size()) +
@@ -20,11 +20,6 @@ void checkpoint_blocks_and_set_runtime(model::Llama& model, const plan::Schedule
   config.checkpointed_blocks.clear();
   for (size_t i = 0; i < model->blocks.size(); ++i)
     if (schedule.checkpoint[i + 1]) config.checkpointed_blocks.push_back(static_cast<int64_t>(i));
-  RuntimeOptions runtime = runtime_options();
-  runtime.prefetch_depth = schedule.prefetch_depth;
-  runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
-  runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
-  set_runtime_options(runtime);
 }
 
 }  // namespace
@@ -44,7 +39,8 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
 }
 
 void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard) {
-  checkpoint_blocks_and_set_runtime(model, schedule);
+  checkpoint_blocks(model, schedule);
+  set_runtime_choices(schedule);
   for (size_t i = 0; i < model->blocks.size(); ++i) {
     ShardOptions block_shard = shard;
     block_shard.reshard_after_forward = schedule.reshard_after_forward[i + 1];
@@ -54,7 +50,7 @@ void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, Sh
 }
 
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule) {
-  checkpoint_blocks_and_set_runtime(model, schedule);
+  checkpoint_blocks(model, schedule);
   set_schedule(*model, schedule);
 }
 

@@ -49,6 +49,12 @@ struct Schedule {
   int prefetch_depth = 1;
   int max_inflight_allgathers = 2;      // 0: unlimited
   int max_inflight_reduce_scatters = 2;  // 0: unlimited
+
+  bool operator==(const Schedule& o) const {
+    return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward &&
+           prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
+           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters;
+  }
 };
 
 // The runtime's defaults for `groups` groups: every group resharded, none checkpointed.

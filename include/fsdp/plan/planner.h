@@ -39,6 +39,9 @@ class BudgetTooSmall : public std::invalid_argument {
 // times go to the lower peak. Throws BudgetTooSmall naming the smallest budget that fits.
 Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin = 0.05);
 
+// "1.50 GiB", or "12.3 MiB" below a GiB: how plans and their checks print bytes.
+std::string format_bytes(int64_t bytes);
+
 // One line: "checkpoint 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
 // in flight 2 all-gathers / 2 reduce-scatters".
 std::string describe(const Schedule& schedule, const CostModel& model);
