@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/plan/measured_step.h"
 #include "fsdp/plan/planner.h"
 #include "fsdp/plan/simulator.h"
 
@@ -86,6 +87,50 @@ TEST(Simulator, CheckpointingTradesRecomputeTimeForSavedBytes) {
   model.groups[1].checkpointable = false;
   EXPECT_THROW(simulate(model, s), std::invalid_argument);
   EXPECT_THROW(simulate(two_groups(), default_schedule(3)), std::invalid_argument);
+}
+
+// Contention at prefetch depth 1: collectives beside compute take twice as long, and compute
+// loses 0.5 ms per ms of collective beside it. AG A 0-0.5 (alone), AG B 0.5-1.5 (prefetched,
+// stretched); fwd A 0.5-1.5 plus 0.5 x 1 ms of AG B beside it: 0.5-2; fwd B 2-3. AG B 3-3.5
+// (alone: nothing computes), AG A 3.5-4.5 (prefetched); bwd B 3.5-5.5 plus 0.5: -6; RS B 6-7
+// (stretched: A's backward follows), bwd A 6-8 plus 0.5: -8.5; RS A 8.5-9 (the last), optimizer: 10.
+TEST(Simulator, ContentionSlowsCollectivesAndTheComputeBesideThem) {
+  Schedule s = default_schedule(2);
+  CostModel m = two_groups();
+  m.contention = {2.0, 2.0, 0.5};
+  EXPECT_DOUBLE_EQ(simulate(m, s).step_ms, 10.0);
+  EXPECT_DOUBLE_EQ(simulate(two_groups(), s).step_ms, 8.5);
+  EXPECT_EQ(simulate(m, s).peak_bytes, simulate(two_groups(), s).peak_bytes);  // time only
+}
+
+// The calibration inverts the simulator: the step above, recorded span by span, gives back the
+// contention it ran with (stretches from the spans beside compute; the slowdown by bisection,
+// with the profiled step at prefetch 0 taking 9.75 ms, so fixed_ms stays 1).
+TEST(Calibration, RecoversTheContentionOfARecordedStep) {
+  std::vector<GroupShape> shapes(2);
+  shapes[0].name = "A", shapes[0].label = "#1 A", shapes[1].name = "B", shapes[1].label = "#2 B";
+  for (auto& shape : shapes) shape.checkpointable = false;  // profiled and calibrated as worked out above
+  RecordedStep step;
+  step.spans = {{"all-gather #1 A", 0, 0.5},     {"all-gather #2 B", 0.5, 1.5}, {"forward #1 A", 0.5, 2},
+                {"forward #2 B", 2, 3},          {"all-gather #2 B", 3, 3.5},   {"all-gather #1 A", 3.5, 4.5},
+                {"backward #2 B", 3.5, 6},       {"reduce-scatter #2 B", 6, 7}, {"backward #1 A", 6, 8.5},
+                {"reduce-scatter #1 A", 8.5, 9}};
+  step.step_ms = 10;
+  CostModel m = two_groups();
+  m.profiled_step_ms = 9.75;
+  calibrate_contention(m, shapes, step);
+  EXPECT_DOUBLE_EQ(m.contention.allgather_stretch, 2.0);
+  EXPECT_DOUBLE_EQ(m.contention.reduce_scatter_stretch, 2.0);
+  EXPECT_NEAR(m.contention.compute_slowdown, 0.5, 1e-3);
+  EXPECT_NEAR(m.fixed_ms, 1.0, 1e-3);
+  EXPECT_EQ(calibration_schedule(shapes).prefetch_depth, 1);
+
+  // A calibration step faster than even no contention explains: none is fitted.
+  step.step_ms = 8;
+  calibrate_contention(m, shapes, step);
+  EXPECT_EQ(m.contention.compute_slowdown, 0.0);
+  step.spans.clear();
+  EXPECT_THROW(calibrate_contention(m, shapes, step), std::invalid_argument);
 }
 
 // Keeping B unsharded from forward to backward skips its second all-gather.

@@ -174,13 +174,15 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   int exit_code = 0;
-  // --memory-budget / --plan-check: the step after the first is profiled, then planned for.
+  // --memory-budget / --plan-check: the step after the first is profiled, the next calibrates the
+  // profile's contention, then the plan is made.
   const int profiled_step = planning ? first_step + 1 : -1;
-  const int trace_step = planning ? profiled_step + 1 : std::min(1, args.steps - 1);
+  const int calibration_step = planning ? profiled_step + 1 : -1;
+  const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
   // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
-  auto train_step = [&](int step, bool profiled) {
+  auto train_step = [&](int step, void (*start_recording)()) {
     optimizer->zero_grad();
-    if (profiled) fsdp::start_profiled_step();
+    if (start_recording) start_recording();
     // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
     // rows, the same rows one step of K x --batch rows would take.
     at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -210,7 +212,11 @@ int train(const fsdp::train::TrainArgs& args) {
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
     if (step == profiled_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
-    const auto [loss, grad_norm_on_device] = train_step(step, step == profiled_step);
+    if (step == calibration_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
+    const auto [loss, grad_norm_on_device] =
+        train_step(step, step == profiled_step      ? fsdp::start_profiled_step
+                         : step == calibration_step ? fsdp::start_calibration_step
+                                                    : nullptr);
 
     // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
     auto loss_and_stop = at::stack({loss,
@@ -221,6 +227,7 @@ int train(const fsdp::train::TrainArgs& args) {
     const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
     if (step == profiled_step) profile = fsdp::finish_profiled_step(*model);
+    if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile);
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
@@ -271,10 +278,14 @@ int train(const fsdp::train::TrainArgs& args) {
       log.flush();
       check_log();
     }
-    if (step == profiled_step) {
-      if (lead) std::printf("%s", fsdp::train::profile_report(*profile, fsdp::profiling_schedule(*model)).c_str());
+    if (step == profiled_step && lead)
+      std::printf("%s", fsdp::train::profile_report(*profile, fsdp::profiling_schedule(*model)).c_str());
+    if (step == calibration_step) {
+      if (lead)
+        std::printf("%s", fsdp::train::contention_report(*profile, fsdp::calibration_schedule(*model)).c_str());
       if (!args.plan_check.empty()) {
-        auto one_step = [&] { train_step(step, false).first.item<double>(); };  // .item(): the device is idle after
+        // .item(): the device is idle after each step
+        auto one_step = [&] { train_step(step, nullptr).first.item<double>(); };
         fsdp::train::check_plans(model, *profile, one_step, device, args.plan_check_budgets, args.plan_check_steps,
                                  fsdp::train::smallest_gpu_bytes(), args.plan_check, lead);
         if (lead) std::printf("fsdp-train: plan check written to %s\n", args.plan_check.c_str());

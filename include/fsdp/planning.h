@@ -6,6 +6,10 @@
 //   fsdp::start_profiled_step();
 //   train_one_step();
 //   auto profile = fsdp::finish_profiled_step(model);             // the cost model
+//   fsdp::set_schedule(model, fsdp::calibration_schedule(model));  // the same at prefetch depth 1
+//   fsdp::start_calibration_step();
+//   train_one_step();
+//   fsdp::finish_calibration_step(model, profile);               // collectives beside compute
 //   auto plan = fsdp::plan_for_budget(model, 40LL << 30, profile);  // 40 GiB
 //   fsdp::set_schedule(model, plan.chosen.schedule);  // the model checkpoints the groups it names
 //
@@ -46,6 +50,14 @@ void set_runtime_choices(const plan::Schedule& schedule);
 // largest any rank measured, so all ranks plan the same schedule.
 void start_profiled_step();
 plan::CostModel finish_profiled_step(const torch::nn::Module& root);
+
+// The step after the profiled one, recorded to measure how collectives and compute slow each
+// other (plan::calibrate_contention), so the planner prices prefetching truthfully: run it under
+// calibration_schedule(root) (the profile's, at prefetch depth 1) between start_calibration_step
+// and finish_calibration_step, which writes profile.contention. Collective, like the profile.
+plan::Schedule calibration_schedule(const torch::nn::Module& root);
+void start_calibration_step();
+void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile);
 
 // The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
 // after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.

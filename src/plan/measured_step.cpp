@@ -1,6 +1,7 @@
 #include "fsdp/plan/measured_step.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 
 #include "fsdp/plan/simulator.h"
@@ -127,6 +128,12 @@ void measure_root(const Measure& m, const std::vector<GroupShape>& groups, Group
   }
 }
 
+// fixed_ms: what the profiled step took beyond the groups' replay under `profiled`.
+void fit_fixed_ms(CostModel& model, const Schedule& profiled) {
+  model.fixed_ms = 0;
+  model.fixed_ms = std::max(0.0, model.profiled_step_ms - simulate(model, profiled).step_ms);
+}
+
 }  // namespace
 
 CostModel measure_cost_model(const std::vector<GroupShape>& groups, const RecordedStep& step) {
@@ -138,7 +145,8 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
   const Measure m(step);
   CostModel model;
   model.fixed_bytes = step.marks.front().allocated;
-  for (const auto& mark : step.marks) model.profiled_peak_bytes = std::max(model.profiled_peak_bytes, mark.peak_since_last);
+  for (const auto& mark : step.marks)
+    model.profiled_peak_bytes = std::max(model.profiled_peak_bytes, mark.peak_since_last);
   for (const auto& shape : groups) {
     GroupCost cost;
     cost.name = shape.name;
@@ -161,8 +169,76 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = 0;  // no separate host time
     model.groups.push_back(std::move(cost));
   }
-  model.fixed_ms = std::max(0.0, step.step_ms - simulate(model, profiling_schedule(groups)).step_ms);
+  model.profiled_step_ms = step.step_ms;
+  fit_fixed_ms(model, profiling_schedule(groups));
   return model;
+}
+
+Schedule calibration_schedule(const std::vector<GroupShape>& groups) {
+  Schedule s = profiling_schedule(groups);
+  s.prefetch_depth = 1;
+  return s;
+}
+
+void calibrate_contention(CostModel& model, const std::vector<GroupShape>& groups, const RecordedStep& step) {
+  if (groups.size() != model.groups.size())
+    throw std::invalid_argument("calibration step: " + std::to_string(groups.size()) + " groups, the profile has " +
+                                std::to_string(model.groups.size()));
+  // The blocks' compute (the root's spans enclose everything), and each collective's time alone.
+  std::vector<std::pair<double, double>> compute;
+  std::map<std::string, double> alone;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    alone["all-gather " + groups[g].label] = model.groups[g].allgather_ms;
+    alone["reduce-scatter " + groups[g].label] = model.groups[g].reduce_scatter_ms;
+    if (groups[g].encloses_later) continue;
+    for (const char* phase : {"forward ", "recompute ", "backward "})
+      for (const auto& span : step.spans)
+        if (span.name == phase + groups[g].label) compute.emplace_back(span.start_ms, span.end_ms);
+  }
+  // Per kind of collective: the time of those at least half beside compute, and their time alone.
+  std::map<std::string, std::pair<double, double>> beside;
+  int gathers = 0;
+  for (const auto& span : step.spans) {
+    const auto it = alone.find(span.name);
+    if (it == alone.end()) continue;
+    double overlap = 0;
+    for (const auto& [start, end] : compute)
+      overlap += std::max(0.0, std::min(end, span.end_ms) - std::max(start, span.start_ms));
+    const std::string kind = span.name.substr(0, span.name.find(' '));
+    gathers += kind == "all-gather";
+    if (overlap * 2 >= span.end_ms - span.start_ms) {
+      beside[kind].first += span.end_ms - span.start_ms;
+      beside[kind].second += it->second;
+    }
+  }
+  if (gathers == 0)
+    throw std::invalid_argument("calibration step: no all-gather of the profiled groups was recorded; record it "
+                                "with the trace on, under plan::calibration_schedule");
+  const auto stretch = [&](const std::string& kind) {
+    const auto [together, apart] = beside[kind];
+    return apart > 0 ? std::max(1.0, together / apart) : 1.0;
+  };
+  model.contention.allgather_stretch = stretch("all-gather");
+  model.contention.reduce_scatter_stretch = stretch("reduce-scatter");
+
+  // The replay's time grows with the slowdown: bisect for the measured time.
+  const Schedule calibrated = calibration_schedule(groups), profiled = profiling_schedule(groups);
+  const auto replay_ms = [&](double slowdown) {
+    model.contention.compute_slowdown = slowdown;
+    fit_fixed_ms(model, profiled);
+    return simulate(model, calibrated).step_ms;
+  };
+  double low = 0, high = 4;
+  if (replay_ms(low) >= step.step_ms) {
+    high = low;
+  } else if (replay_ms(high) <= step.step_ms) {
+    low = high;
+  }
+  while (high - low > 1e-4) {
+    const double middle = (low + high) / 2;
+    (replay_ms(middle) < step.step_ms ? low : high) = middle;
+  }
+  replay_ms((low + high) / 2);
 }
 
 }  // namespace fsdp::plan

@@ -54,7 +54,7 @@ class Replay {
     }
     if (root) forward_compute(0);  // the head, after every block
     for (int i = 0; i < n; ++i) backward(backward_order_[i], i);
-    if (root) reduce_and_reshard(0);  // the root's gradients are complete last
+    if (root) reduce_and_reshard(0, /*beside_compute=*/false);  // the root's gradients are complete last
     // The end of backward waits for every reduce-scatter; then the optimizer.
     compute_end_ = std::max(compute_end_, reduce_end_);
     while (!reductions_.empty()) finish_oldest_reduction();
@@ -72,7 +72,7 @@ class Replay {
   void gather_and_wait(int g, const std::vector<int>& order, int position) {
     const int n = static_cast<int>(order.size());
     for (int k = 0; k <= schedule_.prefetch_depth && position + k < n; ++k)
-      if (!unsharded_[order[position + k]]) all_gather(order[position + k]);
+      if (!unsharded_[order[position + k]]) all_gather(order[position + k], /*beside_compute=*/k > 0);
     release("all-gather buffers of " + cost(g).name, "start of " + cost(g).name);
   }
 
@@ -98,15 +98,18 @@ class Replay {
     release("activations of " + cost(g).name, during);
     if (schedule_.checkpoint[g]) release("recomputed activations of " + cost(g).name, during);
     allocate("gradients of " + cost(g).name, cost(g).grad_bytes, during);
-    if (!cost(g).encloses_later) reduce_and_reshard(g);
+    // Compute follows a group's reduce-scatter unless it is the last to run backward.
+    if (!cost(g).encloses_later) reduce_and_reshard(g, position + 1 < static_cast<int>(backward_order_.size()));
   }
 
-  void reduce_and_reshard(int g) {
-    reduce_scatter(g);
+  void reduce_and_reshard(int g, bool beside_compute) {
+    reduce_scatter(g, beside_compute);
     reshard(g);
   }
 
-  void all_gather(int g) {
+  // A prefetch runs beside the compute of the group that issued it; a group's own all-gather
+  // (depth 0, or the first of a pass) has the compute stream waiting for it.
+  void all_gather(int g, bool beside_compute) {
     // Past the cap the host waits for the oldest release of gathered memory.
     while (!releases_.empty() && releases_.front() <= cpu_) releases_.pop_front();
     const int cap = schedule_.max_inflight_allgathers;
@@ -117,7 +120,8 @@ class Replay {
     allocate("parameters of " + cost(g).name, cost(g).param_bytes, "all-gather of " + cost(g).name);
     allocate("all-gather buffers of " + cost(g).name, cost(g).gather_buffer_bytes, "all-gather of " + cost(g).name);
     const double start = std::max({gather_end_, compute_end_, cpu_});
-    gather_end_ = start + cost(g).allgather_ms;
+    gather_end_ = start + cost(g).allgather_ms * (beside_compute ? model_.contention.allgather_stretch : 1.0);
+    collectives_.emplace_back(start, gather_end_);
     gathered_at_[g] = gather_end_;
     unsharded_[g] = true;
   }
@@ -130,7 +134,7 @@ class Replay {
 
   // Copies the gradients into the reduce-scatter input (freeing them) and issues it; its output
   // (the sharded gradients) stays to the end of the step.
-  void reduce_scatter(int g) {
+  void reduce_scatter(int g, bool beside_compute) {
     while (!reductions_.empty() && reductions_.front().first <= cpu_) finish_oldest_reduction();
     const int cap = schedule_.max_inflight_reduce_scatters;
     while (cap > 0 && static_cast<int>(reductions_.size()) >= cap) {
@@ -142,7 +146,8 @@ class Replay {
     allocate("sharded gradients of " + cost(g).name, cost(g).sharded_grad_bytes, during);
     release("gradients of " + cost(g).name, during);
     const double start = std::max({reduce_end_, compute_end_, cpu_});
-    reduce_end_ = start + cost(g).reduce_scatter_ms;
+    reduce_end_ = start + cost(g).reduce_scatter_ms * (beside_compute ? model_.contention.reduce_scatter_stretch : 1.0);
+    collectives_.emplace_back(start, reduce_end_);
     reductions_.emplace_back(reduce_end_, g);
   }
 
@@ -152,9 +157,21 @@ class Replay {
     release("reduce-scatter input of " + cost(g).name, "reduce-scatter of " + cost(g).name);
   }
 
+  // Compute beside collectives is slowed by the time they overlap it (the end it reaches that way
+  // is found by a few rounds of fixed-point iteration: the overlap grows with the end).
   void compute(double device_ms, double cpu_ms, double not_before) {
     cpu_ += cpu_ms;
-    compute_end_ = std::max({compute_end_, cpu_, not_before}) + device_ms;
+    const double start = std::max({compute_end_, cpu_, not_before});
+    double end = start + device_ms;
+    for (int round = 0; round < 4 && model_.contention.compute_slowdown > 0; ++round)
+      end = start + device_ms + model_.contention.compute_slowdown * collective_time_within(start, end);
+    compute_end_ = end;
+  }
+
+  double collective_time_within(double from, double to) const {
+    double total = 0;
+    for (const auto& [start, end] : collectives_) total += std::max(0.0, std::min(end, to) - std::max(start, from));
+    return total;
   }
 
   // Memory: what is allocated, by name, in the host's order.
@@ -195,6 +212,7 @@ class Replay {
   std::vector<bool> unsharded_;
   std::deque<double> releases_;                 // device times of resharded groups' last uses
   std::deque<std::pair<double, int>> reductions_;  // (end, group) of reduce-scatters in flight
+  std::vector<std::pair<double, double>> collectives_;  // (start, end) of every collective issued
 };
 
 }  // namespace

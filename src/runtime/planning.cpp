@@ -58,6 +58,10 @@ void visit_measurements(plan::CostModel& model, Visit&& visit) {
   visit(model.fixed_bytes);
   visit(model.fixed_ms);
   visit(model.profiled_peak_bytes);
+  visit(model.profiled_step_ms);
+  visit(model.contention.allgather_stretch);
+  visit(model.contention.reduce_scatter_stretch);
+  visit(model.contention.compute_slowdown);
 }
 
 // Collective: each number becomes its largest over the ranks, so that every rank plans the same
@@ -122,18 +126,23 @@ void set_runtime_choices(const plan::Schedule& schedule) {
   set_runtime_options(runtime);
 }
 
-void start_profiled_step() {
+namespace {
+
+// Recording a step: the trace with or without memory marks, timed from here to finish_recording.
+void start_recording(const char* caller, bool with_memory) {
   if (Trace::get().active())
-    throw std::logic_error("fsdp::start_profiled_step: a Chrome trace is being recorded; write it first");
+    throw std::logic_error(std::string("fsdp::") + caller + ": a Chrome trace is being recorded; write it first");
   if (runtime_options().bucket_mb > 0)
-    throw std::invalid_argument("fsdp::start_profiled_step: bucketing is on (bucket_mb > 0): the profile needs "
-                                "each group's collectives apart; set bucket_mb to 0 for the profiled step");
-  Trace::get().start(default_communicator()->device(), /*with_memory=*/true);
+    throw std::invalid_argument(std::string("fsdp::") + caller +
+                                ": bucketing is on (bucket_mb > 0): the profile needs each group's collectives "
+                                "apart; set bucket_mb to 0 for the recorded steps");
+  Trace::get().start(default_communicator()->device(), with_memory);
   g_profile_start = std::chrono::steady_clock::now();
 }
 
-plan::CostModel finish_profiled_step(const torch::nn::Module& root) {
-  if (!Trace::get().active()) throw std::logic_error("fsdp::finish_profiled_step: no start_profiled_step before");
+plan::RecordedStep finish_recording(const char* caller) {
+  if (!Trace::get().active())
+    throw std::logic_error(std::string("fsdp::") + caller + ": no matching start before");
   const c10::Device device = default_communicator()->device();
   plan::RecordedStep step;
   step.host_is_device = device.is_cpu();
@@ -145,9 +154,30 @@ plan::CostModel finish_profiled_step(const torch::nn::Module& root) {
     step.spans.push_back({span.name, span.start_ms, span.end_ms, span.host_start_ms, span.host_end_ms, span.start_mark,
                           span.end_mark});
   for (const auto& mark : recording.marks) step.marks.push_back({mark.allocated, mark.peak_since_last});
+  return step;
+}
+
+}  // namespace
+
+void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
+
+plan::CostModel finish_profiled_step(const torch::nn::Module& root) {
+  const plan::RecordedStep step = finish_recording("finish_profiled_step");
   plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
   agree_across_ranks(model, *default_communicator());
   return model;
+}
+
+plan::Schedule calibration_schedule(const torch::nn::Module& root) {
+  return plan::calibration_schedule(group_shapes(root));
+}
+
+void start_calibration_step() { start_recording("start_calibration_step", /*with_memory=*/false); }
+
+void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile) {
+  const plan::RecordedStep step = finish_recording("finish_calibration_step");
+  plan::calibrate_contention(profile, group_shapes(root), step);
+  agree_across_ranks(profile, *default_communicator());
 }
 
 plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,

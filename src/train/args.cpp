@@ -123,14 +123,14 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                        text(a.init_from)}},
       {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
                     "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
-      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled and the "
-                           "fastest schedule predicted to fit (blocks checkpointed, blocks kept unsharded, "
-                           "prefetch depth, in-flight caps) trains from step 3; replaces --checkpoint and the "
-                           "prefetch and in-flight flags", number(a.memory_budget_gib)}},
+      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled, step 3 "
+                           "calibrated, and the fastest schedule predicted to fit (blocks checkpointed, blocks kept "
+                           "unsharded, prefetch depth, in-flight caps) trains from step 4; replaces --checkpoint "
+                           "and the prefetch and in-flight flags", number(a.memory_budget_gib)}},
       {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
                        set_true(a.plan_only), false}},
-      {"--plan-check", {"benchmark of the planner: after the profile, train each budget's plan a few steps and "
-                        "write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
+      {"--plan-check", {"benchmark of the planner: after the profile and calibration, train each budget's plan "
+                        "a few steps and write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
                         text(a.plan_check)}},
       {"--plan-check-budgets", {"budgets --plan-check spreads from the fully checkpointed peak to the "
                                 "unconstrained one (default 8)", number(a.plan_check_budgets)}},
@@ -201,10 +201,10 @@ void check_ranges(const TrainArgs& a) {
                    "--no-reshard-after-forward");
     require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
     require(a.grad_accum == 1, flag + " plans a step of one micro-batch: drop --grad-accum");
-    require(a.steps >= 2 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
-            flag + ": step 1 records the order, step 2 is profiled" +
-                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 2"
-                                                      : ", the plan trains from step 3: --steps must be at least 3"));
+    require(a.steps >= 3 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
+            flag + ": step 1 records the order, step 2 is profiled, step 3 calibrated" +
+                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 3"
+                                                      : ", the plan trains from step 4: --steps must be at least 4"));
   }
 }
 

@@ -48,6 +48,20 @@ std::string profile_report(const plan::CostModel& profile, const plan::Schedule&
          format_bytes(profile.fixed_bytes) + " held throughout (shards, optimizer state)\n";
 }
 
+std::string contention_report(const plan::CostModel& profile, const plan::Schedule& calibrated) {
+  plan::CostModel alone = profile;
+  alone.contention = plan::Contention{};
+  const auto& c = profile.contention;
+  char text[400];
+  std::snprintf(text, sizeof(text),
+                "fsdp-train: calibration step (prefetch 1): replayed in %.1f ms (%.1f ms if collectives beside "
+                "compute cost nothing): beside compute all-gathers take %.2fx their time alone, reduce-scatters "
+                "%.2fx, and compute loses %.2f ms per ms of collective beside it\n",
+                plan::simulate(profile, calibrated).step_ms, plan::simulate(alone, calibrated).step_ms,
+                c.allgather_stretch, c.reduce_scatter_stretch, c.compute_slowdown);
+  return text;
+}
+
 std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, int64_t budget_bytes) {
   std::string text = "fsdp-train: plan for a " + format_bytes(budget_bytes) + " budget (" +
                      format_bytes(plan.usable_bytes) + " usable): " + describe(plan.chosen.schedule, profile) +

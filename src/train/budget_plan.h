@@ -14,6 +14,8 @@ namespace fsdp::train {
 
 // The profiled step, measured and as the simulator replays it (its own check).
 std::string profile_report(const plan::CostModel& profile, const plan::Schedule& profiled);
+// The calibration step: the contention measured, its replay with and without it.
+std::string contention_report(const plan::CostModel& profile, const plan::Schedule& calibrated);
 // The chosen schedule, its predicted time and peak, what is live at the peak, the runners-up.
 std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, int64_t budget_bytes);
 

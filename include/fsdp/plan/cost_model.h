@@ -35,11 +35,21 @@ struct GroupCost {
   bool encloses_later = false;
 };
 
+// How collectives and compute slow each other when they run side by side (NCCL's kernels take SMs
+// and memory bandwidth): measured from a step at prefetch depth 1 (plan/measured_step.h). The
+// defaults mean no contention.
+struct Contention {
+  double allgather_stretch = 1, reduce_scatter_stretch = 1;  // a collective's time beside compute / alone
+  double compute_slowdown = 0;  // compute time added per ms of collective running beside it
+};
+
 struct CostModel {
   std::vector<GroupCost> groups;
+  Contention contention;
   int64_t fixed_bytes = 0;  // allocated when the step starts: shards, optimizer state, workspaces
   double fixed_ms = 0;      // time outside the groups (optimizer step, launch gaps)
   int64_t profiled_peak_bytes = 0;  // measured: the peak of the step this model was profiled from
+  double profiled_step_ms = 0;      // and its time
 };
 
 // The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).

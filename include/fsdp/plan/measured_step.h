@@ -57,4 +57,16 @@ Schedule profiling_schedule(const std::vector<GroupShape>& groups);
 // explain: the step's time less the simulator's prediction of it without fixed_ms.
 CostModel measure_cost_model(const std::vector<GroupShape>& groups, const RecordedStep& step);
 
+// The schedule of the calibration step, recorded after the profiled one: profiling_schedule's
+// groups at prefetch depth 1, so that all-gathers and reduce-scatters run beside compute.
+Schedule calibration_schedule(const std::vector<GroupShape>& groups);
+
+// Measures model.contention from a step recorded (memory marks not needed) under
+// calibration_schedule(groups): each collective's stretch is the time of those that ran beside
+// compute over their time alone in the profile; compute_slowdown is then the one value (in
+// [0, 4]) for which the simulator's replay of the calibration step takes its measured time,
+// with fixed_ms refitted to the profiled step at each trial. Throws std::invalid_argument when
+// the record holds no all-gather of these groups.
+void calibrate_contention(CostModel& model, const std::vector<GroupShape>& groups, const RecordedStep& step);
+
 }  // namespace fsdp::plan

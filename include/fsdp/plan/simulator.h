@@ -12,7 +12,10 @@
 // runtime's event wait) and the previous operation of its stream; the host issues work in
 // program order, paying each group's CPU time, and blocks where a cap says so (past
 // max_inflight_allgathers unreleased parameter buffers it waits for the oldest release, past
-// max_inflight_reduce_scatters for the oldest reduce-scatter).
+// max_inflight_reduce_scatters for the oldest reduce-scatter). Contention (CostModel::contention):
+// a prefetched all-gather, and a reduce-scatter that more backward compute follows, take their
+// stretch times as long as alone; a compute phase takes compute_slowdown ms longer for every ms
+// of collective time that overlaps it.
 #pragma once
 
 #include <string>

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""What collectives beside compute cost: a summary of fsdp-train Chrome traces (--trace).
+
+Per trace file: the blocks' compute time by phase (forward, recompute, backward; the root's spans
+enclose the others and are left out), the all-gathers' and reduce-scatters' time, and how much of
+it ran beside the blocks' compute. Comparing a run at --prefetch-depth 0 with one at depth 1 shows
+the contention the planner calibrates (docs/design.md, "The calibration step"): compute that grows
+and collectives that stretch when they share the GPU.
+
+  python3 bench/trace_overlap.py run-rank0.json [more.json ...] [--json OUT]
+"""
+import argparse
+import collections
+import json
+
+COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2  # the trace's tracks (tid)
+
+
+def busy(intervals):
+    """The length of the union of (start, end) intervals."""
+    total, current = 0.0, None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            if current:
+                total += current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    return total + (current[1] - current[0] if current else 0.0)
+
+
+def beside(intervals, compute):
+    """Time of `intervals` that overlaps `compute` (spans on one stream: they do not overlap)."""
+    return sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in intervals for cs, ce in compute)
+
+
+def summarise(path):
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    roots = {e["name"].split(" ", 1)[1] for e in events if e["tid"] == COMPUTE and encloses(e, events)}
+    phases = collections.defaultdict(float)
+    tracks = {COMPUTE: [], ALL_GATHER: [], REDUCE_SCATTER: []}
+    for e in events:
+        span = (e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3)
+        if e["tid"] == COMPUTE and e["name"].split(" ", 1)[1] in roots:
+            continue
+        tracks[e["tid"]].append(span)
+        if e["tid"] == COMPUTE:
+            phases[e["name"].split()[0]] += span[1] - span[0]
+    compute = tracks[COMPUTE]
+    return {
+        "trace": path,
+        "compute_ms": dict(phases), "compute_busy_ms": busy(compute),
+        "allgather_ms": busy(tracks[ALL_GATHER]), "allgather_beside_compute_ms": beside(tracks[ALL_GATHER], compute),
+        "reduce_scatter_ms": busy(tracks[REDUCE_SCATTER]),
+        "reduce_scatter_beside_compute_ms": beside(tracks[REDUCE_SCATTER], compute),
+    }
+
+
+def encloses(event, events):
+    """Whether a compute span holds another compute span (the root's do)."""
+    start, end = event["ts"], event["ts"] + event["dur"]
+    return any(o is not event and o["tid"] == COMPUTE and start <= o["ts"] and o["ts"] + o["dur"] <= end
+               for o in events)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--json", help="write the summaries here too")
+    args = parser.parse_args()
+    summaries = [summarise(path) for path in args.traces]
+    for s in summaries:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["compute_ms"].items()))
+        print(f"{s['trace']}: blocks' compute {s['compute_busy_ms']:.1f} ms ({phases}); all-gathers "
+              f"{s['allgather_ms']:.1f} ms ({s['allgather_beside_compute_ms']:.1f} beside compute), reduce-scatters "
+              f"{s['reduce_scatter_ms']:.1f} ms ({s['reduce_scatter_beside_compute_ms']:.1f} beside)")
+    if args.json:
+        json.dump(summaries, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
