@@ -281,6 +281,33 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   EXPECT_THROW(train::shard_with_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
 }
 
+// A checkpointed block kept unsharded from forward to backward is gathered once a step: its
+// forward runs without autograd, yet its recompute comes, so its parameters stay (they used to
+// be resharded and gathered again for the recompute). Same numbers as the single process.
+TEST(Parity, CheckpointedBlockKeptUnshardedIsGatheredOncePerStep) {
+  auto want = reference(tiny_llama(), 0, /*sgd=*/true);
+  auto run = [&](bool reshard_blocks, long* gathers) {
+    const long before = runtime_stats().all_gathers;
+    auto s = llama_setup(seeded_llama(tiny_llama()), [reshard_blocks](model::Llama& m) {
+      plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
+      std::fill(schedule.checkpoint.begin() + 1, schedule.checkpoint.end(), true);
+      std::fill(schedule.reshard_after_forward.begin() + 1, schedule.reshard_after_forward.end(), reshard_blocks);
+      train::shard_with_schedule(m, schedule, {});
+    });
+    s.sgd = true;
+    expect_same_run(train(s), want);
+    *gathers = runtime_stats().all_gathers - before;
+    return s.steps;
+  };
+  long resharded = 0, kept = 0;
+  run(true, &resharded);
+  const int steps = run(false, &kept);
+  const int blocks = static_cast<int>(tiny_llama().n_layers);
+  EXPECT_EQ(kept, steps * (1 + blocks)) << "the root and each block once a step";
+  EXPECT_EQ(resharded, steps * (1 + 2 * blocks)) << "each block again for its recompute";
+  set_runtime_options({});
+}
+
 // Prefetch depth and the in-flight caps change when work is issued, never
 // what is computed.
 TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {

@@ -53,6 +53,7 @@ at::Tensor checkpoint_impl(std::function<at::Tensor(const std::vector<at::Tensor
   at::Tensor output;
   {
     c10::NoGradGuard no_grad;
+    Runtime::CheckpointedForwardScope checkpointed;
     output = run(inputs);
   }
   auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(run, inputs),

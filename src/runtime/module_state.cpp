@@ -131,10 +131,10 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
     }
   }
   if (needs_backward) hook_gradient_accumulators();
-  // The root's backward starts right after forward, and a recompute's right
-  // after it: keep their parameters.
-  const bool keep = needs_backward &&
-                    (is_root_ || !reshard_after_forward_ || Runtime::get().recomputing());
+  // The root's backward starts right after forward, and a recompute's right after it: keep their
+  // parameters; so does a group not resharded after forward, checkpointed or not.
+  const bool backward_follows = needs_backward || Runtime::get().in_checkpointed_forward();
+  const bool keep = backward_follows && (is_root_ || !reshard_after_forward_ || Runtime::get().recomputing());
   if (!keep) reshard();
 }
 

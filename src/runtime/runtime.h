@@ -73,6 +73,14 @@ class Runtime {
     ~RecomputeScope() { --get().recomputing_; }
   };
   bool recomputing() const { return recomputing_ > 0; }
+  // While alive, forwards run without autograd under activation checkpointing: their backward
+  // (the recompute) still comes, so reshard_after_forward = false keeps their parameters.
+  class CheckpointedForwardScope {
+   public:
+    CheckpointedForwardScope() { ++get().checkpointed_forward_; }
+    ~CheckpointedForwardScope() { --get().checkpointed_forward_; }
+  };
+  bool in_checkpointed_forward() const { return checkpointed_forward_ > 0; }
 
   // Group ids in the forward order the last step recorded.
   const std::vector<int>& recorded_forward_order() const { return forward_pass_.recorded(); }
@@ -105,6 +113,7 @@ class Runtime {
   std::vector<std::weak_ptr<ModuleState>> forward_order_;  // groups of this step
   bool callback_queued_ = false;
   int recomputing_ = 0;
+  int checkpointed_forward_ = 0;
   int next_id_ = 0;
   RuntimeOptions options_;
   RuntimeStats stats_;
