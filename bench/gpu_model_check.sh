@@ -12,7 +12,8 @@
 # and the memory-budget planner (issue #13):
 #   plan-1b build, fsdp-train --plan-check on the 1B (predicted vs measured for no and full
 #           checkpointing and 8 budgets' plans), the same checkpointed blocks in eager FSDP2, the
-#           frontier (bench/plan_frontier.py)
+#           frontier (bench/plan_frontier.py), the contention (bench/trace_overlap.py: one step
+#           traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
 #           --memory-budget 48 --plan-only on the 8B
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
@@ -67,7 +68,14 @@ case $part in
     phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
       --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-1b.jsonl" --log "$work/plan-1b.jsonl"
     phase frontier-1b 330 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" \
-      --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6" ;;
+      --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6"
+    for depth in 0 1; do  # the contention the calibration prices: step 2 traced at prefetch depth 0 and 1
+      phase overlap-1b-depth$depth 60 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+        --param-dtype bf16 --checkpoint --prefetch-depth $depth --steps 3 --trace "$work/overlap-depth$depth" \
+        --trace-steps 1 --log "$work/overlap-depth$depth.jsonl"
+    done
+    phase overlap-1b 20 python3 bench/trace_overlap.py "$work"/overlap-depth{0,1}-rank{0,1}.json \
+      --json "$work/overlap-1b.json" ;;
   plan-8b)
     phase gpu-tests 150 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
       --output-on-failure
@@ -76,6 +84,6 @@ case $part in
       --plan-check-steps 4 --log "$work/plan-8b.jsonl"
     phase frontier-8b 20 python3 bench/plan_frontier.py --check "$work/plan-check-8b.jsonl" --out "$work/frontier-8b"
     phase budget-48-8b 150 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
-      --param-dtype bf16 --steps 3 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
+      --param-dtype bf16 --steps 4 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

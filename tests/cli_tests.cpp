@@ -58,8 +58,8 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--memory-budget", "8", "--checkpoint"}, "--memory-budget chooses which blocks are checkpointed"},
       {{"--memory-budget", "8", "--bucket-mb", "4"}, "drop --bucket-mb"},
       {{"--memory-budget", "8", "--grad-accum", "2"}, "drop --grad-accum"},
-      {{"--memory-budget", "8", "--steps", "3"}, "--steps must be at least 4"},
-      {{"--plan-check", "/tmp/p.jsonl", "--steps", "2"}, "--steps must be at least 3"},
+      {{"--memory-budget", "8", "--steps", "4"}, "--steps must be at least 5"},
+      {{"--plan-check", "/tmp/p.jsonl", "--steps", "3"}, "--steps must be at least 4"},
       {{"--plan-check", "/tmp/p.jsonl", "--plan-check-steps", "2"}, "--plan-check-steps must be at least 3"},
   };
   for (const auto& [argv, message] : cases) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv[0];

@@ -174,10 +174,11 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   int exit_code = 0;
-  // --memory-budget / --plan-check: the step after the first is profiled, the next calibrates the
-  // profile's contention, then the plan is made.
+  // --memory-budget / --plan-check: the step after the first is profiled; the next runs at prefetch
+  // depth 1 (its first prefetching step: the allocator grows its pool there, which would be timed),
+  // the one after calibrates the profile's contention at that depth; then the plan is made.
   const int profiled_step = planning ? first_step + 1 : -1;
-  const int calibration_step = planning ? profiled_step + 1 : -1;
+  const int calibration_step = planning ? profiled_step + 2 : -1;
   const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
   // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
   auto train_step = [&](int step, void (*start_recording)()) {
@@ -212,7 +213,7 @@ int train(const fsdp::train::TrainArgs& args) {
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
     if (step == profiled_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
-    if (step == calibration_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
+    if (step == profiled_step + 1) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
     const auto [loss, grad_norm_on_device] =
         train_step(step, step == profiled_step      ? fsdp::start_profiled_step
                          : step == calibration_step ? fsdp::start_calibration_step

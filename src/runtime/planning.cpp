@@ -148,8 +148,8 @@ plan::RecordedStep finish_recording(const char* caller) {
   step.host_is_device = device.is_cpu();
   const auto& streams = DeviceStreams::of(device);
   if (streams.active()) streams.record(streams.compute())->synchronize();  // the optimizer's work too
-  Trace::Recording recording = Trace::get().finish();
   step.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_profile_start).count();
+  Trace::Recording recording = Trace::get().finish();
   for (const auto& span : recording.spans)
     step.spans.push_back({span.name, span.start_ms, span.end_ms, span.host_start_ms, span.host_end_ms, span.start_mark,
                           span.end_mark});

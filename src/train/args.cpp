@@ -123,9 +123,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                        text(a.init_from)}},
       {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
                     "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
-      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled, step 3 "
+      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled, step 4 "
                            "calibrated, and the fastest schedule predicted to fit (blocks checkpointed, blocks kept "
-                           "unsharded, prefetch depth, in-flight caps) trains from step 4; replaces --checkpoint "
+                           "unsharded, prefetch depth, in-flight caps) trains from step 5; replaces --checkpoint "
                            "and the prefetch and in-flight flags", number(a.memory_budget_gib)}},
       {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
                        set_true(a.plan_only), false}},
@@ -201,10 +201,10 @@ void check_ranges(const TrainArgs& a) {
                    "--no-reshard-after-forward");
     require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
     require(a.grad_accum == 1, flag + " plans a step of one micro-batch: drop --grad-accum");
-    require(a.steps >= 3 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
-            flag + ": step 1 records the order, step 2 is profiled, step 3 calibrated" +
-                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 3"
-                                                      : ", the plan trains from step 4: --steps must be at least 4"));
+    require(a.steps >= 4 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
+            flag + ": step 1 records the order, step 2 is profiled, step 4 calibrated" +
+                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 4"
+                                                      : ", the plan trains from step 5: --steps must be at least 5"));
   }
 }
 
