@@ -12,8 +12,9 @@
 # and the memory-budget planner (issue #13):
 #   plan-1b build, fsdp-train --plan-check on the 1B (predicted vs measured for no and full
 #           checkpointing and 8 budgets' plans), the same checkpointed blocks in eager FSDP2, the
-#           frontier (bench/plan_frontier.py), the contention (bench/trace_overlap.py: one step
-#           traced at prefetch depth 0 and at 1)
+#           frontier (bench/plan_frontier.py)
+#   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
+#           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
 #           --memory-budget 48 --plan-only on the 8B
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
@@ -21,7 +22,7 @@
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b or plan-8b}
+out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b or overlap-1b}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -68,7 +69,8 @@ case $part in
     phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
       --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-1b.jsonl" --log "$work/plan-1b.jsonl"
     phase frontier-1b 330 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" \
-      --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6"
+      --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6" ;;
+  overlap-1b)
     for depth in 0 1; do  # the contention the calibration prices: step 2 traced at prefetch depth 0 and 1
       phase overlap-1b-depth$depth 60 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
         --param-dtype bf16 --checkpoint --prefetch-depth $depth --steps 3 --trace "$work/overlap-depth$depth" \

@@ -178,6 +178,7 @@ int train(const fsdp::train::TrainArgs& args) {
   // depth 1 (its first prefetching step: the allocator grows its pool there, which would be timed),
   // the one after calibrates the profile's contention at that depth; then the plan is made.
   const int profiled_step = planning ? first_step + 1 : -1;
+  const int calibration_warmup_step = planning ? profiled_step + 1 : -1;
   const int calibration_step = planning ? profiled_step + 2 : -1;
   const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
   // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
@@ -213,7 +214,7 @@ int train(const fsdp::train::TrainArgs& args) {
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
     if (step == profiled_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
-    if (step == profiled_step + 1) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
+    if (step == calibration_warmup_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
     const auto [loss, grad_norm_on_device] =
         train_step(step, step == profiled_step      ? fsdp::start_profiled_step
                          : step == calibration_step ? fsdp::start_calibration_step
