@@ -18,12 +18,12 @@ model::LlamaConfig activation_heavy_llama() {
   return c;
 }
 
-// The peaks the simulator predicts from the profile (calibrated by a second step, which changes
-// time only) agree with the allocator's count (on CPU fsdp's counting host allocator) within
-// 10%. Why not exactly: the model leaves out short-lived buffers (the embedding's backward, the
-// head's gradients before its backward ends) and prices a checkpointed forward's working memory
-// at the recompute's; on this model and the 1B/8B on GPUs the difference stays under 5%
-// (bench/results/*-plan-*).
+// The peaks the simulator predicts from the profile (calibrated by a second step; contention
+// moves when reduce-scatter inputs are found done, so it can move a peak too) agree with the
+// allocator's count (on CPU fsdp's counting host allocator) within 10%. Why not exactly: the
+// model leaves out short-lived buffers (the embedding's backward, the head's gradients before
+// its backward ends) and prices a checkpointed forward's working memory at the recompute's; on
+// this model and the 1B/8B on GPUs the difference stays under 5% (bench/results/*-plan-*).
 TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) {
   count_host_allocations();
   model::Llama llama = seeded_llama(activation_heavy_llama());
@@ -42,7 +42,6 @@ TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) {
   train::apply_schedule(llama, profiling_schedule(*llama));
   step(start_profiled_step);
   plan::CostModel profile = finish_profiled_step(*llama);
-  const plan::CostModel uncalibrated = profile;
   train::apply_schedule(llama, calibration_schedule(*llama));
   step(start_calibration_step);
   finish_calibration_step(*llama, profile);
@@ -73,7 +72,6 @@ TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) {
     step();
     const int64_t measured = allocated_bytes(device()).peak;
     const int64_t predicted = plan::simulate(profile, schedule).peak_bytes;
-    EXPECT_EQ(predicted, plan::simulate(uncalibrated, schedule).peak_bytes) << "the calibration is of time only";
     EXPECT_NEAR(double(predicted), double(measured), 0.10 * measured) << name << ": " << describe(schedule, profile);
   }
   EXPECT_LE(plan::simulate(profile, middle.chosen.schedule).peak_bytes, middle.usable_bytes);
