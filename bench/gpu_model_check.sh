@@ -22,7 +22,8 @@
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?output folder}; commit=${2:-unknown}; part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b}
+out=${1:?output folder}; commit=${2:-unknown}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b or overlap-1b}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
