@@ -53,6 +53,35 @@ TEST(Gpu, AllocatedMemoryReturnsToTheSameBaselineEveryStep) {
   for (int step = 2; step < 5; ++step) EXPECT_EQ(after_step[step], after_step[1]) << "step " << step;
 }
 
+// CPU offload: what stays allocated on the GPU between steps is the sharded state less the
+// weights and both AdamW moments (fp32, 12 bytes a sharded element; the gradients are freed by
+// zero_grad either way). The allocator rounds each tensor up to 512 bytes.
+TEST(Gpu, CpuOffloadKeepsWeightsAndOptimizerStateOffTheDevice) {
+  auto held_after_steps = [](bool offload) {
+    const int64_t before = allocated_bytes();
+    auto m = seeded_llama(tiny_llama());
+    ShardOptions o;
+    o.cpu_offload = offload;
+    shard_blocks_and_root(m, o);
+    torch::optim::AdamW optimizer(m->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto tokens = torch::randint(0, 64, {2, 17}, on_device(torch::kLong));
+    for (int step = 0; step < 2; ++step) {
+      optimizer.zero_grad();
+      auto logits = fsdp::forward(m, tokens.narrow(1, 0, 16));
+      torch::nn::functional::cross_entropy(logits.reshape({-1, 64}), tokens.narrow(1, 1, 16).reshape({-1}))
+          .backward();
+      optimizer.step();
+    }
+    optimizer.zero_grad();
+    int64_t shard_bytes = 0, tensors = 0;
+    for (const auto& p : m->parameters()) shard_bytes += p.numel() * 4, ++tensors;
+    return std::make_tuple(allocated_bytes() - before, shard_bytes, tensors);
+  };
+  const auto [on_device, shard_bytes, tensors] = held_after_steps(false);
+  const int64_t offloaded = std::get<0>(held_after_steps(true));
+  EXPECT_GE(on_device - offloaded, 3 * shard_bytes);
+  EXPECT_LE(on_device - offloaded, 3 * (shard_bytes + 512 * tensors));
+}
 
 // The fused kernels against the ATen references (both float32 arithmetic, one rounding): float32
 // agrees to a few ulps (the kernels contract multiply-adds into FMAs, expf differs by an ulp);

@@ -162,22 +162,54 @@ TEST(Parity, ToyNetWithUnusedFrozenAndTinyParameters) {
 
 TEST(Parity, Bf16MixedPrecisionTracksFp32) {
   auto want = reference(tiny_llama());
-  ShardOptions bf16;
-  bf16.mixed_precision.param_dtype = torch::kBFloat16;
-  bf16.mixed_precision.reduce_dtype = torch::kFloat;
-  auto llama = seeded_llama(tiny_llama());
-  auto got = train(llama_setup(llama, [bf16](model::Llama& m) { shard_blocks_and_root(m, bf16); }));
-  // bf16 rounds the gathered parameters and every activation to 8 significant bits (u = 2^-8);
-  // a token's loss goes through D such roundings, independent errors adding to sqrt(D) * u
-  // relative (about 2.5% for the tiny model's D = 44), and the mean over the batch's tokens only
-  // shrinks that. Steps inherit the earlier steps' differences, as in fp32: (t + 1) times.
-  const double bf16_eps = std::sqrt(static_cast<double>(llama_setup(llama).chain_depth)) * 0x1p-8;
-  for (size_t i = 0; i < got.losses.size(); ++i)
-    EXPECT_NEAR(got.losses[i], want.losses[i], (i + 1) * bf16_eps * want.losses[i]) << "step " << i;
-  for (const auto& item : llama->named_parameters()) {
-    EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << item.key() << " (sharded master stays fp32)";
-    EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat) << item.key();
+  for (bool offload : {false, true}) {  // offloaded: fp32 shards copied in, then cast on the device
+    SCOPED_TRACE(offload ? "CPU offload" : "on the device");
+    ShardOptions bf16;
+    bf16.mixed_precision.param_dtype = torch::kBFloat16;
+    bf16.mixed_precision.reduce_dtype = torch::kFloat;
+    bf16.cpu_offload = offload;
+    auto llama = seeded_llama(tiny_llama());
+    auto got = train(llama_setup(llama, [bf16](model::Llama& m) { shard_blocks_and_root(m, bf16); }));
+    // bf16 rounds the gathered parameters and every activation to 8 significant bits (u = 2^-8);
+    // a token's loss goes through D such roundings, independent errors adding to sqrt(D) * u
+    // relative (about 2.5% for the tiny model's D = 44), and the mean over the batch's tokens only
+    // shrinks that. Steps inherit the earlier steps' differences, as in fp32: (t + 1) times.
+    const double bf16_eps = std::sqrt(static_cast<double>(llama_setup(llama).chain_depth)) * 0x1p-8;
+    for (size_t i = 0; i < got.losses.size(); ++i)
+      EXPECT_NEAR(got.losses[i], want.losses[i], (i + 1) * bf16_eps * want.losses[i]) << "step " << i;
+    for (const auto& item : llama->named_parameters()) {
+      EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << item.key() << " (sharded master stays fp32)";
+      EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat) << item.key();
+    }
   }
+}
+
+// CPU offload changes where shards, gradients and optimizer state live, never the numbers. On
+// GPUs the optimizer steps on the host: ATen's CPU AdamW rounds differently from the device's,
+// within the reference's bounds (each update is a few correctly rounded fp32 operations either
+// way). With clipping (norms summed over both devices' gradients) and two micro-batches (the
+// second reduce-scatter's host copy added to the first). On CPU ranks the arithmetic is the
+// same as without offload, so the runs must be bit-identical.
+TEST(Parity, CpuOffloadMatchesSingleProcess) {
+  const double clip = 0.05;  // small enough to clip every step
+  auto want = reference(tiny_llama(), clip);
+  auto setup = [clip](bool offload) {
+    ShardOptions o;
+    o.cpu_offload = offload;
+    auto s = llama_setup(seeded_llama(tiny_llama()), [o](model::Llama& m) { shard_blocks_and_root(m, o); });
+    s.clip = clip;
+    s.micro_batches = 2;
+    return s;
+  };
+  auto offloaded = setup(true);
+  auto got = train(offloaded);
+  expect_same_run(got, want);
+  EXPECT_LT(got.losses.back(), got.losses.front());
+  for (const auto& item : offloaded.module->named_parameters()) {
+    EXPECT_TRUE(item.value().device().is_cpu()) << item.key() << " is on " << item.value().device();
+    EXPECT_TRUE(item.value().grad().device().is_cpu()) << item.key() << "'s gradient";
+  }
+  if (device().is_cpu()) expect_identical_run(got, train(setup(false)));
 }
 
 }  // namespace

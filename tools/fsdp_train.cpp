@@ -1,5 +1,6 @@
 // fsdp-train: trains the Llama-style example model with fsdp.cpp.
 //   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/serialize.h>
 
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <thread>
 
 #include "fsdp/fsdp.h"
 #include "shard/memory_stats.h"
@@ -68,6 +70,18 @@ int launch_rank() {
   }
 }
 
+// --cpu-offload steps AdamW on the host: each rank of this host takes its share of the cores
+// (ATen's default, every core for every rank, oversubscribes them).
+void share_host_cores() {
+  int local = 1;
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    if (const char* value = std::getenv(name)) {
+      local = std::max(1, std::atoi(value));
+      break;
+    }
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local));
+}
+
 int train(const fsdp::train::TrainArgs& args) {
   fsdp::InitOptions init;
   init.backend = args.backend == "mpi"    ? fsdp::Backend::Mpi
@@ -92,6 +106,8 @@ int train(const fsdp::train::TrainArgs& args) {
   fsdp::model::Llama model(config, fsdp::model::Placement{device, /*deferred=*/true});
   fsdp::ShardOptions shard;
   shard.reshard_after_forward = args.reshard_after_forward;
+  shard.cpu_offload = args.cpu_offload;
+  if (args.cpu_offload && device.is_cuda()) share_host_cores();  // for the host optimizer
   shard.mixed_precision.param_dtype = fsdp::train::dtype_named(args.param_dtype, device.is_cuda());
   shard.mixed_precision.reduce_dtype = fsdp::train::dtype_named(args.reduce_dtype, device.is_cuda());
   auto make_optimizer = [&] {
@@ -158,6 +174,7 @@ int train(const fsdp::train::TrainArgs& args) {
                 config.parameter_count() / 1e6, args.grad_accum, (long long)args.batch, (long long)args.seq,
                 c10::toString(*shard.mixed_precision.param_dtype),
                 c10::toString(*shard.mixed_precision.reduce_dtype));
+    if (args.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
     if (device.is_cuda())
       std::printf(" | attention %s | allocator '%s'", args.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
     std::printf("\n");
@@ -298,7 +315,9 @@ int train(const fsdp::train::TrainArgs& args) {
       try {
         plan = fsdp::plan_for_budget(*model, budget, *profile);
       } catch (const fsdp::plan::BudgetTooSmall& e) {
-        if (lead) std::fprintf(stderr, "fsdp-train: error: --memory-budget: %s\n", e.what());
+        if (lead)
+          std::fprintf(stderr, "fsdp-train: error: --memory-budget: %s%s\n", e.what(),
+                       args.cpu_offload || !device.is_cuda() ? "" : " (--cpu-offload moves the sharded state to the host)");
         exit_code = 2;
         break;
       }

@@ -27,6 +27,14 @@ struct ShardOptions {
   // its backward starts right after forward.
   bool reshard_after_forward = true;
   MixedPrecision mixed_precision;
+  // CPU offload (as PyTorch FSDP2's CPUOffloadPolicy): the sharded parameters live in pinned host
+  // memory and are copied to the device inside each all-gather; the sharded gradients are copied
+  // back to the host after each reduce-scatter, so an optimizer created after sharding keeps its
+  // state on the host and steps there. GPU memory then holds no shards, gradients or optimizer
+  // state; each step moves the shards in twice and the gradients out once over PCIe. The group's
+  // parameters must share one dtype. On CPU ranks the shards already are in host memory: the
+  // same code paths run, placement does not change.
+  bool cpu_offload = false;
 };
 
 }  // namespace fsdp

@@ -95,7 +95,7 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
                              " is too small: the schedule with the least memory peaks at " +
                              format_bytes(smallest_peak) + ", so the smallest budget that fits is " +
                              format_bytes(smallest_budget) + " (with the " + std::to_string(int(margin * 100)) +
-                             "% margin); use more GPUs, a smaller batch or sequence",
+                             "% margin); use more GPUs, CPU offload, a smaller batch or sequence",
                          smallest_budget);
   }
   std::stable_sort(fits.begin(), fits.end(), [](const Planned& a, const Planned& b) {

@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -36,7 +37,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
 
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm) {
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> grads;  // by device: offloaded ones on the host
   Communicator* comm = nullptr;
   std::unordered_set<const void*> seen;
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -50,18 +51,23 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm) {
       throw std::logic_error("fsdp::clip_grad_norm_: call it after backward, not between "
                              "forward and backward ('" + item.key() + "' is unsharded)");
     comm = &owner->state->group().comm();
-    if (p.grad().defined()) grads.push_back(p.grad());
+    if (!p.grad().defined()) continue;
+    auto it = std::find_if(grads.begin(), grads.end(), [&](const auto& g) { return g.first == p.grad().device(); });
+    if (it == grads.end()) it = grads.insert(grads.end(), {p.grad().device(), {}});
+    it->second.push_back(p.grad());
   }
   if (!comm) return at::zeros({});
   // Shards hold disjoint rows (padding excluded), so the squared norms add
-  // up. Everything stays on the device: no host sync, so the optimizer's
+  // up. Gradients on the device stay there: no host sync, so the optimizer's
   // kernels can be queued while backward still runs.
   const auto on_device = at::TensorOptions().dtype(at::kFloat).device(comm->device());
-  at::Tensor sum_sq = grads.empty() ? at::zeros({1}, on_device)
-                                    : at::stack(at::_foreach_norm(grads, 2, at::kFloat)).square().sum().reshape({1});
+  at::Tensor sum_sq = at::zeros({1}, on_device);
+  for (const auto& [device, list] : grads)
+    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(comm->device());
   comm->all_reduce(sum_sq, ReduceOp::Sum);
   at::Tensor norm = sum_sq.sqrt().reshape({});
-  at::_foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp_max(1.0));
+  const at::Tensor scale = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  for (auto& [device, list] : grads) at::_foreach_mul_(list, scale.to(device));
   return norm;
 }
 

@@ -80,7 +80,10 @@ void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
   for (uint32_t k = 0; k < 4; ++k) keys[k] = mix32(mix32(seed) ^ mix32((seed >> 32) + 0x9e3779b9u * (k + 1)));
   const double scale = std * std::sqrt(3.0) / 4294967296.0;  // Irwin-Hall(4) has variance 4/12
   at::Tensor flat = param.view(-1);
-  const auto index_options = at::TensorOptions().dtype(at::kLong).device(param.device());
+  // Computed where the group computes (an offloaded shard lives on the host, the values are the same).
+  const auto owner = Runtime::get().owner_of(param);
+  const at::Device device = owner ? owner->state->group().device() : param.device();
+  const auto index_options = at::TensorOptions().dtype(at::kLong).device(device);
   for (int64_t begin = 0; begin < count; begin += kChunk) {
     const int64_t n = std::min(kChunk, count - begin);
     const at::Tensor position = at::arange(first + begin, first + begin + n, index_options);
@@ -89,7 +92,7 @@ void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
       at::Tensor u = mix32(mix32(position.bitwise_xor(int64_t(key))).bitwise_xor(int64_t(mix32(key)))).to(at::kDouble);
       sum = sum.defined() ? sum.add_(u) : u;
     }
-    flat.narrow(0, begin, n).copy_(sum.sub_(2.0 * 4294967296.0).mul_(scale));
+    flat.narrow(0, begin, n).copy_(sum.sub_(2.0 * 4294967296.0).mul_(scale).to(flat.scalar_type()));
   }
 }
 

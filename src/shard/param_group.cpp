@@ -68,7 +68,7 @@ std::string bucket_label(const std::vector<ParamGroup*>& groups) {
 }  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
-                       std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision)
+                       std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision, bool cpu_offload)
     : comm_(std::move(comm)),
       device_(params.empty() ? comm_->device() : params.front().second.device()),
       streams_(DeviceStreams::of(device_)) {
@@ -79,12 +79,13 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
       throw std::invalid_argument("fsdp::fully_shard: parameter '" + name + "' is on " +
                                   t.device().str() + " but '" + params.front().first + "' is on " +
                                   device_.str() + ": move the module to one device first");
-    if (common_dtype && *common_dtype != t.scalar_type() && !mixed_precision.param_dtype)
+    // Offloaded shards share one host buffer, so they need one dtype even where the gather casts.
+    if (common_dtype && *common_dtype != t.scalar_type() && (!mixed_precision.param_dtype || cpu_offload))
       throw std::invalid_argument(
-          "fsdp::fully_shard: parameters of one group must share a dtype to be gathered "
-          "together ('" + name + "' is " + c10::toString(t.scalar_type()) + ", others " +
-          c10::toString(*common_dtype) +
-          "): set MixedPrecision::param_dtype or shard them in separate fully_shard calls");
+          "fsdp::fully_shard: parameters of one group must share a dtype to be " +
+          std::string(cpu_offload ? "offloaded" : "gathered") + " together ('" + name + "' is " +
+          c10::toString(t.scalar_type()) + ", others " + c10::toString(*common_dtype) + "): " +
+          (cpu_offload ? "" : "set MixedPrecision::param_dtype or ") + "shard them in separate fully_shard calls");
     common_dtype = t.scalar_type();
   }
   compute_dtype_ = mixed_precision.param_dtype.value_or(common_dtype.value_or(at::kFloat));
@@ -99,18 +100,29 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
     p.layout = ShardLayout::of_shape(t.sizes(), world);
     p.offset = shard_numel_;
     shard_numel_ += p.layout.shard_numel();
+    params_.push_back(std::move(p));
+  }
+  // Offloaded: one flat host buffer, parameter after parameter as in the all-gather input, so the
+  // copy to the device is one transfer; pinned, so that it runs asynchronously on the stream.
+  if (cpu_offload)
+    host_shards_ = at::zeros({shard_numel_}, at::TensorOptions()
+                                                 .dtype(common_dtype.value_or(at::kFloat))
+                                                 .pinned_memory(device_.type() != at::kCPU));
+  for (auto& p : params_) {
+    const at::Tensor& t = p.param;
+    const auto padded_shape = rows_shape(p.full_shape, p.layout.shard_rows());
+    p.padded_shard = offloaded() ? host_shards_.narrow(0, p.offset, p.layout.shard_numel()).view(padded_shape)
+                                 : at::zeros(padded_shape, t.options());
     const int64_t local = p.layout.local_rows(rank);
-    p.padded_shard = at::zeros(rows_shape(p.full_shape, p.layout.shard_rows()), t.options());
     p.shard = p.padded_shard.narrow(0, 0, local);
     // A rank past the last row owns none (start clamped so narrow accepts it).
     const int64_t first = std::min(p.layout.first_row(rank), p.layout.rows);
     p.shard.copy_(t.reshape(rows_shape(p.full_shape, p.layout.rows)).narrow(0, first, local));
     if (t.grad().defined())
-      throw std::invalid_argument("fsdp::fully_shard: parameter '" + name +
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + p.name +
                                   "' already has a gradient: call zero_grad() (set_to_none) or "
                                   "shard before the first backward");
     p.param.set_data(p.shard);
-    params_.push_back(std::move(p));
   }
   unsharded_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), 0,
                                     c10::GetAllocator(device_.type()), /*resizable=*/false);
@@ -159,18 +171,20 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   // Every buffer comes from the compute stream's pool (allocated before the
   // switch to the all-gather stream), so that unsharded parameters and
   // activations share one pool and no side-stream pool keeps memory reserved.
+  std::vector<GatherBuffers> buffers;
   std::vector<at::Tensor> inputs, outputs;
   for (ParamGroup* g : groups) {
-    auto [input, output] = g->allocate_gather();
-    inputs.push_back(std::move(input));
-    outputs.push_back(std::move(output));
+    buffers.push_back(g->allocate_gather());
+    inputs.push_back(buffers.back().input);
+    outputs.push_back(buffers.back().output);
   }
   // The copy-in reads the shards the optimizer last wrote on the compute
-  // stream; issue_on_side_stream's wait for it also orders the reuse of memory.
+  // stream (offloaded: on the host, before this call); issue_on_side_stream's
+  // wait for it also orders the reuse of memory.
   const std::string label = bucket_label(groups);
   std::shared_ptr<c10::Event> gathered =
       issue_on_side_stream(streams, Trace::Track::AllGather, "all-gather " + label, [&] {
-        for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(inputs[i]);
+        for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(buffers[i]);
         first.comm_->all_gather_coalesced(outputs, inputs, label);
         for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
       });
@@ -186,31 +200,45 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     g->gathered_ = gathered;
     // Compute-pool blocks the all-gather stream still uses: kept until the
     // compute stream has waited for `gathered`.
-    g->gather_buffers_ = {std::move(inputs[i]), std::move(outputs[i])};
+    g->gather_buffers_ = {std::move(buffers[i].input), std::move(buffers[i].output)};
+    if (buffers[i].staging.defined()) g->gather_buffers_.push_back(std::move(buffers[i].staging));
     g->state_ = State::Gathering;
   }
 }
 
-std::pair<at::Tensor, at::Tensor> ParamGroup::allocate_gather() {
+ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
   allocate_unsharded();
+  GatherBuffers b;
   // One parameter: the rank-major gather already is the parameter's layout.
-  at::Tensor output = params_.size() == 1
-                          ? unsharded_flat_
-                          : at::empty({comm_->world_size() * shard_numel_}, opts);
-  return {at::empty({shard_numel_}, opts), output};
+  b.output = params_.size() == 1 ? unsharded_flat_ : at::empty({comm_->world_size() * shard_numel_}, opts);
+  b.input = at::empty({shard_numel_}, opts);
+  if (offloaded() && host_shards_.scalar_type() != compute_dtype_ && device_.type() != at::kCPU)
+    b.staging = at::empty({shard_numel_}, opts.dtype(host_shards_.scalar_type()));
+  return b;
 }
 
 // The copy-in (and cast) of the whole group as one multi-tensor kernel
 // (`cat` into another dtype would cast each shard in a kernel of its own).
-void ParamGroup::copy_in(at::Tensor& input) const {
+// Offloaded shards are already laid out as the input: one transfer, then the
+// cast on the device (a cross-device copy that casts would cast on the host).
+void ParamGroup::copy_in(const GatherBuffers& buffers) const {
+  if (offloaded()) {
+    if (buffers.staging.defined()) {
+      buffers.staging.copy_(host_shards_, /*non_blocking=*/true);
+      buffers.input.copy_(buffers.staging);
+    } else {
+      buffers.input.copy_(host_shards_, /*non_blocking=*/true);
+    }
+    return;
+  }
   std::vector<at::Tensor> shards;
   std::vector<int64_t> sizes;
   for (const auto& p : params_) {
     shards.push_back(p.padded_shard.view(-1));
     sizes.push_back(p.layout.shard_numel());
   }
-  if (!shards.empty()) at::_foreach_copy_(input.split_with_sizes(sizes), shards);
+  if (!shards.empty()) at::_foreach_copy_(buffers.input.split_with_sizes(sizes), shards);
 }
 
 void ParamGroup::copy_out(const at::Tensor& gathered) {
@@ -239,9 +267,13 @@ ParamGroup::MemoryShape ParamGroup::memory_shape() const {
   MemoryShape shape;
   shape.unsharded = world * shard_numel_ * compute;
   shape.gather_buffers = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
+  if (offloaded() && host_shards_.scalar_type() != compute_dtype_ && device_.type() != at::kCPU)
+    shape.gather_buffers += shard_numel_ * host_shards_.element_size();  // the staging copy
   shape.unsharded_grads = trainable_numel * compute;
-  shape.sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
-  shape.reduce_input = world * shape.sharded_grads;
+  const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
+  // Offloaded: the sharded result leaves the device with its reduce-scatter input.
+  shape.sharded_grads = offloaded() ? 0 : sharded_grads;
+  shape.reduce_input = world * sharded_grads + (offloaded() ? sharded_grads : 0);
   return shape;
 }
 
@@ -347,14 +379,24 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   const std::string label = bucket_label(groups);
+  std::vector<at::Tensor> results = outputs;
   work.event = issue_on_side_stream(streams, Trace::Track::ReduceScatter, "reduce-scatter " + label, [&] {
     first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
+    // Offloaded groups' results go to the host behind the collective, into pinned memory (the
+    // host allocator reuses a block only after the copies recorded on it are done).
+    for (size_t i = 0; i < groups.size(); ++i)
+      if (groups[i]->offloaded()) {
+        results[i] = at::empty(outputs[i].sizes(), outputs[i].options().device(at::kCPU).pinned_memory(
+                                                        outputs[i].device().type() != at::kCPU));
+        results[i].copy_(outputs[i], /*non_blocking=*/true);
+      }
   });
   for (size_t i = 0; i < groups.size(); ++i) {
-    groups[i]->reduced_ = outputs[i];
+    groups[i]->reduced_ = results[i];
     groups[i]->reduced_at_ = work.event;
     work.keep_alive.push_back(std::move(groups[i]->reduce_input_));
     groups[i]->reduce_input_ = at::Tensor();
+    if (groups[i]->offloaded()) work.keep_alive.push_back(std::move(outputs[i]));  // read by the copy
   }
   return work;
 }
@@ -364,23 +406,29 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   for (ParamGroup* g : all)
     if (g->reduced_.defined()) groups.push_back(g);
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> flags;  // of the groups where this rank lacked some gradient
+  const auto flags_of = [](const ParamGroup* g) {
+    return g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())).gt(0);
+  };
+  std::vector<at::Tensor> flags;  // of the groups on the device where this rank lacked some gradient
   for (ParamGroup* g : groups) {
     TORCH_INTERNAL_ASSERT(g->state_ == State::Sharded, "fsdp: commit gradients after resharding");
-    if (g->reduced_at_) g->streams_.wait(g->streams_.compute(), *g->reduced_at_);
-    if (!g->all_local_grads_)
-      flags.push_back(g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())));
+    if (g->reduced_at_ && g->offloaded())
+      g->reduced_at_->synchronize();  // the host optimizer reads the copy
+    else if (g->reduced_at_)
+      g->streams_.wait(g->streams_.compute(), *g->reduced_at_);
+    if (!g->all_local_grads_ && !g->offloaded()) flags.push_back(flags_of(g));
   }
   // Where this rank had every gradient, every parameter has one: the common
   // step reads no flags, never waits for the device here, and the optimizer
   // queues up behind backward. Otherwise one device-to-host copy for all
-  // groups that lacked some.
-  const at::Tensor read = flags.empty() ? at::Tensor() : at::cat(flags).gt(0).to(at::kCPU);
+  // groups on the device that lacked some (offloaded ones have them on the host).
+  const at::Tensor read = flags.empty() ? at::Tensor() : at::cat(flags).to(at::kCPU);
   const bool* next = read.defined() ? read.data_ptr<bool>() : nullptr;
   for (ParamGroup* g : groups) {
     std::vector<bool> had_grad(g->params_.size(), true);
-    if (!g->all_local_grads_)
-      for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = *next++;
+    const at::Tensor host_flags = !g->all_local_grads_ && g->offloaded() ? flags_of(g) : at::Tensor();
+    for (size_t i = 0; i < had_grad.size() && !g->all_local_grads_; ++i)
+      had_grad[i] = host_flags.defined() ? host_flags[i].item<bool>() : *next++;
     g->add_reduced_gradients(had_grad);
   }
 }
@@ -407,8 +455,8 @@ void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
 at::Tensor ParamGroup::gather_full(size_t i) const {
   const auto& p = params_.at(i);
   at::Tensor out = at::empty({p.layout.shard_numel() * comm_->world_size()},
-                             p.padded_shard.options());
-  comm_->all_gather(out, p.padded_shard.view(-1));
+                             p.padded_shard.options().device(device_).pinned_memory(false));
+  comm_->all_gather(out, p.padded_shard.view(-1).to(device_));
   return out.view(rows_shape(p.full_shape, p.layout.padded_rows()))
       .narrow(0, 0, p.layout.rows)
       .reshape(p.full_shape)

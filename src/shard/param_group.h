@@ -38,9 +38,10 @@ struct ShardedParam {
 class ParamGroup {
  public:
   // Shards `params` (full tensors) in place. Not collective: every rank
-  // already holds the full values (same seed or loaded checkpoint).
+  // already holds the full values (same seed or loaded checkpoint). With
+  // cpu_offload the shards are views of one flat host buffer (pinned on GPUs).
   ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
-             std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision);
+             std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision, bool cpu_offload = false);
   ~ParamGroup();
 
   // Collective. Issues the all-gather (on GPUs on the all-gather stream, and
@@ -69,8 +70,9 @@ class ParamGroup {
   // work keeps the inputs alive until it is done; each group's result
   // becomes its sharded gradients at commit_gradients().
   static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
-  // The compute stream waits for each group's reduce-scatter; its result is
-  // added to the sharded gradients (set where none exist). A parameter that
+  // The compute stream waits for each group's reduce-scatter (the host, for
+  // an offloaded group's copy of it); its result is added to the sharded
+  // gradients (set where none exist). A parameter that
   // no rank produced a gradient for keeps its gradient undefined. Only where
   // this rank lacked some gradient are the reduced flags read (one wait for
   // the device for all such groups).
@@ -86,25 +88,32 @@ class ParamGroup {
     int64_t unsharded = 0;        // unsharded storage
     int64_t gather_buffers = 0;   // all-gather input and (2+ parameters) output
     int64_t unsharded_grads = 0;  // what autograd leaves in backward, compute dtype
-    int64_t reduce_input = 0, sharded_grads = 0;
+    int64_t reduce_input = 0, sharded_grads = 0;  // on the device (offloaded: none held after the step)
   };
   MemoryShape memory_shape() const;
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
-  const at::Device& device() const { return device_; }
+  const at::Device& device() const { return device_; }  // where it computes
+  bool offloaded() const { return host_shards_.defined(); }
   // How traces name this group.
   void set_label(std::string label) { label_ = std::move(label); }
   const std::string& label() const { return label_; }
-  // Collective. A full copy of parameter i (in its own dtype).
+  // Collective. A full copy of parameter i (in its own dtype), on device().
   at::Tensor gather_full(size_t i) const;
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
-  // Input and output of this group's part of an all-gather; allocates the
-  // unsharded storage (the output itself where the group has one parameter).
-  std::pair<at::Tensor, at::Tensor> allocate_gather();
-  // The shards, cast, into the all-gather input.
-  void copy_in(at::Tensor& input) const;
+  // This group's part of an all-gather: its input, its output (the unsharded
+  // storage itself where the group has one parameter, allocated here), and for
+  // offloaded shards of another dtype than the compute one, the device copy
+  // they are cast from.
+  struct GatherBuffers {
+    at::Tensor input, output, staging;
+  };
+  GatherBuffers allocate_gather();
+  // The shards, cast, into the all-gather input (offloaded: copied from the
+  // host on the all-gather stream first).
+  void copy_in(const GatherBuffers& buffers) const;
   void add_reduced_gradients(const std::vector<bool>& had_grad);
   // Rank-major gathered data into the parameter-major unsharded storage.
   void copy_out(const at::Tensor& gathered);
@@ -124,11 +133,12 @@ class ParamGroup {
   at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
   State state_ = State::Sharded;
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
-  std::vector<at::Tensor> gather_buffers_;   // input and output, until the compute stream waited
+  std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
+  at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
   at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
-  at::Tensor reduced_;                       // reduce-scatter output awaiting commit
-  std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective
+  at::Tensor reduced_;                       // reduce-scatter output (offloaded: its host copy) awaiting commit
+  std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective (and host copy)
 };
 
 }  // namespace fsdp

@@ -84,6 +84,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         [&a](const std::string&) { a.reshard_after_forward = false; }, false}},
       {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
+      {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
+                         "optimizer on the CPU: the GPU holds only what forward and backward use",
+                         set_true(a.cpu_offload), false}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
       {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
                        "it applies) (default aten)", text(a.attention)}},
@@ -298,7 +301,9 @@ void check_memory(const TrainArgs& a) {
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
   const double sharded_state = 16.0 * params / world;  // fp32 weights, gradients, two AdamW moments
-  const double state = sharded_state + held_gradients;
+  // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
+  const bool offloaded = a.cpu_offload && on_gpu;
+  const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
   const double loss_chunk = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
   // A budget's plan may checkpoint every block: its bound is the checkpointed one.
   const bool checkpointed = a.checkpoint || plans_schedule(a);
@@ -309,10 +314,15 @@ void check_memory(const TrainArgs& a) {
   const std::string where = on_gpu ? " of a GPU" : " of host memory per process";
   // Parameters are made as shards (sharded initialisation): the model itself needs only its
   // share of the state on each rank.
-  if (have > 0 && sharded_state > have)
+  if (offloaded && host > 0 && sharded_state * local > host)
+    throw UsageError("--cpu-offload: the " + model_name(a) + " model's sharded state (16 bytes a parameter) takes " +
+                     gib(sharded_state * local) + " of host memory for this host's " + std::to_string(local) +
+                     " rank(s), more than the " + gib(host) + " available: use more hosts or a smaller model");
+  if (have > 0 && !offloaded && sharded_state > have)
     throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
                      "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(world) +
-                     " rank(s), more than the " + gib(have) + where + ": use more ranks or a smaller model");
+                     " rank(s), more than the " + gib(have) + where + ": use more ranks, " +
+                     (on_gpu && !a.cpu_offload ? "--cpu-offload, " : "") + "or a smaller model");
   if (on_gpu && a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0 > gpu)
     throw UsageError("--memory-budget " + gib(a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0) +
                      " is more than the GPU's " + gib(gpu) + ": give at most that");

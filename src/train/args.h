@@ -30,6 +30,7 @@ struct TrainArgs {
   std::string data = "synthetic";
   std::string param_dtype = "auto", reduce_dtype = "fp32";
   bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
+  bool cpu_offload = false;  // ShardOptions::cpu_offload: sharded state and the optimizer step on the host
   std::string backend = "auto";
   std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
