@@ -28,7 +28,7 @@ import torch.jit._pickle
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 PRESETS = {
@@ -209,10 +209,15 @@ def main():
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
     p.add_argument("--attention", choices=["aten", "flash"], default="aten",
                    help="SDPA kernel: ATen's choice or flash")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host")
     args = p.parse_args()
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    # Offloaded gradients are CPU tensors: clip_grad_norm_'s all-reduce of them needs gloo.
+    dist.init_process_group("cuda:nccl,cpu:gloo" if on_gpu and args.cpu_offload else "nccl" if on_gpu else "gloo")
+    if args.cpu_offload:  # torchrun sets OMP_NUM_THREADS=1; the host optimizer gets this rank's share, as fsdp-train's
+        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -248,12 +253,15 @@ def main():
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=on_gpu) if args.cpu_offload else None
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
         if not args.init:
-            model.to_empty(device=device)
+            model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards live on the host
             model.init_weights()
+        if args.cpu_offload:  # buffers are not offloaded: the forward reads them on the device
+            model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     opt = opt or make_optimizer()
     if on_gpu:
         torch.cuda.empty_cache()

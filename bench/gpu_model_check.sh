@@ -17,13 +17,17 @@
 #           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
 #           --memory-budget 48 --plan-only on the 8B
+# and CPU offload (issue #14):
+#   offload the 2-rank GPU suite and training runs (offloaded too), a checkpoint saved offloaded and
+#           resumed on the device, the 1B and the 8B offloaded, and the 8B under FSDP2's CPUOffloadPolicy
+#   offload-budget  the 8B offloaded: --memory-budget 48 (plans and trains), and every block checkpointed
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b or overlap-1b}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload or offload-budget}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -88,5 +92,23 @@ case $part in
     phase frontier-8b 20 python3 bench/plan_frontier.py --check "$work/plan-check-8b.jsonl" --out "$work/frontier-8b"
     phase budget-48-8b 150 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --steps 4 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
+  offload)
+    phase gpu-tests 200 ctest --test-dir build --output-on-failure \
+      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload)$'
+    phase offload-resume 120 bash -c "build/fsdp-run --gpu -n 2 build/fsdp-train --model tiny --seq 64 --steps 10 \
+      --cpu-offload --save-dir $work/ckpt --log $work/offload-save.jsonl && build/fsdp-run --gpu -n 2 \
+      build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/device-resume.jsonl"
+    phase offload-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+      --param-dtype bf16 --cpu-offload --steps 6 --log "$work/offload-1b.jsonl"
+    phase offload-8b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --cpu-offload --steps 5 --log "$work/offload-8b.jsonl"
+    phase fsdp2-offload-8b 200 python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
+      bench/fsdp2_llama.py --model 8b --seq 2048 --batch 2 --steps 5 --cpu-offload \
+      --jsonl "$work/fsdp2-offload-8b.jsonl" ;;
+  offload-budget)
+    phase budget-48-8b 330 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --cpu-offload --memory-budget 48 --steps 7 --log "$work/budget-48-8b.jsonl"
+    phase offload-8b-ac 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --cpu-offload --checkpoint --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

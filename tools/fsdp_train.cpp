@@ -317,7 +317,8 @@ int train(const fsdp::train::TrainArgs& args) {
       } catch (const fsdp::plan::BudgetTooSmall& e) {
         if (lead)
           std::fprintf(stderr, "fsdp-train: error: --memory-budget: %s%s\n", e.what(),
-                       args.cpu_offload || !device.is_cuda() ? "" : " (--cpu-offload moves the sharded state to the host)");
+                       args.cpu_offload || !device.is_cuda() ? ""
+                                                             : " (--cpu-offload moves the sharded state to the host)");
         exit_code = 2;
         break;
       }
