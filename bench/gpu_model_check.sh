@@ -19,7 +19,8 @@
 #           --memory-budget 48 --plan-only on the 8B
 # and CPU offload (issue #14):
 #   offload the 2-rank GPU suite and training runs (offloaded too), a checkpoint saved offloaded and
-#           resumed on the device, the 1B and the 8B offloaded, and the 8B under FSDP2's CPUOffloadPolicy
+#           resumed on the device, the 1B offloaded
+#   offload-8b  the 8B offloaded, and under FSDP2's CPUOffloadPolicy
 #   offload-budget  the 8B offloaded: --memory-budget 48 (plans and trains), and every block checkpointed
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
@@ -27,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload or offload-budget}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b or offload-budget}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -99,7 +100,8 @@ case $part in
       --cpu-offload --save-dir $work/ckpt --log $work/offload-save.jsonl && build/fsdp-run --gpu -n 2 \
       build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/device-resume.jsonl"
     phase offload-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
-      --param-dtype bf16 --cpu-offload --steps 6 --log "$work/offload-1b.jsonl"
+      --param-dtype bf16 --cpu-offload --steps 6 --log "$work/offload-1b.jsonl" ;;
+  offload-8b)
     phase offload-8b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --steps 5 --log "$work/offload-8b.jsonl"
     phase fsdp2-offload-8b 200 python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
