@@ -3,6 +3,8 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <mutex>
 
 #include "fsdp/launch.h"
 #include "runtime/module_state.h"
@@ -27,8 +29,28 @@ void Runtime::drop_stale_locked() {
   }
 }
 
+// The registry is a static made before CUDA's host allocator and driver state are torn down at
+// exit, so it would be destroyed after them: offloaded groups' pinned buffers (and the gradients
+// aliasing them) must go back before that. An exit handler registered after the first pinned
+// allocation runs before every teardown registered earlier.
+void Runtime::drop_all_states_at_exit() {
+  static std::once_flag registered;
+  std::call_once(registered, [] {
+    std::atexit([] {
+      Runtime& runtime = get();
+      std::unordered_map<const torch::nn::Module*, Entry> states;
+      {
+        std::lock_guard<std::mutex> lock(runtime.mutex_);
+        runtime.owners_.clear();
+        states.swap(runtime.states_);
+      }
+    });
+  });
+}
+
 void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
                   std::shared_ptr<ModuleState> state) {
+  if (state->group().offloaded() && state->group().device().type() != at::kCPU) drop_all_states_at_exit();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
   state->id_ = next_id_++;
