@@ -29,28 +29,27 @@ void Runtime::drop_stale_locked() {
   }
 }
 
-// The registry is a static made before CUDA's host allocator and driver state are torn down at
-// exit, so it would be destroyed after them: offloaded groups' pinned buffers (and the gradients
-// aliasing them) must go back before that. An exit handler registered after the first pinned
-// allocation runs before every teardown registered earlier.
-void Runtime::drop_all_states_at_exit() {
+// Offloaded groups hold pinned host memory (their shards, and the gradients aliasing the reduce-
+// scatter results), which CUDA's host allocator cannot take back once CUDA is torn down at exit,
+// and the registry is a static destroyed after that. So an exit handler, registered with the first
+// such group, hands the registry's states to a holder that is never freed: the process is ending
+// and the system reclaims the memory.
+void Runtime::keep_states_at_exit() {
   static std::once_flag registered;
   std::call_once(registered, [] {
     std::atexit([] {
       Runtime& runtime = get();
-      std::unordered_map<const torch::nn::Module*, Entry> states;
-      {
-        std::lock_guard<std::mutex> lock(runtime.mutex_);
-        runtime.owners_.clear();
-        states.swap(runtime.states_);
-      }
+      std::lock_guard<std::mutex> lock(runtime.mutex_);
+      new auto(std::move(runtime.states_));  // NOLINT: leaked on purpose
+      runtime.states_.clear();
+      runtime.owners_.clear();
     });
   });
 }
 
 void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
                   std::shared_ptr<ModuleState> state) {
-  if (state->group().offloaded() && state->group().device().type() != at::kCPU) drop_all_states_at_exit();
+  if (state->group().offloaded() && state->group().device().type() != at::kCPU) keep_states_at_exit();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
   state->id_ = next_id_++;

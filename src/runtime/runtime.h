@@ -96,7 +96,7 @@ class Runtime {
   };
   void end_of_backward();
   void drop_stale_locked();
-  static void drop_all_states_at_exit();
+  static void keep_states_at_exit();
   void reshard_strays(bool only_idle_this_step);
   std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
                                              bool backward);
