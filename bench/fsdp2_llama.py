@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import threading
 import time
 
@@ -308,7 +309,7 @@ def main():
             row = dict(step=step + 1, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                        step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
                        peak_alloc_gib=alloc, peak_reserved_gib=reserved, world=world,
-                       model=args.model)
+                       model=args.model, host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(f"fsdp2 step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
