@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include "fsdp/plan/simulator.h"
@@ -185,25 +186,24 @@ void calibrate_contention(CostModel& model, const std::vector<GroupShape>& group
     throw std::invalid_argument("calibration step: " + std::to_string(groups.size()) + " groups, the profile has " +
                                 std::to_string(model.groups.size()));
   // The blocks' compute (the root's spans enclose everything), and each collective's time alone.
-  std::vector<std::pair<double, double>> compute;
+  std::set<std::string> compute_names;
   std::map<std::string, double> alone;
   for (size_t g = 0; g < groups.size(); ++g) {
     alone["all-gather " + groups[g].label] = model.groups[g].allgather_ms;
     alone["reduce-scatter " + groups[g].label] = model.groups[g].reduce_scatter_ms;
     if (groups[g].encloses_later) continue;
-    for (const char* phase : {"forward ", "recompute ", "backward "})
-      for (const auto& span : step.spans)
-        if (span.name == phase + groups[g].label) compute.emplace_back(span.start_ms, span.end_ms);
+    for (const char* phase : {"forward ", "recompute ", "backward "}) compute_names.insert(phase + groups[g].label);
   }
+  std::vector<std::pair<double, double>> compute;
+  for (const auto& span : step.spans)
+    if (compute_names.count(span.name)) compute.emplace_back(span.start_ms, span.end_ms);
   // Per kind of collective: the time of those at least half beside compute, and their time alone.
   std::map<std::string, std::pair<double, double>> beside;
   int gathers = 0;
   for (const auto& span : step.spans) {
     const auto it = alone.find(span.name);
     if (it == alone.end()) continue;
-    double overlap = 0;
-    for (const auto& [start, end] : compute)
-      overlap += std::max(0.0, std::min(end, span.end_ms) - std::max(start, span.start_ms));
+    const double overlap = time_within(compute, span.start_ms, span.end_ms);
     const std::string kind = span.name.substr(0, span.name.find(' '));
     gathers += kind == "all-gather";
     if (overlap * 2 >= span.end_ms - span.start_ms) {

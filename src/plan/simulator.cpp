@@ -164,14 +164,8 @@ class Replay {
     const double start = std::max({compute_end_, cpu_, not_before});
     double end = start + device_ms;
     for (int round = 0; round < 4 && model_.contention.compute_slowdown > 0; ++round)
-      end = start + device_ms + model_.contention.compute_slowdown * collective_time_within(start, end);
+      end = start + device_ms + model_.contention.compute_slowdown * time_within(collectives_, start, end);
     compute_end_ = end;
-  }
-
-  double collective_time_within(double from, double to) const {
-    double total = 0;
-    for (const auto& [start, end] : collectives_) total += std::max(0.0, std::min(end, to) - std::max(start, from));
-    return total;
   }
 
   // Memory: what is allocated, by name, in the host's order.
@@ -218,5 +212,11 @@ class Replay {
 }  // namespace
 
 Prediction simulate(const CostModel& model, const Schedule& schedule) { return Replay(model, schedule).run(); }
+
+double time_within(const std::vector<std::pair<double, double>>& intervals, double from, double to) {
+  double total = 0;
+  for (const auto& [start, end] : intervals) total += std::max(0.0, std::min(end, to) - std::max(start, from));
+  return total;
+}
 
 }  // namespace fsdp::plan

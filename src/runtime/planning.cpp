@@ -43,7 +43,7 @@ std::vector<Group> groups_in_order(const torch::nn::Module& root, const char* ca
   return order;
 }
 
-std::chrono::steady_clock::time_point g_profile_start;
+std::chrono::steady_clock::time_point g_recording_start;
 
 // Every measured number of the model, in a fixed order (bytes are exact in a double up to 2^53).
 template <class Visit>
@@ -137,7 +137,7 @@ void start_recording(const char* caller, bool with_memory) {
                                 ": bucketing is on (bucket_mb > 0): the profile needs each group's collectives "
                                 "apart; set bucket_mb to 0 for the recorded steps");
   Trace::get().start(default_communicator()->device(), with_memory);
-  g_profile_start = std::chrono::steady_clock::now();
+  g_recording_start = std::chrono::steady_clock::now();
 }
 
 plan::RecordedStep finish_recording(const char* caller) {
@@ -148,7 +148,7 @@ plan::RecordedStep finish_recording(const char* caller) {
   step.host_is_device = device.is_cpu();
   const auto& streams = DeviceStreams::of(device);
   if (streams.active()) streams.record(streams.compute())->synchronize();  // the optimizer's work too
-  step.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_profile_start).count();
+  step.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_recording_start).count();
   Trace::Recording recording = Trace::get().finish();
   for (const auto& span : recording.spans)
     step.spans.push_back({span.name, span.start_ms, span.end_ms, span.host_start_ms, span.host_end_ms, span.start_mark,

@@ -98,7 +98,6 @@ void Trace::write(const std::string& path, int rank) {
     out << (t ? "," : "") << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << rank
         << ",\"tid\":" << t << ",\"args\":{\"name\":\"" << track_names[t] << "\"}}";
   for (const auto& span : spans) {
-    if (span.end_ms < span.start_ms) continue;
     out << ",{\"ph\":\"X\",\"name\":\"" << span.name << "\",\"pid\":" << rank
         << ",\"tid\":" << static_cast<int>(span.track) << ",\"ts\":" << span.start_ms * 1000
         << ",\"dur\":" << (span.end_ms - span.start_ms) * 1000 << "}";

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/plan/cost_model.h"
@@ -40,5 +41,8 @@ struct Prediction {
 
 // Throws std::invalid_argument when the schedule's per-group vectors do not match the model.
 Prediction simulate(const CostModel& model, const Schedule& schedule);
+
+// How much of the (start, end) intervals falls within [from, to] (overlaps counted once each).
+double time_within(const std::vector<std::pair<double, double>>& intervals, double from, double to);
 
 }  // namespace fsdp::plan
