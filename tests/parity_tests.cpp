@@ -149,13 +149,18 @@ TEST(Parity, ToyNetWithUnusedFrozenAndTinyParameters) {
     return s;
   };
   auto want = train(setup({}));
-  auto got = train(setup([](ToyNet& n) {
-    fully_shard(n->first);
-    fully_shard(n->frozen);
-    fully_shard(n->last);
-    fully_shard(n);  // scale and the unused layer
-  }));
-  expect_same_run(got, want);
+  for (bool offload : {false, true}) {  // offloaded: the has-gradient flags are read on the host
+    SCOPED_TRACE(offload ? "CPU offload" : "on the device");
+    ShardOptions o;
+    o.cpu_offload = offload;
+    auto got = train(setup([o](ToyNet& n) {
+      fully_shard(n->first, o);
+      fully_shard(n->frozen, o);
+      fully_shard(n->last, o);
+      fully_shard(n, o);  // scale and the unused layer
+    }));
+    expect_same_run(got, want);
+  }
   EXPECT_EQ(want.params_without_grad,
             (std::vector<std::string>{"frozen.weight", "unused.weight", "unused.bias"}));
 }

@@ -73,13 +73,7 @@ int launch_rank() {
 // --cpu-offload steps AdamW on the host: each rank of this host takes its share of the cores
 // (ATen's default, every core for every rank, oversubscribes them).
 void share_host_cores() {
-  int local = 1;
-  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"})
-    if (const char* value = std::getenv(name)) {
-      local = std::max(1, std::atoi(value));
-      break;
-    }
-  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local));
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / fsdp::train::local_ranks()));
 }
 
 int train(const fsdp::train::TrainArgs& args) {

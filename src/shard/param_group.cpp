@@ -213,7 +213,7 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   // One parameter: the rank-major gather already is the parameter's layout.
   b.output = params_.size() == 1 ? unsharded_flat_ : at::empty({comm_->world_size() * shard_numel_}, opts);
   b.input = at::empty({shard_numel_}, opts);
-  if (offloaded() && host_shards_.scalar_type() != compute_dtype_ && device_.type() != at::kCPU)
+  if (needs_staging())
     b.staging = at::empty({shard_numel_}, opts.dtype(host_shards_.scalar_type()));
   return b;
 }
@@ -267,7 +267,7 @@ ParamGroup::MemoryShape ParamGroup::memory_shape() const {
   MemoryShape shape;
   shape.unsharded = world * shard_numel_ * compute;
   shape.gather_buffers = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
-  if (offloaded() && host_shards_.scalar_type() != compute_dtype_ && device_.type() != at::kCPU)
+  if (needs_staging())
     shape.gather_buffers += shard_numel_ * host_shards_.element_size();  // the staging copy
   shape.unsharded_grads = trainable_numel * compute;
   const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
@@ -426,9 +426,12 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   const bool* next = read.defined() ? read.data_ptr<bool>() : nullptr;
   for (ParamGroup* g : groups) {
     std::vector<bool> had_grad(g->params_.size(), true);
-    const at::Tensor host_flags = !g->all_local_grads_ && g->offloaded() ? flags_of(g) : at::Tensor();
-    for (size_t i = 0; i < had_grad.size() && !g->all_local_grads_; ++i)
-      had_grad[i] = host_flags.defined() ? host_flags[i].item<bool>() : *next++;
+    if (!g->all_local_grads_) {
+      const at::Tensor own = g->offloaded() ? flags_of(g) : at::Tensor();
+      const bool* from = own.defined() ? own.data_ptr<bool>() : next;
+      for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = from[i];
+      if (!own.defined()) next += had_grad.size();
+    }
     g->add_reduced_gradients(had_grad);
   }
 }
@@ -455,7 +458,7 @@ void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
 at::Tensor ParamGroup::gather_full(size_t i) const {
   const auto& p = params_.at(i);
   at::Tensor out = at::empty({p.layout.shard_numel() * comm_->world_size()},
-                             p.padded_shard.options().device(device_).pinned_memory(false));
+                             at::TensorOptions().dtype(p.padded_shard.scalar_type()).device(device_));
   comm_->all_gather(out, p.padded_shard.view(-1).to(device_));
   return out.view(rows_shape(p.full_shape, p.layout.padded_rows()))
       .narrow(0, 0, p.layout.rows)

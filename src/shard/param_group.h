@@ -111,6 +111,10 @@ class ParamGroup {
     at::Tensor input, output, staging;
   };
   GatherBuffers allocate_gather();
+  // Offloaded shards of another dtype than the compute one, on a device: cast there, after the copy.
+  bool needs_staging() const {
+    return offloaded() && host_shards_.scalar_type() != compute_dtype_ && device_.type() != at::kCPU;
+  }
   // The shards, cast, into the all-gather input (offloaded: copied from the
   // host on the all-gather stream first).
   void copy_in(const GatherBuffers& buffers) const;

@@ -286,7 +286,7 @@ std::string gib(double bytes) {
 void check_memory(const TrainArgs& a) {
   const auto config = model_config(a);
   const double params = static_cast<double>(config.parameter_count());
-  const int local = env_int({"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 1);
+  const int local = local_ranks();
   const double host = available_host_bytes();
   const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();
   const bool on_gpu = gpu > 0;
@@ -336,6 +336,8 @@ void check_memory(const TrainArgs& a) {
 }
 
 }  // namespace
+
+int local_ranks() { return env_int({"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 1); }
 
 c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
   if (name == "fp32") return c10::kFloat;

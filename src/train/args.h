@@ -66,6 +66,8 @@ std::string train_help_text();
 // the model and for --batch x --seq, on the GPUs when there are any (else the host).
 // Throws UsageError.
 void check_train_args_on_this_machine(const TrainArgs& args);
+// Ranks on this host, from the launcher's variables (1 without them).
+int local_ranks();
 // "fp32", "bf16" or "auto" (bf16 on GPUs).
 c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 
