@@ -22,13 +22,16 @@
 #           resumed on the device, the 1B offloaded
 #   offload-8b  the 8B offloaded, and under FSDP2's CPUOffloadPolicy
 #   offload-budget  the 8B offloaded: --memory-budget 48 (plans and trains), and every block checkpointed
+# and HSDP (issue #14):
+#   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
+#           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b or offload-budget}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget, hsdp}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -112,5 +115,16 @@ case $part in
       --param-dtype bf16 --cpu-offload --memory-budget 48 --steps 7 --log "$work/budget-48-8b.jsonl"
     phase offload-8b-ac 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --checkpoint --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
+  hsdp)
+    phase gpu-tests 240 ctest --test-dir build --output-on-failure \
+      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+    phase hsdp-resume 120 bash -c "build/fsdp-run --gpu -n 2 build/fsdp-train --model tiny --seq 64 --steps 10 \
+      --replicas 2 --save-dir $work/ckpt --log $work/hsdp-save.jsonl && build/fsdp-run --gpu -n 2 \
+      build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/fsdp-resume.jsonl"
+    for replicas in 1 2; do
+      phase hsdp-1b-r$replicas 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+        --param-dtype bf16 --replicas $replicas --steps 10 --trace "$work/trace-1b-r$replicas" --trace-steps 1 \
+        --log "$work/hsdp-1b-r$replicas.jsonl"
+    done ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

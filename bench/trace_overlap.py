@@ -35,7 +35,8 @@ def beside(intervals, compute):
 
 
 def summarise(path):
-    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    # HSDP's all-reduce track (tid 3) is not summarised here.
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["tid"] <= REDUCE_SCATTER]
     roots = {e["name"].split(" ", 1)[1] for e in events if e["tid"] == COMPUTE and encloses(e, events)}
     phases = collections.defaultdict(float)
     tracks = {COMPUTE: [], ALL_GATHER: [], REDUCE_SCATTER: []}

@@ -99,6 +99,11 @@ int train(const fsdp::train::TrainArgs& args) {
   // sharding with values that do not depend on the number of ranks.
   fsdp::model::Llama model(config, fsdp::model::Placement{device, /*deferred=*/true});
   fsdp::ShardOptions shard;
+  if (args.replicas > 1) {  // HSDP
+    const fsdp::Mesh mesh = fsdp::make_mesh(args.replicas, comm);
+    shard.comm = mesh.shard;
+    shard.replicate = mesh.replicate;
+  }
   shard.reshard_after_forward = args.reshard_after_forward;
   shard.cpu_offload = args.cpu_offload;
   if (args.cpu_offload && device.is_cuda()) share_host_cores();  // for the host optimizer
@@ -168,6 +173,7 @@ int train(const fsdp::train::TrainArgs& args) {
                 config.parameter_count() / 1e6, args.grad_accum, (long long)args.batch, (long long)args.seq,
                 c10::toString(*shard.mixed_precision.param_dtype),
                 c10::toString(*shard.mixed_precision.reduce_dtype));
+    if (args.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args.replicas, comm->world_size() / args.replicas);
     if (args.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
     if (device.is_cuda())
       std::printf(" | attention %s | allocator '%s'", args.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));

@@ -48,6 +48,11 @@ class Communicator {
   void all_reduce(const at::Tensor& tensor, ReduceOp op);
   void broadcast(const at::Tensor& tensor, int root);
   void barrier();
+  // Collective. The ranks passing the same `color` (>= 0) form a new communicator, ordered by
+  // `key` (ties by rank here), with this one's backend, device and timeout; `group_name` names it
+  // in errors. A timed barrier comes first, so a missing peer fails with this group's timeout
+  // instead of hanging in the backend's split.
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& group_name);
   // Several independent collectives issued together (one NCCL group, or
   // concurrent non-blocking MPI requests), completed together. `tag` names
   // what is moved (e.g. the parameter groups) for the cross-rank check.
@@ -82,6 +87,7 @@ class Communicator {
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
+  virtual std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) = 0;
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;

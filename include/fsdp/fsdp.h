@@ -6,6 +6,7 @@
 #include "fsdp/communicator.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
+#include "fsdp/mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/planning.h"
 #include "fsdp/runtime_options.h"

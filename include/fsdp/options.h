@@ -21,6 +21,10 @@ struct MixedPrecision {
 struct ShardOptions {
   // Communicator to shard over; default: the one fsdp::init() made.
   std::shared_ptr<Communicator> comm;
+  // HSDP (fsdp/mesh.h): the ranks holding the same shard as this one in other replicas (same
+  // device kind as `comm`). After each reduce-scatter over `comm` the sharded gradients are
+  // averaged over them, on a stream of their own. Null: plain FSDP.
+  std::shared_ptr<Communicator> replicate;
   // true: free the unsharded parameters after forward and all-gather them
   // again for backward (ZeRO-3). false: keep them until the group's backward
   // (more memory, one all-gather less). The root group always keeps them, as

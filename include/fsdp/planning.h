@@ -30,7 +30,8 @@ namespace fsdp {
 // The sharded groups under `root` in the forward order recorded by the last step (so at least
 // one step must have run), with their buffers' sizes. The root group is marked as enclosing the
 // others and not checkpointable; every other group checkpointable (change it where the model
-// cannot recompute a group).
+// cannot recompute a group). Throws std::invalid_argument for groups sharded with replicas
+// (HSDP), which the cost model does not describe.
 std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root);
 
 // The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).

@@ -41,6 +41,7 @@ class CheckpointState {
     std::vector<int64_t> full_shape;
     int64_t first_row = 0;  // of this rank's rows in the full tensor
     Communicator* comm = nullptr;  // the parameter group's
+    Communicator* replicate = nullptr;  // HSDP: its replicas (the first one saves)
   };
   const std::vector<Sharded>& sharded() const { return sharded_; }
   const std::vector<std::pair<std::string, at::Tensor>>& replicated() const { return replicated_; }
@@ -53,8 +54,10 @@ class CheckpointState {
 // The sharded parameters of `root` (fully_shard applied) under their names.
 CheckpointState model_state(torch::nn::Module& root);
 
-// Collective over the sharded tensors' communicator. Writes `dir` (its parent must exist) through
-// `dir`.tmp, renamed once every file and the metadata are on disk; replaces an existing `dir`.
+// Collective over the sharded tensors' communicator (HSDP: over all replicas, the first one
+// writing; the checkpoint is that of one replica's ranks and loads like any other). Writes `dir`
+// (its parent must exist) through `dir`.tmp, renamed once every file and the metadata are on
+// disk; replaces an existing `dir`.
 void save_checkpoint(const std::string& dir, const CheckpointState& state);
 // Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
 // sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or

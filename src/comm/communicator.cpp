@@ -169,4 +169,12 @@ void Communicator::barrier() {
   if (world_size_ > 1) do_barrier();
 }
 
+std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& group_name) {
+  if (color < 0)
+    throw std::invalid_argument("fsdp: split of " + describe() + " into '" + group_name + "': color " +
+                                std::to_string(color) + " is negative; every rank must join a group");
+  barrier();  // timed: every peer is there before the backend's untimed split
+  return do_split(color, key, group_name);
+}
+
 }  // namespace fsdp

@@ -62,24 +62,38 @@ void ensure_mpi_initialized() {
 }
 
 namespace {
-int mpi_world_rank() {
+MPI_Comm duplicate_world() {
   ensure_mpi_initialized();
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  return comm;
+}
+int rank_in(MPI_Comm comm) {
   int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_rank(comm, &rank);
   return rank;
 }
-int mpi_world_size() {
-  ensure_mpi_initialized();
+int size_of(MPI_Comm comm) {
   int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_size(comm, &size);
   return size;
 }
 }  // namespace
 
 MpiCommunicator::MpiCommunicator(std::string group_name, std::chrono::milliseconds timeout)
-    : Communicator(mpi_world_rank(), mpi_world_size(), std::move(group_name), timeout) {
-  MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    : MpiCommunicator(duplicate_world(), std::move(group_name), timeout) {}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string group_name, std::chrono::milliseconds timeout)
+    : Communicator(rank_in(comm), size_of(comm), std::move(group_name), timeout), comm_(comm) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+}
+
+std::shared_ptr<Communicator> MpiCommunicator::do_split(int color, int key, std::string group_name) {
+  MPI_Comm part = MPI_COMM_NULL;
+  const int rc = MPI_Comm_split(comm_, color, key, &part);
+  if (rc != MPI_SUCCESS || part == MPI_COMM_NULL)
+    throw CollectiveError("fsdp: MPI_Comm_split of " + describe() + " into '" + group_name + "' failed");
+  return std::shared_ptr<Communicator>(new MpiCommunicator(part, std::move(group_name), timeout()));
 }
 
 MpiCommunicator::~MpiCommunicator() {

@@ -28,8 +28,11 @@ class MpiCommunicator : public Communicator {
   void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override;
   void do_broadcast(const at::Tensor& tensor, int root) override;
   void do_barrier() override;
+  std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) override;
 
  private:
+  // Takes ownership of `comm`.
+  MpiCommunicator(MPI_Comm comm, std::string group_name, std::chrono::milliseconds timeout);
   // Polls the requests until all complete or the timeout passes.
   void wait(std::vector<MPI_Request>& requests, const std::string& what);
 

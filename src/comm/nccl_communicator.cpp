@@ -57,6 +57,32 @@ NcclCommunicator::NcclCommunicator(int rank, int world_size, int device_index,
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 
+namespace {
+int rank_in(ncclComm_t comm) {
+  int rank = 0;
+  ncclCommUserRank(comm, &rank);
+  return rank;
+}
+int size_of(ncclComm_t comm) {
+  int size = 0;
+  ncclCommCount(comm, &size);
+  return size;
+}
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device_index, std::string group_name,
+                                   std::chrono::milliseconds timeout)
+    : Communicator(rank_in(comm), size_of(comm), std::move(group_name), timeout), comm_(comm), device_(device_index) {
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+std::shared_ptr<Communicator> NcclCommunicator::do_split(int color, int key, std::string group_name) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  ncclComm_t part = nullptr;
+  check(ncclCommSplit(comm_, color, key, &part, nullptr), "ncclCommSplit into '" + group_name + "'");
+  return std::shared_ptr<Communicator>(new NcclCommunicator(part, device_, std::move(group_name), timeout()));
+}
+
 NcclCommunicator::~NcclCommunicator() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

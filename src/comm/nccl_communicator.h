@@ -36,8 +36,11 @@ class NcclCommunicator : public Communicator {
   void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override;
   void do_broadcast(const at::Tensor& tensor, int root) override;
   void do_barrier() override;
+  std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) override;
 
  private:
+  // Takes ownership of `comm`, a communicator NCCL made (ncclCommSplit).
+  NcclCommunicator(ncclComm_t comm, int device_index, std::string group_name, std::chrono::milliseconds timeout);
   struct InFlight {
     void* event;  // cudaEvent_t recorded after the collective; null while enqueuing
     std::string what;

@@ -1,5 +1,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
 #include <torch/nn/module.h>
 
 #include <sstream>
@@ -103,6 +104,27 @@ void check_same_structure(Communicator& comm, const NamedParams& params,
     }
 }
 
+// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups.
+void check_replicas(const Communicator& comm, Communicator& replicate, const std::string& module_name) {
+  const std::string fix = ": make both communicators with fsdp::make_mesh";
+  if (replicate.device() != comm.device())
+    throw shard_error(module_name, "the replicate communicator works on " + replicate.device().str() +
+                                       " but the shard communicator on " + comm.device().str() + fix);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  at::Tensor all = at::empty({2 * replicate.world_size()}, opts);
+  replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size())}, opts));
+  all = all.cpu();
+  const int64_t* shard_of = all.data_ptr<int64_t>();
+  for (int r = 0; r < replicate.world_size(); ++r)
+    if (shard_of[2 * r] != comm.rank() || shard_of[2 * r + 1] != comm.world_size())
+      throw shard_error(module_name, "rank " + std::to_string(r) + " of the replicate group '" +
+                                         replicate.group_name() + "' holds shard " +
+                                         std::to_string(shard_of[2 * r]) + " of " +
+                                         std::to_string(shard_of[2 * r + 1]) + ", this rank shard " +
+                                         std::to_string(comm.rank()) + " of " + std::to_string(comm.world_size()) +
+                                         "; a replicate group joins the ranks holding the same shard" + fix);
+}
+
 }  // namespace
 
 std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardOptions& options) {
@@ -120,6 +142,10 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
   if (!resolved.comm) resolved.comm = default_communicator();
   NamedParams params = collect_params(module, module_name, *resolved.comm);
   check_same_structure(*resolved.comm, params, module_name);
+  if (resolved.replicate) {
+    check_replicas(*resolved.comm, *resolved.replicate, module_name);
+    check_same_structure(*resolved.replicate, params, module_name);
+  }
   auto state = std::make_shared<ModuleState>(module_name, std::move(params), resolved);
   Runtime::get().add(owned, state);
   return state;

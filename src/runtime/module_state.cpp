@@ -46,7 +46,7 @@ ModuleState::ModuleState(std::string module_name,
                          std::vector<std::pair<std::string, at::Tensor>> params,
                          const ShardOptions& options)
     : module_name_(std::move(module_name)),
-      group_(std::move(params), options.comm, options.mixed_precision, options.cpu_offload),
+      group_(std::move(params), options),
       reshard_after_forward_(options.reshard_after_forward) {
   for (const auto& p : group_.params()) {
     if (p.param.requires_grad())

@@ -87,6 +87,9 @@ std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
   const ModuleState* root_state = Runtime::get().state_of(root);
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
+    if (group.state->group().replicate())
+      throw std::invalid_argument("fsdp::group_shapes: '" + group.path + "' is sharded with replicas (HSDP): the "
+                                  "planner's cost model has no all-reduce across replicas; plan plain FSDP");
     const auto memory = group.state->group().memory_shape();
     plan::GroupShape shape;
     shape.name = group.path;

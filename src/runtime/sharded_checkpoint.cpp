@@ -151,7 +151,8 @@ void CheckpointState::add_sharded(const std::string& name, at::Tensor local, con
   if (!local.sizes().equals(p.shard.sizes()))
     throw std::invalid_argument("fsdp: '" + name + "' has shape " + c10::str(local.sizes()) + ", not that of its "
                                 "parameter's shard " + c10::str(p.shard.sizes()));
-  sharded_.push_back({name, std::move(local), p.full_shape, p.layout.first_row(comm.rank()), &comm});
+  sharded_.push_back({name, std::move(local), p.full_shape, p.layout.first_row(comm.rank()), &comm,
+                      owner->state->group().replicate()});
 }
 
 void CheckpointState::add_replicated(const std::string& name, at::Tensor value) {
@@ -170,8 +171,10 @@ std::string checkpoint_name(int64_t step) {
   return name;
 }
 
-void save_checkpoint(const std::string& dir, const CheckpointState& state) {
-  Communicator& comm = communicator_of(state);
+namespace {
+
+// The save protocol among the ranks of one replica (all ranks without HSDP).
+void save_shards(const std::string& dir, const CheckpointState& state, Communicator& comm) {
   c10::NoGradGuard no_grad;
   const std::string tmp = dir + ".tmp", parent = io::parent_of(dir);
   on_every_rank(comm, "saving " + dir, [&] {
@@ -223,6 +226,18 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
     io::remove_tree(dir);
     io::rename_path(tmp, dir);
     io::sync_directory(parent);
+  });
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const CheckpointState& state) {
+  Communicator& comm = communicator_of(state);
+  Communicator* replicate = state.sharded().front().replicate;
+  if (!replicate) return save_shards(dir, state, comm);
+  // HSDP: the replicas hold the same state; the first one writes it, the others learn its outcome.
+  on_every_rank(*replicate, "saving " + dir, [&] {
+    if (replicate->rank() == 0) save_shards(dir, state, comm);
   });
 }
 

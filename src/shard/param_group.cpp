@@ -43,14 +43,19 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 // docs/design.md), and the work is one trace span. Returns the side stream's
 // event after it; null on CPU, where everything completed in the call.
 template <class Issue>
+// `after`: an event on another side stream the work must also follow.
 std::shared_ptr<c10::Event> issue_on_side_stream(const DeviceStreams& streams, Trace::Track track,
-                                                 const std::string& span_name, Issue&& issue) {
+                                                 const std::string& span_name, Issue&& issue,
+                                                 const c10::Event* after = nullptr) {
   std::optional<c10::Stream> side;
   if (streams.active())
-    side = track == Trace::Track::AllGather ? streams.all_gather() : streams.reduce_scatter();
+    side = track == Trace::Track::AllGather       ? streams.all_gather()
+           : track == Trace::Track::ReduceScatter ? streams.reduce_scatter()
+                                                  : streams.all_reduce();
   std::optional<c10::StreamGuard> on_side_stream;
   if (side) {
     streams.wait(*side, streams.compute());
+    if (after) streams.wait(*side, *after);
     on_side_stream.emplace(*side);
   }
   const int span = Trace::get().begin(span_name, track, side);
@@ -67,12 +72,14 @@ std::string bucket_label(const std::vector<ParamGroup*>& groups) {
 
 }  // namespace
 
-ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
-                       std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision, bool cpu_offload)
-    : comm_(std::move(comm)),
+ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options)
+    : comm_(options.comm),
+      replicate_(options.replicate),
       device_(params.empty() ? comm_->device() : params.front().second.device()),
       streams_(DeviceStreams::of(device_)) {
   const int world = comm_->world_size(), rank = comm_->rank();
+  const MixedPrecision& mixed_precision = options.mixed_precision;
+  const bool cpu_offload = options.cpu_offload;
   std::optional<at::ScalarType> common_dtype;
   for (auto& [name, t] : params) {
     if (t.device() != device_)
@@ -373,24 +380,38 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   // Outputs from the compute stream's pool, like every buffer (see unshard_together).
   std::vector<at::Tensor> inputs, outputs;
   for (ParamGroup* g : groups) {
-    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_,
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
     inputs.push_back(g->reduce_input_.view(-1));
     outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   const std::string label = bucket_label(groups);
   std::vector<at::Tensor> results = outputs;
-  work.event = issue_on_side_stream(streams, Trace::Track::ReduceScatter, "reduce-scatter " + label, [&] {
-    first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
-    // Offloaded groups' results go to the host behind the collective, into pinned memory (the
-    // host allocator reuses a block only after the copies recorded on it are done).
+  // Offloaded groups' results go to the host behind the last collective, into pinned memory (the
+  // host allocator reuses a block only after the copies recorded on it are done).
+  const auto copy_offloaded_to_host = [&] {
     for (size_t i = 0; i < groups.size(); ++i)
       if (groups[i]->offloaded()) {
         results[i] = at::empty(outputs[i].sizes(), outputs[i].options().device(at::kCPU).pinned_memory(
                                                         outputs[i].device().type() != at::kCPU));
         results[i].copy_(outputs[i], /*non_blocking=*/true);
       }
+  };
+  const Communicator* replicate = first.replicate_.get();
+  work.event = issue_on_side_stream(streams, Trace::Track::ReduceScatter, "reduce-scatter " + label, [&] {
+    first.comm_->reduce_scatter_coalesced(outputs, inputs, ReduceOp::Avg, label);
+    if (!replicate) copy_offloaded_to_host();
   });
+  // HSDP: the shards are averaged over the replicas on a stream of their own, so that the next
+  // reduce-scatter need not wait for it. The work's event is then this stream's, after both.
+  if (replicate)
+    work.event = issue_on_side_stream(
+        streams, Trace::Track::AllReduce, "all-reduce " + label,
+        [&] {
+          for (const at::Tensor& out : outputs) first.replicate_->all_reduce(out, ReduceOp::Avg);
+          copy_offloaded_to_host();
+        },
+        work.event.get());
   for (size_t i = 0; i < groups.size(); ++i) {
     groups[i]->reduced_ = results[i];
     groups[i]->reduced_at_ = work.event;

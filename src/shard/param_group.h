@@ -37,11 +37,11 @@ struct ShardedParam {
 
 class ParamGroup {
  public:
-  // Shards `params` (full tensors) in place. Not collective: every rank
-  // already holds the full values (same seed or loaded checkpoint). With
-  // cpu_offload the shards are views of one flat host buffer (pinned on GPUs).
-  ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params,
-             std::shared_ptr<Communicator> comm, MixedPrecision mixed_precision, bool cpu_offload = false);
+  // Shards `params` (full tensors) in place over options.comm (set). Not
+  // collective: every rank already holds the full values (same seed or loaded
+  // checkpoint). With cpu_offload the shards are views of one flat host
+  // buffer (pinned on GPUs).
+  ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options);
   ~ParamGroup();
 
   // Collective. Issues the all-gather (on GPUs on the all-gather stream, and
@@ -66,9 +66,10 @@ class ParamGroup {
   // whole group's parameters in the reduce dtype, until then.
   void hold_unsynced_gradients();
   // Collective. Averages the prepared inputs of `groups` over the world in
-  // one coalesced reduce-scatter on the reduce-scatter stream. The returned
-  // work keeps the inputs alive until it is done; each group's result
-  // becomes its sharded gradients at commit_gradients().
+  // one coalesced reduce-scatter on the reduce-scatter stream (HSDP: then
+  // over the replicas, on the all-reduce stream). The returned work keeps the
+  // inputs alive until it is done; each group's result becomes its sharded
+  // gradients at commit_gradients().
   static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
   // The compute stream waits for each group's reduce-scatter (the host, for
   // an offloaded group's copy of it); its result is added to the sharded
@@ -93,6 +94,7 @@ class ParamGroup {
   MemoryShape memory_shape() const;
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
+  Communicator* replicate() const { return replicate_.get(); }  // HSDP's replicas; null: none
   const at::Device& device() const { return device_; }  // where it computes
   bool offloaded() const { return host_shards_.defined(); }
   // How traces name this group.
@@ -128,6 +130,7 @@ class ParamGroup {
   std::vector<ShardedParam> params_;
   std::string label_ = "group";
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> replicate_;
   at::ScalarType compute_dtype_;
   at::ScalarType reduce_dtype_;
   at::Device device_;

@@ -23,6 +23,7 @@ DeviceStreams::DeviceStreams(const at::Device& device) : device_(device) {
   // so that they overlap compute rather than queue behind it.
   all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
   reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
 }
 
 c10::Stream DeviceStreams::compute() const {

@@ -1,4 +1,4 @@
-// The three streams of one device and events between them, through c10's
+// The four streams of one device and events between them, through c10's
 // device-generic stream API (no CUDA headers here). On CPU there are no
 // streams: every operation completes before it returns and all of this is
 // inert.
@@ -32,6 +32,7 @@ class DeviceStreams {
   c10::Stream compute() const;
   const c10::Stream& all_gather() const { return *all_gather_; }
   const c10::Stream& reduce_scatter() const { return *reduce_scatter_; }
+  const c10::Stream& all_reduce() const { return *all_reduce_; }  // HSDP's replicas
 
   std::shared_ptr<c10::Event> record(const c10::Stream& stream) const;
   // `waiter` runs nothing more until `event` (or all work so far on `from`).
@@ -41,7 +42,7 @@ class DeviceStreams {
  private:
   explicit DeviceStreams(const at::Device& device);
   at::Device device_;
-  std::optional<c10::Stream> all_gather_, reduce_scatter_;
+  std::optional<c10::Stream> all_gather_, reduce_scatter_, all_reduce_;
 };
 
 // Work issued on a stream, with the buffers it uses kept alive until it is

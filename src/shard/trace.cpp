@@ -92,9 +92,9 @@ void Trace::write(const std::string& path, int rank) {
   const auto spans = finish().spans;
   std::ofstream out(path);
   if (!out) throw std::invalid_argument("fsdp: cannot write the trace file '" + path + "'");
-  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter"};
+  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce"};
   out << "{\"traceEvents\":[";
-  for (int t = 0; t < 3; ++t)
+  for (int t = 0; t < 4; ++t)
     out << (t ? "," : "") << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << rank
         << ",\"tid\":" << t << ",\"args\":{\"name\":\"" << track_names[t] << "\"}}";
   for (const auto& span : spans) {

@@ -1,4 +1,4 @@
-// Chrome-trace recording of compute, all-gather and reduce-scatter spans,
+// Chrome-trace recording of compute, all-gather, reduce-scatter and all-reduce spans,
 // one track per stream, so overlap can be seen in Perfetto or
 // chrome://tracing. On GPUs spans are timed with CUDA events on the stream
 // the work runs on; on CPU with the wall clock. Off unless started.
@@ -24,7 +24,7 @@ namespace fsdp {
 
 class Trace {
  public:
-  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2 };
+  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2, AllReduce = 3 };
   static Trace& get();
 
   struct MemoryMark {

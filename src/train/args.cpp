@@ -87,6 +87,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
                          "optimizer on the CPU: the GPU holds only what forward and backward use",
                          set_true(a.cpu_offload), false}},
+      {"--replicas", {"HSDP: split the ranks into this many replicas, each sharding the model over its "
+                      "ranks (consecutive ones); gradients are averaged across replicas (default 1: plain FSDP)",
+                      number(a.replicas)}},
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
       {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
                        "it applies) (default aten)", text(a.attention)}},
@@ -188,6 +191,7 @@ void check_ranges(const TrainArgs& a) {
     throw UsageError(std::string("--attention: ") + e.what());
   }
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
+  require(a.replicas >= 1, "--replicas must be at least 1");
   require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
           "--grad-accum-sync must be last or every, not '" + a.grad_accum_sync + "'");
   require(a.eval_every >= 0, "--eval-every must be 0 (after the last step) or positive");
@@ -204,6 +208,8 @@ void check_ranges(const TrainArgs& a) {
                    "--no-reshard-after-forward");
     require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
     require(a.grad_accum == 1, flag + " plans a step of one micro-batch: drop --grad-accum");
+    require(a.replicas == 1,
+            flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
     require(a.steps >= 4 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
             flag + ": step 1 records the order, step 2 is profiled, step 4 calibrated" +
                 (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 4"
@@ -292,6 +298,10 @@ void check_memory(const TrainArgs& a) {
   const bool on_gpu = gpu > 0;
   const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
   const int world = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"}, 1);
+  if (world % a.replicas != 0)
+    throw UsageError("--replicas " + std::to_string(a.replicas) + " does not divide the " + std::to_string(world) +
+                     " ranks: each replica needs as many ranks as the others");
+  const int shard_ranks = world / a.replicas;  // HSDP: the state is sharded over one replica's ranks
   const double tokens = static_cast<double>(a.batch) * a.seq;
   // Sharded fp32 weights, gradients and AdamW's two moments; one chunk of the loss's float32
   // logits (model::linear_cross_entropy's default cap); per block at least its input
@@ -300,7 +310,7 @@ void check_memory(const TrainArgs& a) {
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
-  const double sharded_state = 16.0 * params / world;  // fp32 weights, gradients, two AdamW moments
+  const double sharded_state = 16.0 * params / shard_ranks;  // fp32 weights, gradients, two AdamW moments
   // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
   const bool offloaded = a.cpu_offload && on_gpu;
   const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
@@ -320,8 +330,9 @@ void check_memory(const TrainArgs& a) {
                      " rank(s), more than the " + gib(host) + " available: use more hosts or a smaller model");
   if (have > 0 && !offloaded && sharded_state > have)
     throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
-                     "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(world) +
-                     " rank(s), more than the " + gib(have) + where + ": use more ranks, " +
+                     "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(shard_ranks) +
+                     " rank(s)" + (a.replicas > 1 ? " a replica" : "") + ", more than the " + gib(have) + where +
+                     ": use more ranks, " + (a.replicas > 1 ? "fewer --replicas, " : "") +
                      (on_gpu && !a.cpu_offload ? "--cpu-offload, " : "") + "or a smaller model");
   if (on_gpu && a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0 > gpu)
     throw UsageError("--memory-budget " + gib(a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0) +

@@ -1,0 +1,118 @@
+// HSDP (fsdp/mesh.h): every layout of replicas x shards the world size allows trains as
+// single-process training does, and checkpoints move between HSDP and plain FSDP.
+// mpi_4_ranks runs 1x4, 2x2 and 4x1; mpi_6_ranks_hsdp 2x3 (uneven shards) and the rest of 6's.
+#include "helpers.h"
+#include "io/files.h"
+
+namespace fsdp::testing {
+namespace {
+
+std::vector<int> replica_counts() {
+  std::vector<int> out;
+  for (int r = 1; r <= world()->world_size(); ++r)
+    if (world()->world_size() % r == 0) out.push_back(r);
+  return out;
+}
+
+ShardOptions on_mesh(const Mesh& mesh) {
+  ShardOptions o;
+  o.comm = mesh.shard;
+  o.replicate = mesh.replicate;
+  return o;
+}
+
+TrainSetup hsdp_setup(const ShardOptions& o, uint64_t seed = 5) {
+  return llama_setup(seeded_llama(tiny_llama(), seed), [o](model::Llama& m) { shard_blocks_and_root(m, o); });
+}
+
+// Clipping included: the gradient norm must sum each shard once, not once per replica.
+TEST(Hsdp, EveryLayoutMatchesSingleProcess) {
+  const double clip = 0.05;
+  auto reference = llama_setup(seeded_llama(tiny_llama()));
+  reference.clip = clip;
+  const TrainResult want = train(reference);
+  for (int replicas : replica_counts()) {
+    const int shards = world()->world_size() / replicas;
+    SCOPED_TRACE(std::to_string(replicas) + " replicas x " + std::to_string(shards) + " shards");
+    const Mesh mesh = make_mesh(replicas);
+    ASSERT_EQ(mesh.shard->world_size(), shards);
+    ASSERT_EQ(mesh.replicas(), replicas);
+    EXPECT_EQ(mesh.shard->rank(), world()->rank() % shards);
+    EXPECT_EQ(mesh.replicate->rank(), world()->rank() / shards);
+    auto s = hsdp_setup(on_mesh(mesh));
+    s.clip = clip;
+    const TrainResult got = train(s);
+    expect_same_run(got, want);
+    if (replicas == 2 || replicas == world()->world_size()) {
+      // Offloaded: the host copy follows the all-reduce. Placement only: on CPU ranks bit-identical.
+      ShardOptions offloaded = on_mesh(mesh);
+      offloaded.cpu_offload = true;
+      auto o = hsdp_setup(offloaded);
+      o.clip = clip;
+      const TrainResult off = train(o);
+      if (device().is_cpu()) expect_identical_run(off, got);
+      else expect_same_run(off, want);
+    }
+  }
+}
+
+TEST(Hsdp, CheckpointsMoveBetweenHsdpAndPlainFsdp) {
+  const int replicas = replica_counts().size() > 1 ? replica_counts()[1] : 1;  // the smallest above 1
+  const int shards = world()->world_size() / replicas;
+  const ShardOptions hsdp = on_mesh(make_mesh(replicas));
+  at::Tensor pid = torch::tensor({static_cast<int64_t>(getpid())}, on_device(at::kLong));
+  world()->broadcast(pid, 0);
+  const std::string dir = ::testing::TempDir() + "fsdp_hsdp_" + std::to_string(pid.item<int64_t>());
+  if (world()->rank() == 0) io::make_directories(dir);
+  world()->barrier();
+
+  auto saved = seeded_llama(tiny_llama(), 5);
+  shard_blocks_and_root(saved, hsdp);
+  save_checkpoint(dir + "/hsdp", model_state(*saved));
+  // One replica wrote it: one file per rank of a replica.
+  EXPECT_TRUE(io::exists(dir + "/hsdp/shard-" + std::to_string(shards - 1) + "-of-" + std::to_string(shards) + ".bin"));
+  const auto want = full_state_dict(*saved);
+
+  auto plain = seeded_llama(tiny_llama(), 9);
+  shard_blocks_and_root(plain);
+  CheckpointState plain_state = model_state(*plain);
+  load_checkpoint(dir + "/hsdp", plain_state);
+  expect_identical_run({{}, {}, full_state_dict(*plain)}, {{}, {}, want});
+  save_checkpoint(dir + "/plain", plain_state);
+
+  auto back = seeded_llama(tiny_llama(), 13);
+  shard_blocks_and_root(back, hsdp);
+  CheckpointState back_state = model_state(*back);
+  load_checkpoint(dir + "/plain", back_state);
+  expect_identical_run({{}, {}, full_state_dict(*back)}, {{}, {}, want});
+  world()->barrier();
+  if (world()->rank() == 0) io::remove_tree(dir);
+}
+
+TEST(Hsdp, BadLayoutsAreErrors) {
+  using ::testing::HasSubstr;
+  const int world_size = world()->world_size();
+  try {
+    make_mesh(world_size + 1);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(std::to_string(world_size + 1) + " replicas do not divide the " +
+                                    std::to_string(world_size) + " ranks"));
+  }
+  if (world_size < 2) return;
+  // Replicas of the whole world joined with the world as the shard group: the replicate group's
+  // ranks hold different shards.
+  ShardOptions wrong;
+  wrong.comm = world();
+  wrong.replicate = make_mesh(world_size).replicate;
+  auto m = seeded_llama(tiny_llama());
+  try {
+    fully_shard(m->blocks[0], wrong);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("a replicate group joins the ranks holding the same shard"));
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::testing
