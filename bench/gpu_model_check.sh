@@ -25,13 +25,16 @@
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
+#   two-nodes   the trainer launched as on 2 machines of one GPU each (bench/two_nodes_on_one_host.sh):
+#           torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
+#           replica a node)
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget, hsdp}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget, hsdp, two-nodes}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -125,6 +128,13 @@ case $part in
       phase hsdp-1b-r$replicas 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
         --param-dtype bf16 --replicas $replicas --steps 10 --trace "$work/trace-1b-r$replicas" --trace-steps 1 \
         --log "$work/hsdp-1b-r$replicas.jsonl"
+    done ;;
+  two-nodes)
+    phase gpu-tests 240 ctest --test-dir build --output-on-failure \
+      -R '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+    for replicas in 1 2; do
+      phase two-nodes-r$replicas 120 bash bench/two_nodes_on_one_host.sh 1 $((29610 + replicas)) build/fsdp-train \
+        --model tiny --seq 64 --steps 20 --replicas $replicas --log "$work/two-nodes-r$replicas.jsonl"
     done ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac

@@ -182,6 +182,14 @@ TEST(LaunchEnv, Torchrun) {
   EXPECT_EQ(env.local_rank, 1);
   EXPECT_EQ(env.master_addr, "10.0.0.1");
   EXPECT_EQ(env.master_port, 29500);
+  EXPECT_FALSE(env.agent_store);  // fsdp-run: rank 0 serves the store
+  // torchrun: its agent serves it; a restarted worker group uses keys of its own.
+  auto under_agent = FakeEnv{{{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"MASTER_ADDR", "h"},
+                              {"MASTER_PORT", "29500"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                              {"TORCHELASTIC_RESTART_COUNT", "2"}}}
+                         .parse();
+  EXPECT_TRUE(under_agent.agent_store);
+  EXPECT_EQ(under_agent.restart_count, 2);
 }
 
 TEST(LaunchEnv, Mpirun) {

@@ -25,6 +25,11 @@ struct LaunchEnv {
   int local_rank = 0;
   std::string master_addr;  // empty unless torchrun-style
   int master_port = 0;
+  // Under torchrun its agent already serves the store at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client. The
+  // restart count (TORCHELASTIC_RESTART_COUNT) keeps a restarted job's keys apart from the last.
+  bool agent_store = false;
+  int restart_count = 0;
 };
 
 // Reads the launch variables through `getenv` (tests pass a fake). Throws

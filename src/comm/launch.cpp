@@ -51,7 +51,8 @@ bool cuda_usable() { return at::hasCUDA() && at::detail::getCUDAHooks().deviceCo
 
 #ifdef FSDP_WITH_NCCL
 // Rank 0's NCCL id reaches the others through a TCPStore at MASTER_ADDR:PORT
-// (torchrun-style launch) or MPI_Bcast (mpirun). The store must outlive the
+// (torchrun-style launch: rank 0 serves it, or torchrun's agent already does) or
+// MPI_Bcast (mpirun). The store must outlive the
 // exchange on every rank, so it lives as long as the process.
 ncclUniqueId exchange_nccl_id(const LaunchEnv& env, std::chrono::milliseconds timeout) {
   ncclUniqueId id{};
@@ -61,12 +62,12 @@ ncclUniqueId exchange_nccl_id(const LaunchEnv& env, std::chrono::milliseconds ti
     static std::shared_ptr<c10d::TCPStore> store;
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(env.master_port);
-    opts.isServer = env.rank == 0;
+    opts.isServer = env.rank == 0 && !env.agent_store;
     opts.numWorkers = env.world_size;
     opts.waitWorkers = false;
     opts.timeout = timeout;
     store = std::make_shared<c10d::TCPStore>(env.master_addr, opts);
-    const std::string key = "fsdp/nccl_unique_id";
+    const std::string key = "fsdp/nccl_unique_id/" + std::to_string(env.restart_count);
     if (env.rank == 0) {
       std::vector<uint8_t> bytes(sizeof(id));
       std::memcpy(bytes.data(), &id, sizeof(id));
@@ -163,6 +164,10 @@ LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv
       const char* local = world > 1 ? need("LOCAL_RANK", "but RANK and WORLD_SIZE are")
                                     : get("LOCAL_RANK");
       env.local_rank = local ? parse_int("LOCAL_RANK", local) : 0;
+      const char* agent = get("TORCHELASTIC_USE_AGENT_STORE");
+      env.agent_store = agent && std::string(agent) == "True";
+      const char* restarts = get("TORCHELASTIC_RESTART_COUNT");
+      env.restart_count = restarts ? parse_int("TORCHELASTIC_RESTART_COUNT", restarts) : 0;
     }
     if (world > 1 || get("MASTER_ADDR")) {
       const char* why = "but RANK and WORLD_SIZE are (rank 0 listens there)";
