@@ -25,7 +25,7 @@
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
-#   two-nodes   the trainer launched as on 2 machines of one GPU each (bench/two_nodes_on_one_host.sh):
+#   two-nodes   the README's torchrun line on one node, and the trainer launched as on 2 machines of one GPU each (bench/two_nodes_on_one_host.sh):
 #           torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
 #           replica a node)
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
@@ -132,6 +132,8 @@ case $part in
   two-nodes)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+    phase torchrun-1-node 120 python3 -m torch.distributed.run --nproc-per-node 2 --no-python build/fsdp-train \
+      --model tiny --seq 64 --steps 20 --log "$work/torchrun-1-node.jsonl"
     for replicas in 1 2; do
       phase two-nodes-r$replicas 120 bash bench/two_nodes_on_one_host.sh 1 $((29610 + replicas)) build/fsdp-train \
         --model tiny --seq 64 --steps 20 --replicas $replicas --log "$work/two-nodes-r$replicas.jsonl"
