@@ -25,8 +25,8 @@
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
-#   two-nodes   the README's torchrun line on one node, and the trainer launched as on 2 machines of one GPU each (bench/two_nodes_on_one_host.sh):
-#           torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
+#   two-nodes   the README's torchrun line on one node, and the trainer launched as on 2 machines
+#           of one GPU each (bench/two_nodes_on_one_host.sh): torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
 #           replica a node)
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
@@ -34,7 +34,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget, hsdp, two-nodes}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget,
+  hsdp, two-nodes}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
