@@ -133,7 +133,7 @@ case $part in
   two-nodes)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
-    phase torchrun-1-node 120 python3 -m torch.distributed.run --nproc-per-node 2 --no-python build/fsdp-train \
+    phase torchrun-1-node 120 python3 -m torch.distributed.run --nproc-per-node 2 --no-python -- build/fsdp-train \
       --model tiny --seq 64 --steps 20 --log "$work/torchrun-1-node.jsonl"
     for replicas in 1 2; do
       phase two-nodes-r$replicas 120 bash bench/two_nodes_on_one_host.sh 1 $((29610 + replicas)) build/fsdp-train \

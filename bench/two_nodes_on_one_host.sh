@@ -13,7 +13,7 @@ node() {  # node RANK: that node's torchrun, its GPUs the RANK-th block of per_n
   shift
   CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + per_node - 1))) python3 -m torch.distributed.run \
     --nnodes 2 --node-rank "$node_rank" --nproc-per-node "$per_node" --master-addr 127.0.0.1 --master-port "$port" \
-    --no-python sh -c "echo \"$show\"; exec \"\$@\"" rank "$@" 2>&1 |
+    --no-python -- sh -c "echo \"$show\"; exec \"\$@\"" rank "$@" 2>&1 |
     sed "s/^/[node $node_rank] /"
   return "${PIPESTATUS[0]}"
 }
