@@ -44,6 +44,11 @@ TEST(Checkpoint, RoundTripRestoresEveryShard) {
   const std::string dir = shared_dir("roundtrip");
   save_checkpoint(dir, state);
   EXPECT_TRUE(io::exists(dir + "/metadata.bin"));
+  {  // the library's version is recorded
+    std::ifstream meta(dir + "/metadata.bin", std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(meta)), {});
+    EXPECT_NE(bytes.find(std::string("fsdp.cpp ") + version()), std::string::npos);
+  }
   EXPECT_FALSE(io::exists(dir + ".tmp"));
   EXPECT_EQ(newest_checkpoint(io::parent_of(dir)).empty(), true);  // not named step-N
   {

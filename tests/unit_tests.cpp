@@ -3,9 +3,11 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <regex>
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
+#include "fsdp/version.h"
 #include "sched/execution_order.h"
 #include "sched/inflight_queue.h"
 #include "shard/flat_copy.h"
@@ -165,6 +167,10 @@ struct FakeEnv {
     });
   }
 };
+
+TEST(Version, IsMajorMinorPatch) {
+  EXPECT_TRUE(std::regex_match(fsdp::version(), std::regex("[0-9]+\\.[0-9]+\\.[0-9]+"))) << fsdp::version();
+}
 
 TEST(LaunchEnv, NoLauncherIsOneProcess) {
   auto env = FakeEnv{}.parse();

@@ -10,3 +10,4 @@
 #include "fsdp/options.h"
 #include "fsdp/planning.h"
 #include "fsdp/runtime_options.h"
+#include "fsdp/version.h"

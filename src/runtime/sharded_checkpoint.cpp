@@ -3,6 +3,7 @@
 // renames the directory into place; loading reads, for each tensor, the blocks of the saved ranks
 // whose rows overlap this rank's, checks each block's checksum, and copies the overlap.
 #include "fsdp/sharded_checkpoint.h"
+#include "fsdp/version.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -29,7 +30,6 @@ namespace {
 
 using io::CheckpointError;
 
-constexpr const char* kLibraryVersion = "fsdp.cpp 0.1";
 constexpr size_t kMaxMetadataBytes = size_t{1} << 30;
 
 std::string system_error(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -204,7 +204,7 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
   on_every_rank(comm, "saving " + dir, [&] {
     if (comm.rank() != 0) return;
     io::CheckpointMeta meta;
-    meta.library_version = kLibraryVersion;
+    meta.library_version = std::string("fsdp.cpp ") + version();
     meta.world = static_cast<uint32_t>(comm.world_size());
     for (int64_t i = 0; i < n; ++i) {
       const auto& t = state.sharded()[i];

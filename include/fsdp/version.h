@@ -1,0 +1,9 @@
+// fsdp.cpp's version ("0.2.0"): the project's CMake version, also recorded in every checkpoint's
+// metadata. CHANGELOG.md says what changed.
+#pragma once
+
+namespace fsdp {
+
+const char* version();
+
+}  // namespace fsdp

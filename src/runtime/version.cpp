@@ -1,0 +1,7 @@
+#include "fsdp/version.h"
+
+namespace fsdp {
+
+const char* version() { return FSDP_VERSION_STRING; }
+
+}  // namespace fsdp
