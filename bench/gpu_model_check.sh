@@ -28,6 +28,9 @@
 #   two-nodes   the README's torchrun line on one node, and the trainer launched as on 2 machines
 #           of one GPU each (bench/two_nodes_on_one_host.sh): torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
 #           replica a node)
+# and the package (issue #15):
+#   package the GPU suite and training runs, the installed package's example (examples/mlp, built
+#           against cmake --install, on the GPUs), the subproject configure check, the 1B for 10 steps
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
 #   bash bench/gpu_model_check.sh OUT COMMIT PART [STEPS] [REPEATS]
@@ -35,7 +38,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
 part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget,
-  hsdp, two-nodes}
+  hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -139,5 +142,10 @@ case $part in
       phase two-nodes-r$replicas 120 bash bench/two_nodes_on_one_host.sh 1 $((29610 + replicas)) build/fsdp-train \
         --model tiny --seq 64 --steps 20 --replicas $replicas --log "$work/two-nodes-r$replicas.jsonl"
     done ;;
+  package)
+    phase gpu-tests 300 ctest --test-dir build --output-on-failure -R \
+      '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|subproject_configure)$'
+    phase train-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16 \
+      --steps 10 --log "$work/train-1b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
 esac
