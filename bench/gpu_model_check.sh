@@ -26,8 +26,8 @@
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
 #   two-nodes   the README's torchrun line on one node, and the trainer launched as on 2 machines
-#           of one GPU each (bench/two_nodes_on_one_host.sh): torchrun's rendezvous, LOCAL_RANK, the NCCL id across "nodes"; plain FSDP and HSDP (a
-#           replica a node)
+#           of one GPU each (bench/two_nodes_on_one_host.sh): torchrun's rendezvous, LOCAL_RANK, the
+#           NCCL id across "nodes"; plain FSDP and HSDP (a replica a node)
 # and the package (issue #15):
 #   package the GPU suite and training runs, the installed package's example (examples/mlp, built
 #           against cmake --install, on the GPUs), the subproject configure check, the 1B for 10 steps
@@ -143,8 +143,8 @@ case $part in
         --model tiny --seq 64 --steps 20 --replicas $replicas --log "$work/two-nodes-r$replicas.jsonl"
     done ;;
   package)
-    phase gpu-tests 300 ctest --test-dir build --output-on-failure -R \
-      '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|subproject_configure)$'
+    phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
+'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|subproject_configure)$'
     phase train-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16 \
       --steps 10 --log "$work/train-1b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
