@@ -6,7 +6,7 @@
 set -euo pipefail
 build=$(cd "$1" && pwd); example=$2; torch_dir=$3
 source_dir=$(cd "$(dirname "$0")/.." && pwd)
-prefix=$build/example-prefix; example_build=$build/examples/$example; log=$build/example-$example.log
+prefix=$build/example-prefix-$example; example_build=$build/examples/$example; log=$build/example-$example.log
 rm -rf "$prefix"
 cmake --install "$build" --prefix "$prefix" > "$log"
 launcher=()
