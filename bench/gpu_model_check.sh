@@ -29,7 +29,7 @@
 #           of one GPU each (bench/two_nodes_on_one_host.sh): torchrun's rendezvous, LOCAL_RANK, the
 #           NCCL id across "nodes"; plain FSDP and HSDP (a replica a node)
 # and the package (issue #15):
-#   package the GPU suite and training runs, the installed package's example (examples/mlp, built
+#   package the GPU suite and training runs, the installed package's examples (mlp, gpt2, built
 #           against cmake --install, on the GPUs), the subproject configure check, the 1B for 10 steps
 # Every phase has its own time limit, so a slow one cannot take the others' results with it;
 # everything lands in one tar per part under OUT, packed again after every phase.
@@ -144,7 +144,7 @@ case $part in
     done ;;
   package)
     phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
-'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|subproject_configure)$'
+'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|example_gpt2|subproject_configure)$'
     phase train-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16 \
       --steps 10 --log "$work/train-1b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
