@@ -4,7 +4,7 @@
 #   torch: a python3 that already has torch 2.11 (the GPU machines), else a
 #          venv at $FSDP_VENV (default ~/.cache/fsdp.cpp/venv) with the PyPI
 #          wheel torch==2.11.0, installed once and reused by every checkout.
-#   Debian packages: OpenMPI, GoogleTest, ninja, cmake, ccache (when missing).
+#   Debian packages: OpenMPI, GoogleTest, ninja, cmake, ccache, doxygen (when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
@@ -27,6 +27,8 @@ apt_install() {
 [ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
 # ccache only speeds up rebuilds: machines without a package mirror build without it.
 command -v ccache >/dev/null || apt_install ccache || log "no ccache; building without it"
+# doxygen builds the API reference (ctest api_docs); without it that test is not registered.
+command -v doxygen >/dev/null || apt_install doxygen || log "no doxygen; the API reference test is skipped"
 
 has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; }
 PYTHON=

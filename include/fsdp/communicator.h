@@ -17,83 +17,95 @@ namespace fsdp {
 
 enum class ReduceOp { Sum, Avg };
 
-// A collective that did not complete in time, or was called wrongly.
+/// A collective that did not complete in time, or was called wrongly.
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
+/// Collective communication among the ranks of one group, over MPI (CPU tensors) or NCCL (CUDA
+/// tensors, on the caller's current stream). Every operation is collective. Not thread-safe: one
+/// thread issues a communicator's collectives (the runtime's hooks run on autograd's thread, one
+/// at a time).
 class Communicator {
  public:
+  /// For backends: this rank's place in a group of `world_size`, named `group_name` in errors;
+  /// collectives outliving `timeout` fail with CollectiveError.
   Communicator(int rank, int world_size, std::string group_name,
                std::chrono::milliseconds timeout);
   virtual ~Communicator() = default;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  int rank() const { return rank_; }
-  int world_size() const { return world_size_; }
-  const std::string& group_name() const { return group_name_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  // "mpi" or "nccl".
+  int rank() const { return rank_; }              ///< this rank's index in the group
+  int world_size() const { return world_size_; }  ///< the group's ranks
+  const std::string& group_name() const { return group_name_; }  ///< how errors name the group
+  std::chrono::milliseconds timeout() const { return timeout_; }  ///< how long a collective may take
+  /// "mpi" or "nccl".
   virtual const char* backend() const = 0;
-  // The device of the tensors this communicator moves (cpu, or this rank's GPU).
+  /// The device of the tensors this communicator moves (cpu, or this rank's GPU).
   virtual at::Device device() const = 0;
 
-  // output (world * n elements) = concatenation of every rank's input (n elements).
+  /// output (world * n elements) = concatenation of every rank's input (n elements).
   void all_gather(const at::Tensor& output, const at::Tensor& input);
-  // output (n elements) = this rank's chunk of the element-wise reduction of
-  // every rank's input (world * n elements).
+  /// output (n elements) = this rank's chunk of the element-wise reduction of
+  /// every rank's input (world * n elements).
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  /// tensor = the element-wise reduction of every rank's tensor, in place.
   void all_reduce(const at::Tensor& tensor, ReduceOp op);
+  /// tensor = rank `root`'s tensor, in place.
   void broadcast(const at::Tensor& tensor, int root);
+  /// Returns once every rank has called it (waits for the device on GPUs).
   void barrier();
-  // Collective. The ranks passing the same `color` (>= 0) form a new communicator, ordered by
-  // `key` (ties by rank here), with this one's backend, device and timeout; `group_name` names it
-  // in errors. A timed barrier comes first, so a missing peer fails with this group's timeout
-  // instead of hanging in the backend's split.
+  /// Collective. The ranks passing the same `color` (>= 0) form a new communicator, ordered by
+  /// `key` (ties by rank here), with this one's backend, device and timeout; `group_name` names it
+  /// in errors. A timed barrier comes first, so a missing peer fails with this group's timeout
+  /// instead of hanging in the backend's split.
   std::shared_ptr<Communicator> split(int color, int key, const std::string& group_name);
-  // Several independent collectives issued together (one NCCL group, or
-  // concurrent non-blocking MPI requests), completed together. `tag` names
-  // what is moved (e.g. the parameter groups) for the cross-rank check.
+  /// Several independent collectives issued together (one NCCL group, or
+  /// concurrent non-blocking MPI requests), completed together. `tag` names
+  /// what is moved (e.g. the parameter groups) for the cross-rank check.
   void all_gather_coalesced(const std::vector<at::Tensor>& outputs,
                             const std::vector<at::Tensor>& inputs, const std::string& tag = "");
+  /// The same for reduce-scatters.
   void reduce_scatter_coalesced(const std::vector<at::Tensor>& outputs,
                                 const std::vector<at::Tensor>& inputs, ReduceOp op,
                                 const std::string& tag = "");
 
-  // Debugging aid, off unless FSDP_CHECK_COLLECTIVES=1 (or set here): before
-  // every collective the ranks compare a hash of what they are about to issue
-  // (operation, sizes, dtypes, tag) and throw CollectiveError naming the
-  // first difference, instead of pairing mismatched collectives (a hang, or
-  // silently swapped data when the sizes agree). Costs one small all-gather
-  // and a wait for the device per collective.
+  /// Debugging aid, off unless FSDP_CHECK_COLLECTIVES=1 (or set here): before
+  /// every collective the ranks compare a hash of what they are about to issue
+  /// (operation, sizes, dtypes, tag) and throw CollectiveError naming the
+  /// first difference, instead of pairing mismatched collectives (a hang, or
+  /// silently swapped data when the sizes agree). Costs one small all-gather
+  /// and a wait for the device per collective.
   void set_check_collectives(bool on) { check_collectives_ = on; }
 
-  // "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
+  /// "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
   std::string describe() const;
-  // What a backend reports when a collective outlives the timeout.
+  /// What a backend reports when a collective outlives the timeout.
   std::string timeout_message(const std::string& what) const;
 
  protected:
-  // One all-gather or reduce-scatter: world_size x more elements on the
-  // gathered side (the output of an all-gather, the input of a reduce-scatter).
+  /// One all-gather or reduce-scatter: world_size x more elements on the
+  /// gathered side (the output of an all-gather, the input of a reduce-scatter).
   struct Buffers {
-    at::Tensor output, input;
+    at::Tensor output;  ///< all-gather: world x the input; reduce-scatter: one rank's part
+    at::Tensor input;   ///< all-gather: this rank's part; reduce-scatter: world x the output
   };
-  // Backends implement batches; the checked public calls above funnel here.
+  /// Backends implement batches; the checked public calls above funnel here.
   virtual void do_all_gather(const std::vector<Buffers>& ops) = 0;
-  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) = 0;
-  virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
-  virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;
-  virtual void do_barrier() = 0;
+  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) = 0;  ///< see do_all_gather
+  virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;  ///< see all_reduce
+  virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;      ///< see broadcast
+  virtual void do_barrier() = 0;                                          ///< see barrier
+  /// See split: the backend's split, after the barrier.
   virtual std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) = 0;
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
   std::vector<Buffers> checked(const char* op, const std::vector<at::Tensor>& outputs,
                                const std::vector<at::Tensor>& inputs, bool output_gathered) const;
-  // `signature_of()` builds the collective's signature, only while checking.
+  /// `signature_of()` builds the collective's signature, only while checking.
   template <class Describe>
   void check_same_on_all_ranks(Describe&& signature_of);
 

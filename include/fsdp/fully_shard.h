@@ -31,20 +31,20 @@ namespace fsdp {
 
 class ModuleState;
 
-// Shards the parameters of `module` not already sharded by an inner
-// fully_shard call into one parameter group: one all-gather before its
-// forward, one reduce-scatter after its backward. Apply bottom-up: to each
-// repeated block first, then to the root. Collective: every rank calls it in
-// the same order on the same model structure (checked).
-//
-// The module's parameter tensors become this rank's shards in place (the
-// same tensor objects), so an optimizer created before or after this call
-// trains the same way; named_parameters() returns the shards. Each parameter
-// is split along dim 0, zero-padded where rows do not divide evenly.
+/// Shards the parameters of `module` not already sharded by an inner
+/// fully_shard call into one parameter group: one all-gather before its
+/// forward, one reduce-scatter after its backward. Apply bottom-up: to each
+/// repeated block first, then to the root. Collective: every rank calls it in
+/// the same order on the same model structure (checked).
+///
+/// The module's parameter tensors become this rank's shards in place (the
+/// same tensor objects), so an optimizer created before or after this call
+/// trains the same way; named_parameters() returns the shards. Each parameter
+/// is split along dim 0, zero-padded where rows do not divide evenly.
 std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module,
                                          const ShardOptions& options = {});
 namespace detail {
-// A module, a ModuleHolder (torch::nn::Linear) or a shared_ptr to a module.
+/// A module, a ModuleHolder (torch::nn::Linear) or a shared_ptr to a module.
 template <class M>
 torch::nn::Module& as_module(M& m) {
   if constexpr (std::is_base_of_v<torch::nn::Module, M>)
@@ -58,59 +58,60 @@ std::shared_ptr<ModuleState> fully_shard(M& module, const ShardOptions& options 
   return fully_shard(detail::as_module(module), options);
 }
 
-// Gradient accumulation (the FSDP2 name). With false, backward passes through `root` and every
-// sharded module under it skip the reduce-scatter: each group keeps its gradients unsharded,
-// summed in the reduce dtype (memory: the sharded modules' full parameters in that dtype). The
-// first backward after set_requires_gradient_sync(root, true) reduce-scatters the sums. For K
-// micro-batches: false before the first K-1 backward passes, true before the last. Leaving sync
-// on reduce-scatters every micro-batch into the sharded gradients instead (less memory, K times
-// the communication). Not collective, but every rank must make the same calls.
+/// Gradient accumulation (the FSDP2 name). With false, backward passes through `root` and every
+/// sharded module under it skip the reduce-scatter: each group keeps its gradients unsharded,
+/// summed in the reduce dtype (memory: the sharded modules' full parameters in that dtype). The
+/// first backward after set_requires_gradient_sync(root, true) reduce-scatters the sums. For K
+/// micro-batches: false before the first K-1 backward passes, true before the last. Leaving sync
+/// on reduce-scatters every micro-batch into the sharded gradients instead (less memory, K times
+/// the communication). Not collective, but every rank must make the same calls.
 void set_requires_gradient_sync(torch::nn::Module& root, bool sync);
 template <class M>
 void set_requires_gradient_sync(M& root, bool sync) {
   set_requires_gradient_sync(detail::as_module(root), sync);
 }
 
-// The rows of a full parameter that `param` (a module's parameter tensor) holds on this rank:
-// [first_row, first_row + rows) of a tensor of full_shape; all of them when it is not sharded.
+/// The rows of a full parameter that `param` (a module's parameter tensor) holds on this rank:
+/// [first_row, first_row + rows) of a tensor of full_shape; all of them when it is not sharded.
 struct ShardRows {
-  int64_t first_row = 0;
-  int64_t rows = 0;
-  std::vector<int64_t> full_shape;
-  int64_t row_numel() const;
+  int64_t first_row = 0;             ///< the first full row this rank holds
+  int64_t rows = 0;                  ///< how many (0 on a rank past the last row)
+  std::vector<int64_t> full_shape;   ///< the whole parameter's shape
+  int64_t row_numel() const;         ///< elements in one row (1 for a 0-dim parameter)
 };
+/// See ShardRows. Not collective.
 ShardRows shard_rows_of(const at::Tensor& param);
 
-// A parameter that takes no memory until fully_shard gives it this rank's rows: `shape` for
-// every reader of sizes(), one zero element behind it (stride 0). Create a large model's
-// parameters so on the device, shard it, then fill the shards (init_normal_, or weights read
-// from a file): no process ever holds the whole model.
+/// A parameter that takes no memory until fully_shard gives it this rank's rows: `shape` for
+/// every reader of sizes(), one zero element behind it (stride 0). Create a large model's
+/// parameters so on the device, shard it, then fill the shards (init_normal_, or weights read
+/// from a file): no process ever holds the whole model.
 at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& options);
 
-// Fills `param` (sharded or not) with near-normal values of mean 0 and standard deviation `std`:
-// the sum of four uniforms (Irwin-Hall), bounded at +-3.46 std. Each value depends only on `seed`
-// and the element's position in the full parameter, through integer hashing and exact float64
-// arithmetic, so the same seed gives the same parameter on any number of ranks, bit for bit,
-// on CPU and GPU alike. Use a different seed per parameter.
+/// Fills `param` (sharded or not) with near-normal values of mean 0 and standard deviation `std`:
+/// the sum of four uniforms (Irwin-Hall), bounded at +-3.46 std. Each value depends only on `seed`
+/// and the element's position in the full parameter, through integer hashing and exact float64
+/// arithmetic, so the same seed gives the same parameter on any number of ranks, bit for bit,
+/// on CPU and GPU alike. Use a different seed per parameter.
 void init_normal_(const at::Tensor& param, uint64_t seed, double std);
 
-// The state fully_shard attached to `module`, or nullptr.
+/// The state fully_shard attached to `module`, or nullptr.
 ModuleState* state_of(const torch::nn::Module& module);
 
-// Collective. A full (unsharded) copy of the parameter `name` of `root`.
+/// Collective. A full (unsharded) copy of the parameter `name` of `root`.
 at::Tensor full_parameter(torch::nn::Module& root, const std::string& name);
-// Collective. Full copies of every parameter and buffer of `root`, by name.
+/// Collective. Full copies of every parameter and buffer of `root`, by name.
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& root);
-// Collective. Scales the sharded gradients of `root` so that their global
-// L2 norm is at most max_norm; returns the norm before clipping as a float32
-// scalar tensor on the device. Like PyTorch's clip_grad_norm_ it never waits
-// for the device; call .item() only where the number is needed.
+/// Collective. Scales the sharded gradients of `root` so that their global
+/// L2 norm is at most max_norm; returns the norm before clipping as a float32
+/// scalar tensor on the device. Like PyTorch's clip_grad_norm_ it never waits
+/// for the device; call .item() only where the number is needed.
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm);
 
 namespace detail {
 
-// Brackets one sharded module's forward: unshards on construction; finish()
-// arms backward and reshards; an exception leaves through the destructor.
+/// Brackets one sharded module's forward: unshards on construction; finish()
+/// arms backward and reshards; an exception leaves through the destructor.
 class ForwardScope {
  public:
   explicit ForwardScope(ModuleState& state);
@@ -134,7 +135,7 @@ template <class A, class B>
 void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out);
 template <class... Ts>
 void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out);
-// Outputs of other types carry no tensors to hook.
+/// Outputs of other types carry no tensors to hook.
 template <class T>
 void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 template <class A, class B>
@@ -149,8 +150,8 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
 
 }  // namespace detail
 
-// Calls module->forward(args...) with FSDP's pre- and post-forward work when
-// `module` (a ModuleHolder or shared_ptr to a module) is sharded.
+/// Calls module->forward(args...) with FSDP's pre- and post-forward work when
+/// `module` (a ModuleHolder or shared_ptr to a module) is sharded.
 template <class M, class... Args>
 auto forward(M& module, Args&&... args) {
   ModuleState* state = state_of(detail::as_module(module));

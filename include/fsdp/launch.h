@@ -17,50 +17,55 @@
 
 namespace fsdp {
 
+/// What the launcher told this process (parse_launch_env).
 struct LaunchEnv {
+  /// Who started the process: nobody (one process), torchrun-style variables, or mpirun.
   enum class Launcher { Single, Torchrun, Mpirun };
-  Launcher launcher = Launcher::Single;
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  std::string master_addr;  // empty unless torchrun-style
-  int master_port = 0;
-  // Under torchrun its agent already serves the store at MASTER_ADDR:MASTER_PORT
-  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client. The
-  // restart count (TORCHELASTIC_RESTART_COUNT) keeps a restarted job's keys apart from the last.
+  Launcher launcher = Launcher::Single;  ///< who started the process
+  int rank = 0;                          ///< this process among all
+  int world_size = 1;                    ///< processes in all
+  int local_rank = 0;                    ///< this process among those of its machine (its GPU)
+  std::string master_addr;  ///< empty unless torchrun-style
+  int master_port = 0;      ///< the store's port (torchrun-style)
+  /// Under torchrun its agent already serves the store at MASTER_ADDR:MASTER_PORT
+  /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client. The
+  /// restart count (TORCHELASTIC_RESTART_COUNT) keeps a restarted job's keys apart from the last.
   bool agent_store = false;
-  int restart_count = 0;
+  int restart_count = 0;  ///< TORCHELASTIC_RESTART_COUNT (see agent_store)
 };
 
-// Reads the launch variables through `getenv` (tests pass a fake). Throws
-// std::invalid_argument naming the variable and the fix when they are
-// missing, malformed or contradict each other.
+/// Reads the launch variables through `getenv` (tests pass a fake). Throws
+/// std::invalid_argument naming the variable and the fix when they are
+/// missing, malformed or contradict each other.
 LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv);
+/// parse_launch_env of this process's environment.
 LaunchEnv launch_env_from_process();
 
+/// The communicator's backend: MPI (CPU tensors), NCCL (GPUs), or NCCL where CUDA is available.
 enum class Backend { Auto, Mpi, Nccl };
 
+/// What init() makes.
 struct InitOptions {
-  Backend backend = Backend::Auto;  // Auto: NCCL when CUDA is available, else MPI
-  // How long a collective may wait for its peers; FSDP_TIMEOUT_S overrides the default.
+  Backend backend = Backend::Auto;  ///< Auto: NCCL when CUDA is available, else MPI
+  /// How long a collective may wait for its peers; FSDP_TIMEOUT_S overrides the default.
   std::optional<std::chrono::milliseconds> timeout;
-  std::string group_name = "world";
+  std::string group_name = "world";  ///< how errors name the group
 };
 
-// Creates the world communicator from the launch environment and makes it the
-// default one fully_shard uses. With NCCL it also selects cuda:LOCAL_RANK.
+/// Creates the world communicator from the launch environment and makes it the
+/// default one fully_shard uses. With NCCL it also selects cuda:LOCAL_RANK.
 std::shared_ptr<Communicator> init(const InitOptions& options = {});
-// The communicator made by init(); throws if init() was not called.
+/// The communicator made by init(); throws if init() was not called.
 std::shared_ptr<Communicator> default_communicator();
-// Forgets the default communicator (it is destroyed once nothing else holds it).
+/// Forgets the default communicator (it is destroyed once nothing else holds it).
 void shutdown();
 
-// An exception's message for a person: libtorch's errors without the C++ backtrace they carry
-// (set FSDP_BACKTRACE=1 to keep it, for debugging).
+/// An exception's message for a person: libtorch's errors without the C++ backtrace they carry
+/// (set FSDP_BACKTRACE=1 to keep it, for debugging).
 std::string error_text(const std::exception& e);
 
-// Prints `message` and ends every rank of the job: MPI_Abort under MPI (so
-// mpirun stops the others), exit(1) otherwise. For fatal errors in tools.
+/// Prints `message` and ends every rank of the job: MPI_Abort under MPI (so
+/// mpirun stops the others), exit(1) otherwise. For fatal errors in tools.
 [[noreturn]] void abort_job(const std::string& message);
 
 }  // namespace fsdp

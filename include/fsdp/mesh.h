@@ -22,16 +22,17 @@
 
 namespace fsdp {
 
+/// The two communicators of a rank under HSDP (make_mesh).
 struct Mesh {
-  std::shared_ptr<Communicator> shard;      // this rank's replica: ranks holding different shards
-  std::shared_ptr<Communicator> replicate;  // the ranks holding this rank's shard, one per replica
-  int replicas() const { return replicate->world_size(); }
+  std::shared_ptr<Communicator> shard;      ///< this rank's replica: ranks holding different shards
+  std::shared_ptr<Communicator> replicate;  ///< the ranks holding this rank's shard, one per replica
+  int replicas() const { return replicate->world_size(); }  ///< how many copies of the model
 };
 
-// Collective over `world` (default: the communicator init() made): rank r belongs to replica
-// r / (world / replicas) and holds shard r % (world / replicas). Throws std::invalid_argument
-// when `replicas` does not divide the world size. replicas = 1 is plain FSDP, replicas = world
-// plain data parallelism (every rank holds everything; the reduce-scatter becomes a copy).
+/// Collective over `world` (default: the communicator init() made): rank r belongs to replica
+/// r / (world / replicas) and holds shard r % (world / replicas). Throws std::invalid_argument
+/// when `replicas` does not divide the world size. replicas = 1 is plain FSDP, replicas = world
+/// plain data parallelism (every rank holds everything; the reduce-scatter becomes a copy).
 Mesh make_mesh(int replicas, std::shared_ptr<Communicator> world = nullptr);
 
 }  // namespace fsdp

@@ -9,35 +9,37 @@ namespace fsdp {
 
 class Communicator;
 
-// Mixed precision: parameters are all-gathered and used for compute in
-// param_dtype, gradients are reduce-scattered in reduce_dtype (default:
-// param_dtype). The sharded master parameters, their gradients and the
-// optimizer state keep the parameters' own dtype (e.g. float32).
+/// Mixed precision: parameters are all-gathered and used for compute in
+/// param_dtype, gradients are reduce-scattered in reduce_dtype (default:
+/// param_dtype). The sharded master parameters, their gradients and the
+/// optimizer state keep the parameters' own dtype (e.g. float32).
 struct MixedPrecision {
-  std::optional<c10::ScalarType> param_dtype;
-  std::optional<c10::ScalarType> reduce_dtype;
+  std::optional<c10::ScalarType> param_dtype;   ///< all-gather and compute dtype; unset: the parameters'
+  std::optional<c10::ScalarType> reduce_dtype;  ///< reduce-scatter dtype; unset: param_dtype
 };
 
+/// How fully_shard shards one module. Memory per rank: the group's parameters, gradients and
+/// optimizer state divided by comm's size, plus the unsharded parameters while the group runs.
 struct ShardOptions {
-  // Communicator to shard over; default: the one fsdp::init() made.
+  /// Communicator to shard over; default: the one fsdp::init() made.
   std::shared_ptr<Communicator> comm;
-  // HSDP (fsdp/mesh.h): the ranks holding the same shard as this one in other replicas (same
-  // device kind as `comm`). After each reduce-scatter over `comm` the sharded gradients are
-  // averaged over them, on a stream of their own. Null: plain FSDP.
+  /// HSDP (fsdp/mesh.h): the ranks holding the same shard as this one in other replicas (same
+  /// device kind as `comm`). After each reduce-scatter over `comm` the sharded gradients are
+  /// averaged over them, on a stream of their own. Null: plain FSDP.
   std::shared_ptr<Communicator> replicate;
-  // true: free the unsharded parameters after forward and all-gather them
-  // again for backward (ZeRO-3). false: keep them until the group's backward
-  // (more memory, one all-gather less). The root group always keeps them, as
-  // its backward starts right after forward.
+  /// true: free the unsharded parameters after forward and all-gather them
+  /// again for backward (ZeRO-3). false: keep them until the group's backward
+  /// (more memory, one all-gather less). The root group always keeps them, as
+  /// its backward starts right after forward.
   bool reshard_after_forward = true;
-  MixedPrecision mixed_precision;
-  // CPU offload (as PyTorch FSDP2's CPUOffloadPolicy): the sharded parameters live in pinned host
-  // memory and are copied to the device inside each all-gather; the sharded gradients are copied
-  // back to the host after each reduce-scatter, so an optimizer created after sharding keeps its
-  // state on the host and steps there. GPU memory then holds no shards, gradients or optimizer
-  // state; each step moves the shards in twice and the gradients out once over PCIe. The group's
-  // parameters must share one dtype. On CPU ranks the shards already are in host memory: the
-  // same code paths run, placement does not change.
+  MixedPrecision mixed_precision;  ///< dtypes of the all-gather, compute and reduce-scatter
+  /// CPU offload (as PyTorch FSDP2's CPUOffloadPolicy): the sharded parameters live in pinned host
+  /// memory and are copied to the device inside each all-gather; the sharded gradients are copied
+  /// back to the host after each reduce-scatter, so an optimizer created after sharding keeps its
+  /// state on the host and steps there. GPU memory then holds no shards, gradients or optimizer
+  /// state; each step moves the shards in twice and the gradients out once over PCIe. The group's
+  /// parameters must share one dtype. On CPU ranks the shards already are in host memory: the
+  /// same code paths run, placement does not change.
   bool cpu_offload = false;
 };
 

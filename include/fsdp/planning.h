@@ -27,41 +27,41 @@
 
 namespace fsdp {
 
-// The sharded groups under `root` in the forward order recorded by the last step (so at least
-// one step must have run), with their buffers' sizes. The root group is marked as enclosing the
-// others and not checkpointable; every other group checkpointable (change it where the model
-// cannot recompute a group). Throws std::invalid_argument for groups sharded with replicas
-// (HSDP), which the cost model does not describe.
+/// The sharded groups under `root` in the forward order recorded by the last step (so at least
+/// one step must have run), with their buffers' sizes. The root group is marked as enclosing the
+/// others and not checkpointable; every other group checkpointable (change it where the model
+/// cannot recompute a group). Throws std::invalid_argument for groups sharded with replicas
+/// (HSDP), which the cost model does not describe.
 std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root);
 
-// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
+/// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
 plan::Schedule profiling_schedule(const torch::nn::Module& root);
 
-// Each group's reshard_after_forward and the runtime's prefetch depth and in-flight caps, as the
-// schedule says (bucketing as it was). Takes effect from the next step. Throws
-// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
+/// Each group's reshard_after_forward and the runtime's prefetch depth and in-flight caps, as the
+/// schedule says (bucketing as it was). Takes effect from the next step. Throws
+/// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
 void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule);
-// Only the runtime's part of it: prefetch depth and in-flight caps (for use before any step,
-// while sharding with the schedule's per-group choices).
+/// Only the runtime's part of it: prefetch depth and in-flight caps (for use before any step,
+/// while sharding with the schedule's per-group choices).
 void set_runtime_choices(const plan::Schedule& schedule);
 
-// Records the next step with memory marks (call right before its forward; not while a Chrome
-// trace is being recorded). finish_profiled_step, after the optimizer step, waits for the device
-// and measures the cost model of the groups under `root`. Collective: every number is the
-// largest any rank measured, so all ranks plan the same schedule.
+/// Records the next step with memory marks (call right before its forward; not while a Chrome
+/// trace is being recorded). finish_profiled_step, after the optimizer step, waits for the device
+/// and measures the cost model of the groups under `root`. Collective: every number is the
+/// largest any rank measured, so all ranks plan the same schedule.
 void start_profiled_step();
 plan::CostModel finish_profiled_step(const torch::nn::Module& root);
 
-// The step after the profiled one, recorded to measure how collectives and compute slow each
-// other (plan::calibrate_contention), so the planner prices prefetching truthfully: run it under
-// calibration_schedule(root) (the profile's, at prefetch depth 1) between start_calibration_step
-// and finish_calibration_step, which writes profile.contention. Collective, like the profile.
+/// The step after the profiled one, recorded to measure how collectives and compute slow each
+/// other (plan::calibrate_contention), so the planner prices prefetching truthfully: run it under
+/// calibration_schedule(root) (the profile's, at prefetch depth 1) between start_calibration_step
+/// and finish_calibration_step, which writes profile.contention. Collective, like the profile.
 plan::Schedule calibration_schedule(const torch::nn::Module& root);
 void start_calibration_step();
 void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile);
 
-// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
-// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.
+/// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
+/// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.
 plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,
                            double margin = 0.05);
 

@@ -25,25 +25,30 @@ class Module;
 
 namespace fsdp {
 
+/// What save_checkpoint writes and load_checkpoint fills: sharded tensors (each rank's rows),
+/// replicated tensors and the caller's entries. Building it is local; saving and loading are
+/// collective.
 class CheckpointState {
  public:
-  // `local` holds this rank's rows of a tensor laid out like the sharded parameter `like` (the
-  // parameter itself, or an optimizer moment of it). Throws if `like` is not sharded.
+  /// `local` holds this rank's rows of a tensor laid out like the sharded parameter `like` (the
+  /// parameter itself, or an optimizer moment of it). Throws if `like` is not sharded.
   void add_sharded(const std::string& name, at::Tensor local, const at::Tensor& like);
-  // A tensor that is the same on every rank (step counts, scalars); saved from rank 0.
+  /// A tensor that is the same on every rank (step counts, scalars); saved from rank 0.
   void add_replicated(const std::string& name, at::Tensor value);
-  // The caller's own entries (a trainer's step, data position): saved and loaded as bytes.
+  /// The caller's own entries (a trainer's step, data position): saved and loaded as bytes.
   std::map<std::string, std::string> extra;
 
+  /// One sharded tensor as add_sharded recorded it.
   struct Sharded {
-    std::string name;
-    at::Tensor local;
-    std::vector<int64_t> full_shape;
-    int64_t first_row = 0;  // of this rank's rows in the full tensor
-    Communicator* comm = nullptr;  // the parameter group's
-    Communicator* replicate = nullptr;  // HSDP: its replicas (the first one saves)
+    std::string name;                 ///< its name in the checkpoint
+    at::Tensor local;                 ///< this rank's rows (filled in place on load)
+    std::vector<int64_t> full_shape;  ///< of the whole tensor
+    int64_t first_row = 0;  ///< of this rank's rows in the full tensor
+    Communicator* comm = nullptr;  ///< the parameter group's
+    Communicator* replicate = nullptr;  ///< HSDP: its replicas (the first one saves)
   };
-  const std::vector<Sharded>& sharded() const { return sharded_; }
+  const std::vector<Sharded>& sharded() const { return sharded_; }  ///< in the order added
+  /// The replicated tensors by name, in the order added.
   const std::vector<std::pair<std::string, at::Tensor>>& replicated() const { return replicated_; }
 
  private:
@@ -51,23 +56,23 @@ class CheckpointState {
   std::vector<std::pair<std::string, at::Tensor>> replicated_;
 };
 
-// The sharded parameters of `root` (fully_shard applied) under their names.
+/// The sharded parameters of `root` (fully_shard applied) under their names.
 CheckpointState model_state(torch::nn::Module& root);
 
-// Collective over the sharded tensors' communicator (HSDP: over all replicas, the first one
-// writing; the checkpoint is that of one replica's ranks and loads like any other). Writes `dir`
-// (its parent must exist) through `dir`.tmp, renamed once every file and the metadata are on
-// disk; replaces an existing `dir`.
+/// Collective over the sharded tensors' communicator (HSDP: over all replicas, the first one
+/// writing; the checkpoint is that of one replica's ranks and loads like any other). Writes `dir`
+/// (its parent must exist) through `dir`.tmp, renamed once every file and the metadata are on
+/// disk; replaces an existing `dir`.
 void save_checkpoint(const std::string& dir, const CheckpointState& state);
-// Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
-// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
-// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file
-// and the problem; the tensors are then partly overwritten.
+/// Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
+/// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
+/// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file
+/// and the problem; the tensors are then partly overwritten.
 void load_checkpoint(const std::string& dir, CheckpointState& state);
-// The newest complete checkpoint under `parent` (subdirectories named step-N holding
-// metadata.bin; interrupted saves, `*.tmp`, are skipped), or "" if none.
+/// The newest complete checkpoint under `parent` (subdirectories named step-N holding
+/// metadata.bin; interrupted saves, `*.tmp`, are skipped), or "" if none.
 std::string newest_checkpoint(const std::string& parent);
-// "step-000120": how save directories are named for newest_checkpoint.
+/// "step-000120": how save directories are named for newest_checkpoint.
 std::string checkpoint_name(int64_t step);
 
 }  // namespace fsdp

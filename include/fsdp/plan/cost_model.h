@@ -9,57 +9,67 @@
 
 namespace fsdp::plan {
 
-// One parameter group (one fully_shard call), in forward order. Memory is in bytes of the
-// caching allocator's "allocated" count; times in milliseconds.
+/// One parameter group (one fully_shard call), in forward order. Memory is in bytes of the
+/// caching allocator's "allocated" count; times in milliseconds.
 struct GroupCost {
-  std::string name;
-  // Parameters: unsharded in the compute dtype from its all-gather's issue to its reshard, and the
-  // all-gather's input and output buffers from the issue until its compute waits for them.
-  int64_t param_bytes = 0, gather_buffer_bytes = 0;
-  // Gradients: the unsharded ones autograd leaves (from its backward until its reduce-scatter
-  // copies them out), the reduce-scatter input (until that is done), the sharded result (until
-  // the end of the step).
-  int64_t grad_bytes = 0, reduce_input_bytes = 0, sharded_grad_bytes = 0;
-  double allgather_ms = 0, reduce_scatter_ms = 0;
-  // Above the level at the start of its forward: the most in use during the forward, and what
-  // stays allocated after it until its backward, without and with activation checkpointing.
-  int64_t forward_peak_bytes = 0, saved_bytes = 0, checkpoint_saved_bytes = 0;
-  // Above the level at the start of its backward (after a recompute): the most in use during it.
+  std::string name;  ///< the group's module path ("blocks.3")
+  /// Parameters unsharded in the compute dtype, from the all-gather's issue to the reshard.
+  int64_t param_bytes = 0;
+  /// The all-gather's input and output buffers, from its issue until the compute waits for it.
+  int64_t gather_buffer_bytes = 0;
+  /// The unsharded gradients autograd leaves, from the group's backward until its reduce-scatter
+  /// copies them out.
+  int64_t grad_bytes = 0;
+  int64_t reduce_input_bytes = 0;  ///< the reduce-scatter's input, until the reduce-scatter is done
+  int64_t sharded_grad_bytes = 0;  ///< the reduce-scatter's result, to the end of the step
+  double allgather_ms = 0;         ///< the all-gather's time alone
+  double reduce_scatter_ms = 0;    ///< the reduce-scatter's time alone
+  /// Above the level at the start of its forward: the most in use during the forward.
+  int64_t forward_peak_bytes = 0;
+  int64_t saved_bytes = 0;  ///< what stays allocated after the forward until its backward
+  int64_t checkpoint_saved_bytes = 0;  ///< the same when the group is checkpointed (recomputed)
+  /// Above the level at the start of its backward (after a recompute): the most in use during it.
   int64_t backward_peak_bytes = 0;
-  double forward_ms = 0, backward_ms = 0;          // device time; a recompute costs forward_ms again
-  double forward_cpu_ms = 0, backward_cpu_ms = 0;  // host time to issue that work (CPU-bound models)
-  bool checkpointable = true;  // whether the model can recompute this group in backward
-  // The root (only the first group may be one): its forward wraps every later group's. Its
-  // parameters are gathered first; its own compute (a model's head) runs after the others'
-  // forward and its own backward before theirs; its gradients are reduce-scattered last.
+  double forward_ms = 0;       ///< device time of the forward; a recompute costs it again
+  double backward_ms = 0;      ///< device time of the backward
+  double forward_cpu_ms = 0;   ///< host time to issue the forward (CPU-bound models)
+  double backward_cpu_ms = 0;  ///< host time to issue the backward
+  bool checkpointable = true;  ///< whether the model can recompute this group in backward
+  /// The root (only the first group may be one): its forward wraps every later group's. Its
+  /// parameters are gathered first; its own compute (a model's head) runs after the others'
+  /// forward and its own backward before theirs; its gradients are reduce-scattered last.
   bool encloses_later = false;
 };
 
-// How collectives and compute slow each other when they run side by side (NCCL's kernels take SMs
-// and memory bandwidth): measured from a step at prefetch depth 1 (plan/measured_step.h). The
-// defaults mean no contention.
+/// How collectives and compute slow each other when they run side by side (NCCL's kernels take SMs
+/// and memory bandwidth): measured from a step at prefetch depth 1 (plan/measured_step.h). The
+/// defaults mean no contention.
 struct Contention {
-  double allgather_stretch = 1, reduce_scatter_stretch = 1;  // a collective's time beside compute / alone
-  double compute_slowdown = 0;  // compute time added per ms of collective running beside it
+  double allgather_stretch = 1;       ///< an all-gather's time beside compute / alone
+  double reduce_scatter_stretch = 1;  ///< a reduce-scatter's time beside compute / alone
+  double compute_slowdown = 0;  ///< compute time added per ms of collective running beside it
 };
 
+/// What a step of a model costs: per group, the contention between collectives and compute, and
+/// what lies outside the groups.
 struct CostModel {
-  std::vector<GroupCost> groups;
-  Contention contention;
-  int64_t fixed_bytes = 0;  // allocated when the step starts: shards, optimizer state, workspaces
-  double fixed_ms = 0;      // time outside the groups (optimizer step, launch gaps)
-  int64_t profiled_peak_bytes = 0;  // measured: the peak of the step this model was profiled from
-  double profiled_step_ms = 0;      // and its time
+  std::vector<GroupCost> groups;  ///< in forward order, the root first
+  Contention contention;          ///< measured by plan::calibrate_contention; default none
+  int64_t fixed_bytes = 0;  ///< allocated when the step starts: shards, optimizer state, workspaces
+  double fixed_ms = 0;      ///< time outside the groups (optimizer step, launch gaps)
+  int64_t profiled_peak_bytes = 0;  ///< measured: the peak of the step this model was profiled from
+  double profiled_step_ms = 0;      ///< and its time
 };
 
-// The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).
+/// The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).
 struct Schedule {
-  std::vector<bool> checkpoint;             // recompute the group's activations in backward
-  std::vector<bool> reshard_after_forward;  // free its parameters between forward and backward
-  int prefetch_depth = 1;
-  int max_inflight_allgathers = 2;      // 0: unlimited
-  int max_inflight_reduce_scatters = 2;  // 0: unlimited
+  std::vector<bool> checkpoint;             ///< recompute the group's activations in backward
+  std::vector<bool> reshard_after_forward;  ///< free its parameters between forward and backward
+  int prefetch_depth = 1;  ///< groups all-gathered ahead of use
+  int max_inflight_allgathers = 2;      ///< 0: unlimited
+  int max_inflight_reduce_scatters = 2;  ///< 0: unlimited
 
+  /// The same choices everywhere.
   bool operator==(const Schedule& o) const {
     return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward &&
            prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
@@ -67,7 +77,7 @@ struct Schedule {
   }
 };
 
-// The runtime's defaults for `groups` groups: every group resharded, none checkpointed.
+/// The runtime's defaults for `groups` groups: every group resharded, none checkpointed.
 Schedule default_schedule(size_t groups);
 
 }  // namespace fsdp::plan

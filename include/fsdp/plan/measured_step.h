@@ -18,55 +18,63 @@
 
 namespace fsdp::plan {
 
-// A span of the recorded step; names as the runtime traces them: "forward L", "recompute L",
-// "backward L", "all-gather L", "reduce-scatter L" for a group labelled L.
+/// A span of the recorded step; names as the runtime traces them: "forward L", "recompute L",
+/// "backward L", "all-gather L", "reduce-scatter L" for a group labelled L.
 struct RecordedSpan {
-  std::string name;
-  double start_ms = 0, end_ms = 0;            // device time
-  double host_start_ms = 0, host_end_ms = 0;  // when the host issued them
-  int start_mark = -1, end_mark = -1;         // into RecordedStep::marks
+  std::string name;         ///< "forward #4 blocks.3", ...
+  double start_ms = 0;      ///< device time of its start
+  double end_ms = 0;        ///< device time of its end
+  double host_start_ms = 0; ///< when the host issued its start
+  double host_end_ms = 0;   ///< when the host issued its end
+  int start_mark = -1;      ///< the memory mark at its start (into RecordedStep::marks)
+  int end_mark = -1;        ///< the memory mark at its end
 };
 
+/// Bytes allocated at a point of the recorded step.
 struct MemoryMark {
-  int64_t allocated = 0;        // at the mark
-  int64_t peak_since_last = 0;  // the most allocated since the previous mark
+  int64_t allocated = 0;        ///< at the mark
+  int64_t peak_since_last = 0;  ///< the most allocated since the previous mark
 };
 
+/// One training step as the runtime recorded it (fsdp::finish_profiled_step copies it here).
 struct RecordedStep {
-  std::vector<RecordedSpan> spans;
-  std::vector<MemoryMark> marks;  // marks[0]: the start of the step
-  double step_ms = 0;             // wall time from the start of the forward to the optimizer's end
-  bool host_is_device = false;    // CPU training: the host's time is the compute time
+  std::vector<RecordedSpan> spans;  ///< in the order begun
+  std::vector<MemoryMark> marks;  ///< marks[0]: the start of the step
+  double step_ms = 0;             ///< wall time from the start of the forward to the optimizer's end
+  bool host_is_device = false;    ///< CPU training: the host's time is the compute time
 };
 
-// What the runtime knows of a group without running it (ParamGroup's sizes).
+/// What the runtime knows of a group without running it (ParamGroup's sizes).
 struct GroupShape {
-  std::string name;   // "blocks.3"
-  std::string label;  // its trace label, "#4 blocks.3"
-  int64_t param_bytes = 0, gather_buffer_bytes = 0;
-  int64_t grad_bytes = 0, reduce_input_bytes = 0, sharded_grad_bytes = 0;
-  bool checkpointable = true;
-  bool encloses_later = false;  // the root
+  std::string name;   ///< "blocks.3"
+  std::string label;  ///< its trace label, "#4 blocks.3"
+  int64_t param_bytes = 0;          ///< GroupCost::param_bytes
+  int64_t gather_buffer_bytes = 0;  ///< GroupCost::gather_buffer_bytes
+  int64_t grad_bytes = 0;           ///< GroupCost::grad_bytes
+  int64_t reduce_input_bytes = 0;   ///< GroupCost::reduce_input_bytes
+  int64_t sharded_grad_bytes = 0;   ///< GroupCost::sharded_grad_bytes
+  bool checkpointable = true;       ///< whether the model can recompute it
+  bool encloses_later = false;  ///< the root
 };
 
-// The schedule a profiled step runs under (see above).
+/// The schedule a profiled step runs under (see above).
 Schedule profiling_schedule(const std::vector<GroupShape>& groups);
 
-// Throws std::invalid_argument naming the span that is missing when the record does not hold a
-// step of these groups under profiling_schedule(groups). fixed_ms is what the groups do not
-// explain: the step's time less the simulator's prediction of it without fixed_ms.
+/// Throws std::invalid_argument naming the span that is missing when the record does not hold a
+/// step of these groups under profiling_schedule(groups). fixed_ms is what the groups do not
+/// explain: the step's time less the simulator's prediction of it without fixed_ms.
 CostModel measure_cost_model(const std::vector<GroupShape>& groups, const RecordedStep& step);
 
-// The schedule of the calibration step, recorded after the profiled one: profiling_schedule's
-// groups at prefetch depth 1, so that all-gathers and reduce-scatters run beside compute.
+/// The schedule of the calibration step, recorded after the profiled one: profiling_schedule's
+/// groups at prefetch depth 1, so that all-gathers and reduce-scatters run beside compute.
 Schedule calibration_schedule(const std::vector<GroupShape>& groups);
 
-// Measures model.contention from a step recorded (memory marks not needed) under
-// calibration_schedule(groups): each collective's stretch is the time of those that ran beside
-// compute over their time alone in the profile; compute_slowdown is then the one value (in
-// [0, 4]) for which the simulator's replay of the calibration step takes its measured time,
-// with fixed_ms refitted to the profiled step at each trial. Throws std::invalid_argument when
-// the record holds no all-gather of these groups.
+/// Measures model.contention from a step recorded (memory marks not needed) under
+/// calibration_schedule(groups): each collective's stretch is the time of those that ran beside
+/// compute over their time alone in the profile; compute_slowdown is then the one value (in
+/// [0, 4]) for which the simulator's replay of the calibration step takes its measured time,
+/// with fixed_ms refitted to the profiled step at each trial. Throws std::invalid_argument when
+/// the record holds no all-gather of these groups.
 void calibrate_contention(CostModel& model, const std::vector<GroupShape>& groups, const RecordedStep& step);
 
 }  // namespace fsdp::plan

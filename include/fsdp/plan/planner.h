@@ -16,34 +16,37 @@
 
 namespace fsdp::plan {
 
+/// A schedule and the simulator's prediction of it.
 struct Planned {
-  Schedule schedule;
-  Prediction prediction;
+  Schedule schedule;      ///< the choices
+  Prediction prediction;  ///< its predicted time and peak
 };
 
+/// The planner's answer for a budget.
 struct Plan {
-  Planned chosen;
-  std::vector<Planned> runners_up;  // the next fastest that fit with other predictions, up to three
-  int64_t usable_bytes = 0;         // the budget less its margin
+  Planned chosen;  ///< the fastest that fits
+  std::vector<Planned> runners_up;  ///< the next fastest that fit with other predictions, up to three
+  int64_t usable_bytes = 0;         ///< the budget less its margin
 };
 
-// No schedule fits: smallest_budget_bytes is the least budget (margin included) that would.
+/// No schedule fits: smallest_budget_bytes is the least budget (margin included) that would.
 class BudgetTooSmall : public std::invalid_argument {
  public:
+  /// `message` says why and names the smallest budget.
   BudgetTooSmall(const std::string& message, int64_t smallest_budget_bytes)
       : std::invalid_argument(message), smallest_budget_bytes(smallest_budget_bytes) {}
-  int64_t smallest_budget_bytes;
+  int64_t smallest_budget_bytes;  ///< margin included
 };
 
-// The fastest schedule whose predicted peak stays within budget_bytes * (1 - margin); equal
-// times go to the lower peak. Throws BudgetTooSmall naming the smallest budget that fits.
+/// The fastest schedule whose predicted peak stays within budget_bytes * (1 - margin); equal
+/// times go to the lower peak. Throws BudgetTooSmall naming the smallest budget that fits.
 Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin = 0.05);
 
-// "1.50 GiB", or "12.3 MiB" below a GiB: how plans and their checks print bytes.
+/// "1.50 GiB", or "12.3 MiB" below a GiB: how plans and their checks print bytes.
 std::string format_bytes(int64_t bytes);
 
-// One line: "checkpoint 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
-// in flight 2 all-gathers / 2 reduce-scatters".
+/// One line: "checkpoint 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
+/// in flight 2 all-gathers / 2 reduce-scatters".
 std::string describe(const Schedule& schedule, const CostModel& model);
 
 }  // namespace fsdp::plan

@@ -26,23 +26,25 @@
 
 namespace fsdp::plan {
 
+/// A buffer allocated at the predicted peak.
 struct LiveBuffer {
-  std::string what;  // "parameters of blocks.3", "activations of blocks.3", ...
-  int64_t bytes = 0;
+  std::string what;  ///< "parameters of blocks.3", "activations of blocks.3", ...
+  int64_t bytes = 0;  ///< its size
 };
 
+/// What simulate() predicts of a schedule.
 struct Prediction {
-  double step_ms = 0;
-  int64_t peak_bytes = 0;                // fixed bytes included
-  std::string peak_during;               // "backward of blocks.3", ...
-  std::vector<LiveBuffer> live_at_peak;  // largest first, the fixed bytes among them
-  std::vector<std::pair<std::string, int64_t>> timeline;  // (event, bytes in use after it)
+  double step_ms = 0;  ///< the step's time
+  int64_t peak_bytes = 0;                ///< fixed bytes included
+  std::string peak_during;               ///< "backward of blocks.3", ...
+  std::vector<LiveBuffer> live_at_peak;  ///< largest first, the fixed bytes among them
+  std::vector<std::pair<std::string, int64_t>> timeline;  ///< (event, bytes in use after it)
 };
 
-// Throws std::invalid_argument when the schedule's per-group vectors do not match the model.
+/// Throws std::invalid_argument when the schedule's per-group vectors do not match the model.
 Prediction simulate(const CostModel& model, const Schedule& schedule);
 
-// How much of the (start, end) intervals falls within [from, to] (overlaps counted once each).
+/// How much of the (start, end) intervals falls within [from, to] (overlaps counted once each).
 double time_within(const std::vector<std::pair<double, double>>& intervals, double from, double to);
 
 }  // namespace fsdp::plan
