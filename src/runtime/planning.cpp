@@ -139,7 +139,12 @@ void start_recording(const char* caller, bool with_memory) {
     throw std::invalid_argument(std::string("fsdp::") + caller +
                                 ": bucketing is on (bucket_mb > 0): the profile needs each group's collectives "
                                 "apart; set bucket_mb to 0 for the recorded steps");
-  Trace::get().start(default_communicator()->device(), with_memory);
+  // The previous step's kernels still queued on the device would be timed as this step's (on the
+  // 1B, ~10 ms: the fit took it for contention and the planner avoided prefetching at depth 1).
+  const c10::Device device = default_communicator()->device();
+  const auto& streams = DeviceStreams::of(device);
+  if (streams.active()) streams.record(streams.compute())->synchronize();
+  Trace::get().start(device, with_memory);
   g_recording_start = std::chrono::steady_clock::now();
 }
 
