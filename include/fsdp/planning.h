@@ -46,8 +46,9 @@ void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule)
 void set_runtime_choices(const plan::Schedule& schedule);
 
 /// Records the next step with memory marks (call right before its forward; not while a Chrome
-/// trace is being recorded). Waits for the device first, so that the step is timed alone. finish_profiled_step, after the optimizer step, waits for the device
-/// and measures the cost model of the groups under `root`. Collective: every number is the
+/// trace is being recorded). Waits for the device first, so that the step is timed alone.
+/// finish_profiled_step, after the optimizer step, waits for the device and measures the cost
+/// model of the groups under `root`. Collective: every number is the
 /// largest any rank measured, so all ranks plan the same schedule.
 void start_profiled_step();
 plan::CostModel finish_profiled_step(const torch::nn::Module& root);

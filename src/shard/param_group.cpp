@@ -42,8 +42,8 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 // waits for the compute stream's position (the first stream rule in
 // docs/design.md), and the work is one trace span. Returns the side stream's
 // event after it; null on CPU, where everything completed in the call.
+// `after`: an event of another side stream the work must also follow.
 template <class Issue>
-// `after`: an event on another side stream the work must also follow.
 std::shared_ptr<c10::Event> issue_on_side_stream(const DeviceStreams& streams, Trace::Track track,
                                                  const std::string& span_name, Issue&& issue,
                                                  const c10::Event* after = nullptr) {
