@@ -13,6 +13,8 @@
 #   plan-1b build, fsdp-train --plan-check on the 1B (predicted vs measured for no and full
 #           checkpointing and 8 budgets' plans), the same checkpointed blocks in eager FSDP2, the
 #           frontier (bench/plan_frontier.py)
+#   plan-check-1b  the GPU suite and training runs, --plan-check on the 1B (10 steps a schedule) and
+#           its frontier, without FSDP2
 #   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
 #           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
@@ -37,7 +39,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget,
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget,
   hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
@@ -83,9 +85,16 @@ case $part in
   8b-ac) bench bench-8b-ac 520 --configs 8b-ac --repeats "$repeats" ;;
   plan-1b)
     phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
-      --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-1b.jsonl" --log "$work/plan-1b.jsonl"
+      --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-1b.jsonl" --log "$work/plan-1b.jsonl"
     phase frontier-1b 330 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" \
       --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6" ;;
+  plan-check-1b)
+    phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
+'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+    phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
+      --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-1b.jsonl" --plan-check-steps 10 \
+      --log "$work/plan-1b.jsonl"
+    phase frontier-1b 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" --out "$work/frontier-1b" ;;
   overlap-1b)
     for depth in 0 1; do  # the contention the calibration prices: step 2 traced at prefetch depth 0 and 1
       phase overlap-1b-depth$depth 60 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
@@ -98,11 +107,11 @@ case $part in
     phase gpu-tests 150 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
       --output-on-failure
     phase plan-check-8b 240 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
-      --param-dtype bf16 --steps 4 --plan-check "$work/plan-check-8b.jsonl" --plan-check-budgets 6 \
+      --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-8b.jsonl" --plan-check-budgets 6 \
       --plan-check-steps 4 --log "$work/plan-8b.jsonl"
     phase frontier-8b 20 python3 bench/plan_frontier.py --check "$work/plan-check-8b.jsonl" --out "$work/frontier-8b"
     phase budget-48-8b 150 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
-      --param-dtype bf16 --steps 4 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
+      --param-dtype bf16 --steps 5 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
   offload)
     phase gpu-tests 200 ctest --test-dir build --output-on-failure \
       -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload)$'

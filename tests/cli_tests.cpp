@@ -61,8 +61,8 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--memory-budget", "8", "--replicas", "2"}, "drop --replicas"},
       {{"--replicas", "0"}, "--replicas must be at least 1"},
       {{"--replicas", "2"}, "--replicas 2 does not divide the 1 ranks"},
-      {{"--memory-budget", "8", "--steps", "4"}, "--steps must be at least 5"},
-      {{"--plan-check", "/tmp/p.jsonl", "--steps", "3"}, "--steps must be at least 4"},
+      {{"--memory-budget", "8", "--steps", "5"}, "--steps must be at least 6"},
+      {{"--plan-check", "/tmp/p.jsonl", "--steps", "4"}, "--steps must be at least 5"},
       {{"--plan-check", "/tmp/p.jsonl", "--plan-check-steps", "2"}, "--plan-check-steps must be at least 3"},
   };
   for (const auto& [argv, message] : cases) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv[0];

@@ -18,6 +18,9 @@
 #                                             same tokens as text; bad files are usage errors; the
 #                                             evaluation set is the same on 1-3 ranks and does not
 #                                             disturb training; the default log goes under runs/
+#   launcher_tests.sh BUILD_DIR budget        --memory-budget on CPU ranks: profiles, calibrates, plans
+#                                             and trains; a budget below every schedule is refused
+#                                             with the smallest that fits (exit 2)
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
 #                                             the signal to fsdp-run mid-run reaches every rank: all
 #                                             exit, fsdp-run exits 128+signal, nothing left running
@@ -233,6 +236,21 @@ signal)
     [ -z "$apps" ] || fail "processes still hold GPU memory: $apps"
   fi
   echo "SIG$sig: fsdp-run exited $code, $ranks process(es) under it all gone: ok"
+  ;;
+budget)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32)
+  "$run" "${common[@]}" --steps 10 --memory-budget 1 --log "$work/log.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the planned run failed"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/log.jsonl" --steps 10 --loss-falls || fail "log check"
+  for want in "fsdp-train: profiled step:" "fsdp-train: calibration step" "fsdp-train: plan for a 1.00 GiB budget" \
+    "fsdp-train:   predicted"; do
+    grep -qF -- "$want" "$work/out" || { cat "$work/out"; fail "no '$want'"; }
+  done
+  "$run" "${common[@]}" --steps 6 --memory-budget 0.0001 >"$work/out" 2>&1
+  code=$?
+  [ "$code" = 2 ] || { cat "$work/out"; fail "exit code $code, not 2, for a budget too small"; }
+  grep -q "is too small: .* the smallest budget that fits is" "$work/out" || { cat "$work/out"; fail "no refusal"; }
+  echo "planned and trained; too small a budget refused: ok"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

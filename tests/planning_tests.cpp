@@ -79,6 +79,27 @@ TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) {
   set_runtime_options({});
 }
 
+// The fits take a step's time measured without recording where one is given (recording costs host
+// time); a negative one is an error that leaves no recording open.
+TEST(Planning, RecordedStepsTakeTheUntracedTimeGiven) {
+  model::Llama llama = seeded_llama(tiny_llama());
+  shard_blocks_and_root(llama);
+  const auto tokens = train::synthetic_tokens(llama->config.vocab, 7)->rows(0, world()->rank() * 2, 2, 16);
+  auto step = [&] {
+    fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device())).backward();
+  };
+  step();  // records the forward order
+  train::apply_schedule(llama, profiling_schedule(*llama));
+  start_profiled_step();
+  step();
+  EXPECT_THROW(finish_profiled_step(*llama, -1.0), std::invalid_argument);
+  start_profiled_step();  // the failed finish closed the recording
+  step();
+  const plan::CostModel profile = finish_profiled_step(*llama, 123.5);
+  EXPECT_EQ(profile.profiled_step_ms, 123.5);
+  set_runtime_options({});
+}
+
 // A schedule switched at runtime between steps (the planner's way: profile, plan, apply) trains
 // exactly as the single process does.
 TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {

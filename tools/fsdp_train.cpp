@@ -194,9 +194,13 @@ int train(const fsdp::train::TrainArgs& args) {
   // --memory-budget / --plan-check: the step after the first is profiled; the next runs at prefetch
   // depth 1 (its first prefetching step: the allocator grows its pool there, which would be timed),
   // the one after calibrates the profile's contention at that depth; then the plan is made.
-  const int profiled_step = planning ? first_step + 1 : -1;
+  // Each recorded step follows a step of its schedule that is timed untraced, for the fits
+  // (recording costs host time: fsdp::finish_profiled_step).
+  const int profiling_warmup_step = planning ? first_step + 1 : -1;
+  const int profiled_step = planning ? first_step + 2 : -1;
   const int calibration_warmup_step = planning ? profiled_step + 1 : -1;
   const int calibration_step = planning ? profiled_step + 2 : -1;
+  double warmup_ms = 0;  // the last warm-up step's time
   const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
   // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
   auto train_step = [&](int step, void (*start_recording)()) {
@@ -230,7 +234,7 @@ int train(const fsdp::train::TrainArgs& args) {
       fsdp::train::start_profile(device);
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
-    if (step == profiled_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
+    if (step == profiling_warmup_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
     if (step == calibration_warmup_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
     const auto [loss, grad_norm_on_device] =
         train_step(step, step == profiled_step      ? fsdp::start_profiled_step
@@ -245,10 +249,11 @@ int train(const fsdp::train::TrainArgs& args) {
     const double loss_value = totals[0].item<double>() / comm->world_size();
     const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
-    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model);
-    if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile);
+    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model, warmup_ms);
+    if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile, warmup_ms);
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (step == profiling_warmup_step || step == calibration_warmup_step) warmup_ms = ms;
     const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
     const double tok_s = tokens_per_step / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))

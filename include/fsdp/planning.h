@@ -3,13 +3,15 @@
 //
 //   train_one_step();                               // records the forward order
 //   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and checkpoint every block
+//   double ms = timed_train_step();                 // device idle at both ends; optional
 //   fsdp::start_profiled_step();
 //   train_one_step();
-//   auto profile = fsdp::finish_profiled_step(model);             // the cost model
+//   auto profile = fsdp::finish_profiled_step(model, ms);         // the cost model
 //   fsdp::set_schedule(model, fsdp::calibration_schedule(model));  // the same at prefetch depth 1
+//   ms = timed_train_step();
 //   fsdp::start_calibration_step();
 //   train_one_step();
-//   fsdp::finish_calibration_step(model, profile);               // collectives beside compute
+//   fsdp::finish_calibration_step(model, profile, ms);           // collectives beside compute
 //   auto plan = fsdp::plan_for_budget(model, 40LL << 30, profile);  // 40 GiB
 //   fsdp::set_schedule(model, plan.chosen.schedule);  // the model checkpoints the groups it names
 //
@@ -50,16 +52,23 @@ void set_runtime_choices(const plan::Schedule& schedule);
 /// finish_profiled_step, after the optimizer step, waits for the device and measures the cost
 /// model of the groups under `root`. Collective: every number is the
 /// largest any rank measured, so all ranks plan the same schedule.
+///
+/// `untraced_step_ms`: the time of a step under the same schedule that was not recorded (the
+/// device idle at its start and end), or 0 to use the recorded step's own time. Recording costs
+/// the host time (on the 1B ~7 ms a step, an event pair and memory marks per span) that the fits
+/// would read as fixed time and contention; the step before a recorded one, under its schedule,
+/// is the natural one to time (fsdp-train does). Throws std::invalid_argument when negative.
 void start_profiled_step();
-plan::CostModel finish_profiled_step(const torch::nn::Module& root);
+plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms = 0);
 
 /// The step after the profiled one, recorded to measure how collectives and compute slow each
 /// other (plan::calibrate_contention), so the planner prices prefetching truthfully: run it under
 /// calibration_schedule(root) (the profile's, at prefetch depth 1) between start_calibration_step
-/// and finish_calibration_step, which writes profile.contention. Collective, like the profile.
+/// and finish_calibration_step, which writes profile.contention. Collective, like the profile;
+/// `untraced_step_ms` as for finish_profiled_step.
 plan::Schedule calibration_schedule(const torch::nn::Module& root);
 void start_calibration_step();
-void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile);
+void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile, double untraced_step_ms = 0);
 
 /// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
 /// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.

@@ -131,6 +131,11 @@ void set_runtime_choices(const plan::Schedule& schedule) {
 
 namespace {
 
+void wait_for_device(const c10::Device& device) {
+  const auto& streams = DeviceStreams::of(device);
+  if (streams.active()) streams.record(streams.compute())->synchronize();
+}
+
 // Recording a step: the trace with or without memory marks, timed from here to finish_recording.
 void start_recording(const char* caller, bool with_memory) {
   if (Trace::get().active())
@@ -142,22 +147,25 @@ void start_recording(const char* caller, bool with_memory) {
   // The previous step's kernels still queued on the device would be timed as this step's (on the
   // 1B, ~10 ms: the fit took it for contention and the planner avoided prefetching at depth 1).
   const c10::Device device = default_communicator()->device();
-  const auto& streams = DeviceStreams::of(device);
-  if (streams.active()) streams.record(streams.compute())->synchronize();
+  wait_for_device(device);
   Trace::get().start(device, with_memory);
   g_recording_start = std::chrono::steady_clock::now();
 }
 
-plan::RecordedStep finish_recording(const char* caller) {
+// The step's time: the one measured without recording where given (see planning.h), else this one.
+plan::RecordedStep finish_recording(const char* caller, double untraced_step_ms) {
   if (!Trace::get().active())
     throw std::logic_error(std::string("fsdp::") + caller + ": no matching start before");
   const c10::Device device = default_communicator()->device();
+  wait_for_device(device);  // the optimizer's work too
+  const std::chrono::duration<double, std::milli> traced = std::chrono::steady_clock::now() - g_recording_start;
+  Trace::Recording recording = Trace::get().finish();
+  if (untraced_step_ms < 0)
+    throw std::invalid_argument(std::string("fsdp::") + caller + ": untraced_step_ms is " +
+                                std::to_string(untraced_step_ms) + "; pass a step's time in ms, or 0 for none");
   plan::RecordedStep step;
   step.host_is_device = device.is_cpu();
-  const auto& streams = DeviceStreams::of(device);
-  if (streams.active()) streams.record(streams.compute())->synchronize();  // the optimizer's work too
-  step.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_recording_start).count();
-  Trace::Recording recording = Trace::get().finish();
+  step.step_ms = untraced_step_ms > 0 ? untraced_step_ms : traced.count();
   for (const auto& span : recording.spans)
     step.spans.push_back({span.name, span.start_ms, span.end_ms, span.host_start_ms, span.host_end_ms, span.start_mark,
                           span.end_mark});
@@ -169,8 +177,8 @@ plan::RecordedStep finish_recording(const char* caller) {
 
 void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
 
-plan::CostModel finish_profiled_step(const torch::nn::Module& root) {
-  const plan::RecordedStep step = finish_recording("finish_profiled_step");
+plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms) {
+  const plan::RecordedStep step = finish_recording("finish_profiled_step", untraced_step_ms);
   plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
   agree_across_ranks(model, *default_communicator());
   return model;
@@ -182,8 +190,8 @@ plan::Schedule calibration_schedule(const torch::nn::Module& root) {
 
 void start_calibration_step() { start_recording("start_calibration_step", /*with_memory=*/false); }
 
-void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile) {
-  const plan::RecordedStep step = finish_recording("finish_calibration_step");
+void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile, double untraced_step_ms) {
+  const plan::RecordedStep step = finish_recording("finish_calibration_step", untraced_step_ms);
   plan::calibrate_contention(profile, group_shapes(root), step);
   agree_across_ranks(profile, *default_communicator());
 }

@@ -210,10 +210,10 @@ void check_ranges(const TrainArgs& a) {
     require(a.grad_accum == 1, flag + " plans a step of one micro-batch: drop --grad-accum");
     require(a.replicas == 1,
             flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
-    require(a.steps >= 4 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
-            flag + ": step 1 records the order, step 2 is profiled, step 4 calibrated" +
-                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 4"
-                                                      : ", the plan trains from step 5: --steps must be at least 5"));
+    require(a.steps >= 5 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
+            flag + ": step 1 records the order, step 3 is profiled, step 5 calibrated" +
+                (a.plan_only || !a.plan_check.empty() ? ": --steps must be at least 5"
+                                                      : ", the plan trains from step 6: --steps must be at least 6"));
   }
 }
 
