@@ -112,6 +112,19 @@ TEST(Hsdp, BadLayoutsAreErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("a replicate group joins the ranks holding the same shard"));
   }
+  // Replicas that build different models (each shard group of one rank agrees with itself).
+  const Mesh mesh = make_mesh(world_size);
+  ShardOptions replicated;
+  replicated.comm = mesh.shard;
+  replicated.replicate = mesh.replicate;
+  torch::nn::Linear differs(4, 4 + world()->rank());
+  try {
+    fully_shard(*differs, replicated);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the model differs across ranks"));
+    EXPECT_THAT(e.what(), HasSubstr("of '" + mesh.replicate->group_name() + "'"));
+  }
 }
 
 }  // namespace

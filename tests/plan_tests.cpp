@@ -176,6 +176,19 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
   EXPECT_THROW(simulate(m, s), std::invalid_argument);  // only the first group can be a root
 }
 
+// The fixed points of the frontier: every group that can be checkpointed is (or none), and every
+// group is resharded but the root, which encloses the others.
+TEST(Schedules, UniformCheckpointsWhatCanBeAndKeepsOnlyTheRoot) {
+  std::vector<GroupCost> groups(3);
+  groups[0].encloses_later = true, groups[0].checkpointable = false;
+  groups[2].checkpointable = false;
+  const Schedule all = uniform_schedule(groups, true), none = uniform_schedule(groups, false);
+  EXPECT_EQ(all.checkpoint, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(none.checkpoint, (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(all.reshard_after_forward, (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(all.prefetch_depth, default_schedule(3).prefetch_depth);
+}
+
 // A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
 // 1 ms forward, 2 ms backward; communication hides behind compute.
 CostModel deep() {

@@ -10,11 +10,7 @@
 namespace fsdp::plan {
 
 Schedule profiling_schedule(const std::vector<GroupShape>& groups) {
-  Schedule s = default_schedule(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    s.checkpoint[g] = groups[g].checkpointable;
-    s.reshard_after_forward[g] = !groups[g].encloses_later;
-  }
+  Schedule s = uniform_schedule(groups, /*checkpointed=*/true);
   s.prefetch_depth = 0;
   return s;
 }

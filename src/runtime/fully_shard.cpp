@@ -83,6 +83,16 @@ uint64_t structure_hash(const NamedParams& params) {
   return h;
 }
 
+std::invalid_argument structure_error(const std::string& module_name, int64_t first_hash, int64_t other_hash,
+                                      int other_rank, const Communicator& comm, size_t params) {
+  std::ostringstream s;
+  s << "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " << std::hex << first_hash
+    << " on rank 0 but " << other_hash << " on rank " << std::dec << other_rank << " of '" << comm.group_name()
+    << "' (this is rank " << comm.rank() << ", " << params << " parameters here). Build the same model on every "
+    << "rank before sharding.";
+  return shard_error(module_name, s.str());
+}
+
 // Every rank must shard the same parameters in the same order, or the
 // collectives would exchange mismatched buffers.
 void check_same_structure(Communicator& comm, const NamedParams& params,
@@ -94,35 +104,33 @@ void check_same_structure(Communicator& comm, const NamedParams& params,
   all = all.cpu();
   const int64_t* h = all.data_ptr<int64_t>();
   for (int r = 1; r < comm.world_size(); ++r)
-    if (h[r] != h[0]) {
-      std::ostringstream s;
-      s << "the model differs across ranks: the parameters (names, shapes, dtypes) hash to "
-        << std::hex << h[0] << " on rank 0 but " << h[r] << " on rank " << std::dec << r
-        << " (this is rank " << comm.rank() << ", " << params.size()
-        << " parameters here). Build the same model on every rank before sharding.";
-      throw shard_error(module_name, s.str());
-    }
+    if (h[r] != h[0]) throw structure_error(module_name, h[0], h[r], r, comm, params.size());
 }
 
-// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups.
-void check_replicas(const Communicator& comm, Communicator& replicate, const std::string& module_name) {
+// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups,
+// with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
+void check_replicas(const Communicator& comm, Communicator& replicate, const NamedParams& params,
+                    const std::string& module_name) {
   const std::string fix = ": make both communicators with fsdp::make_mesh";
   if (replicate.device() != comm.device())
     throw shard_error(module_name, "the replicate communicator works on " + replicate.device().str() +
                                        " but the shard communicator on " + comm.device().str() + fix);
   const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
-  at::Tensor all = at::empty({2 * replicate.world_size()}, opts);
-  replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size())}, opts));
+  at::Tensor all = at::empty({3 * replicate.world_size()}, opts);
+  const auto hash = static_cast<int64_t>(structure_hash(params));
+  replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size()), hash}, opts));
   all = all.cpu();
-  const int64_t* shard_of = all.data_ptr<int64_t>();
-  for (int r = 0; r < replicate.world_size(); ++r)
-    if (shard_of[2 * r] != comm.rank() || shard_of[2 * r + 1] != comm.world_size())
+  const int64_t* row = all.data_ptr<int64_t>();
+  for (int r = 0; r < replicate.world_size(); ++r, row += 3) {
+    if (row[0] != comm.rank() || row[1] != comm.world_size())
       throw shard_error(module_name, "rank " + std::to_string(r) + " of the replicate group '" +
-                                         replicate.group_name() + "' holds shard " +
-                                         std::to_string(shard_of[2 * r]) + " of " +
-                                         std::to_string(shard_of[2 * r + 1]) + ", this rank shard " +
+                                         replicate.group_name() + "' holds shard " + std::to_string(row[0]) +
+                                         " of " + std::to_string(row[1]) + ", this rank shard " +
                                          std::to_string(comm.rank()) + " of " + std::to_string(comm.world_size()) +
                                          "; a replicate group joins the ranks holding the same shard" + fix);
+    if (row[2] != all.data_ptr<int64_t>()[2])
+      throw structure_error(module_name, all.data_ptr<int64_t>()[2], row[2], r, replicate, params.size());
+  }
 }
 
 }  // namespace
@@ -142,10 +150,7 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
   if (!resolved.comm) resolved.comm = default_communicator();
   NamedParams params = collect_params(module, module_name, *resolved.comm);
   check_same_structure(*resolved.comm, params, module_name);
-  if (resolved.replicate) {
-    check_replicas(*resolved.comm, *resolved.replicate, module_name);
-    check_same_structure(*resolved.replicate, params, module_name);
-  }
+  if (resolved.replicate) check_replicas(*resolved.comm, *resolved.replicate, params, module_name);
   auto state = std::make_shared<ModuleState>(module_name, std::move(params), resolved);
   Runtime::get().add(owned, state);
   return state;

@@ -22,16 +22,6 @@ std::string prediction_text(const plan::Prediction& p) {
   return text + format_bytes(p.peak_bytes);
 }
 
-// The schedule of the runtime's defaults with every block checkpointed or none.
-plan::Schedule uniform_schedule(const plan::CostModel& profile, bool checkpointed) {
-  plan::Schedule s = plan::default_schedule(profile.groups.size());
-  for (size_t g = 0; g < profile.groups.size(); ++g) {
-    s.checkpoint[g] = checkpointed && profile.groups[g].checkpointable;
-    s.reshard_after_forward[g] = !profile.groups[g].encloses_later;
-  }
-  return s;
-}
-
 std::string checkpointed_blocks_json(const plan::Schedule& s) {
   std::string out = "[";
   for (size_t g = 1; g < s.checkpoint.size(); ++g)
@@ -86,8 +76,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     int64_t budget_bytes = 0;  // 0: a fixed point, not planned
   };
   // Least memory first: were the device to run out, the lines already written stay.
-  const Candidate none{"no checkpointing", uniform_schedule(profile, false)};
-  std::vector<Candidate> schedules{{"full checkpointing", uniform_schedule(profile, true)}};
+  const Candidate none{"no checkpointing", plan::uniform_schedule(profile.groups, false)};
+  std::vector<Candidate> schedules{{"full checkpointing", plan::uniform_schedule(profile.groups, true)}};
   const int64_t low = plan::simulate(profile, schedules[0].schedule).peak_bytes;
   const int64_t high = plan::simulate(profile, none.schedule).peak_bytes;
   for (int i = 0; i < budgets; ++i) {

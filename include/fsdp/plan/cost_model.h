@@ -80,4 +80,17 @@ struct Schedule {
 /// The runtime's defaults for `groups` groups: every group resharded, none checkpointed.
 Schedule default_schedule(size_t groups);
 
+/// The runtime's defaults with every checkpointable group checkpointed (or none), and every group
+/// resharded but the one enclosing the others (kept for its backward anyway). `Group` is
+/// GroupShape or GroupCost: both say `checkpointable` and `encloses_later`.
+template <class Group>
+Schedule uniform_schedule(const std::vector<Group>& groups, bool checkpointed) {
+  Schedule s = default_schedule(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    s.checkpoint[g] = checkpointed && groups[g].checkpointable;
+    s.reshard_after_forward[g] = !groups[g].encloses_later;
+  }
+  return s;
+}
+
 }  // namespace fsdp::plan
