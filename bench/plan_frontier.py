@@ -58,9 +58,9 @@ def main():
     rows = read_jsonl(args.check)
     none = next(r for r in rows if r["name"] == "no checkpointing")
     full = next(r for r in rows if r["name"] == "full checkpointing")
-    lines = ["| schedule | checkpointed | predicted ms | measured ms | error | predicted peak GiB | "
+    lines = ["| schedule | checkpointed | predicted ms | measured ms | each round | error | predicted peak GiB | "
              "measured peak GiB | error | budget GiB | under budget | on/below the line | FSDP2 ms | FSDP2 peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     span = none["measured_peak_bytes"] - full["measured_peak_bytes"]
     for r in rows:
         r["ms_error_pct"] = error(r["predicted_ms"], r["measured_ms"])
@@ -74,7 +74,8 @@ def main():
         yes = lambda v: "" if v is None else ("yes" if v else "**no**")
         f2 = r["fsdp2"] or {}
         lines.append(f"| {r['name']} | {len(r['checkpointed_blocks'])} | {r['predicted_ms']:.1f} | "
-                     f"{r['measured_ms']:.1f} | {r['ms_error_pct']:+.1f}% | {r['predicted_peak_bytes'] / GIB:.2f} | "
+                     f"{r['measured_ms']:.1f} | {' / '.join(f'{x:.1f}' for x in r.get('round_ms', []))} | "
+                     f"{r['ms_error_pct']:+.1f}% | {r['predicted_peak_bytes'] / GIB:.2f} | "
                      f"{r['measured_peak_bytes'] / GIB:.2f} | {r['peak_error_pct']:+.1f}% | "
                      f"{r['budget_bytes'] / GIB if planned else 0:.2f} | {yes(r['under_budget'])} | "
                      f"{yes(r['below_line'])} | {f2.get('ms', float('nan')):.1f} | {f2.get('peak_gib', float('nan')):.2f} |")

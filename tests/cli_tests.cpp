@@ -64,6 +64,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--memory-budget", "8", "--steps", "5"}, "--steps must be at least 6"},
       {{"--plan-check", "/tmp/p.jsonl", "--steps", "4"}, "--steps must be at least 5"},
       {{"--plan-check", "/tmp/p.jsonl", "--plan-check-steps", "2"}, "--plan-check-steps must be at least 3"},
+      {{"--plan-check", "/tmp/p.jsonl", "--plan-check-rounds", "0"}, "--plan-check-rounds must be at least 1"},
   };
   for (const auto& [argv, message] : cases) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv[0];
 }

@@ -118,6 +118,7 @@ TEST(Hsdp, BadLayoutsAreErrors) {
   replicated.comm = mesh.shard;
   replicated.replicate = mesh.replicate;
   torch::nn::Linear differs(4, 4 + world()->rank());
+  differs->to(device());
   try {
     fully_shard(*differs, replicated);
     ADD_FAILURE() << "no error";

@@ -310,8 +310,9 @@ int train(const fsdp::train::TrainArgs& args) {
       if (!args.plan_check.empty()) {
         // .item(): the device is idle after each step
         auto one_step = [&] { train_step(step, nullptr).first.item<double>(); };
-        fsdp::train::check_plans(model, *profile, one_step, device, args.plan_check_budgets, args.plan_check_steps,
-                                 fsdp::train::smallest_gpu_bytes(), args.plan_check, lead);
+        const fsdp::train::PlanCheck check{args.plan_check_budgets, args.plan_check_steps, args.plan_check_rounds,
+                                           fsdp::train::smallest_gpu_bytes(), args.plan_check};
+        fsdp::train::check_plans(model, *profile, one_step, device, check, lead);
         if (lead) std::printf("fsdp-train: plan check written to %s\n", args.plan_check.c_str());
         break;
       }

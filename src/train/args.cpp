@@ -140,8 +140,11 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                         text(a.plan_check)}},
       {"--plan-check-budgets", {"budgets --plan-check spreads from the fully checkpointed peak to the "
                                 "unconstrained one (default 8)", number(a.plan_check_budgets)}},
-      {"--plan-check-steps", {"steps per schedule in --plan-check, two of them warm-up (default 6)",
+      {"--plan-check-steps", {"steps per schedule and round in --plan-check, two of them warm-up (default 6)",
                               number(a.plan_check_steps)}},
+      {"--plan-check-rounds", {"rounds over the schedules in --plan-check, alternately in order and reversed, so "
+                               "a drift over the run reaches all alike (default 2)",
+                               number(a.plan_check_rounds)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
   };
@@ -201,6 +204,7 @@ void check_ranges(const TrainArgs& a) {
   require(!a.plan_only || a.memory_budget_gib > 0, "--plan-only needs --memory-budget (the budget to plan for)");
   require(a.plan_check_budgets >= 1, "--plan-check-budgets must be at least 1");
   require(a.plan_check_steps >= 3, "--plan-check-steps must be at least 3 (two are warm-up)");
+  require(a.plan_check_rounds >= 1, "--plan-check-rounds must be at least 1");
   if (plans_schedule(a)) {
     const std::string flag = a.memory_budget_gib > 0 ? "--memory-budget" : "--plan-check";
     require(!a.checkpoint && a.reshard_after_forward,

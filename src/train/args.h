@@ -55,7 +55,7 @@ struct TrainArgs {
   double memory_budget_gib = 0;  // > 0: plan the schedule within this much allocated memory per rank
   bool plan_only = false;        // with --memory-budget: profile, print the plan, stop
   std::string plan_check;        // bench: predicted vs measured for several budgets' plans, to this file
-  int plan_check_budgets = 8, plan_check_steps = 6;
+  int plan_check_budgets = 8, plan_check_steps = 6, plan_check_rounds = 2;
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool help = false;
 };

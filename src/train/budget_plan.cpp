@@ -67,65 +67,86 @@ std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, 
 }
 
 void check_plans(model::Llama& model, const plan::CostModel& profile, const std::function<void()>& one_step,
-                 const c10::Device& device, int budgets, int steps, double device_bytes, const std::string& path,
-                 bool lead) {
-  if (steps < 3) throw std::invalid_argument("--plan-check-steps must be at least 3 (two are warm-up)");
+                 const c10::Device& device, const PlanCheck& check, bool lead) {
+  if (check.steps < 3) throw std::invalid_argument("--plan-check-steps must be at least 3 (two are warm-up)");
+  if (check.rounds < 1) throw std::invalid_argument("--plan-check-rounds must be at least 1");
   struct Candidate {
     std::string name;
     plan::Schedule schedule;
     int64_t budget_bytes = 0;  // 0: a fixed point, not planned
+    std::vector<std::vector<double>> times;  // per round, the measured steps
+    int64_t peak = 0;
   };
-  // Least memory first: were the device to run out, the lines already written stay.
   const Candidate none{"no checkpointing", plan::uniform_schedule(profile.groups, false)};
-  std::vector<Candidate> schedules{{"full checkpointing", plan::uniform_schedule(profile.groups, true)}};
-  const int64_t low = plan::simulate(profile, schedules[0].schedule).peak_bytes;
+  std::vector<Candidate> listed{{"full checkpointing", plan::uniform_schedule(profile.groups, true)}};
+  const int64_t low = plan::simulate(profile, listed[0].schedule).peak_bytes;
   const int64_t high = plan::simulate(profile, none.schedule).peak_bytes;
-  for (int i = 0; i < budgets; ++i) {
+  for (int i = 0; i < check.budgets; ++i) {
     // Budgets whose usable part (less the 5% margin) runs from the low peak to the high one.
-    const double usable = low + (high - low) * double(i) / std::max(1, budgets - 1);
+    const double usable = low + (high - low) * double(i) / std::max(1, check.budgets - 1);
     const auto budget = static_cast<int64_t>(usable / 0.95) + 1;
     try {
       const plan::Schedule chosen = plan::plan_schedule(profile, budget).chosen.schedule;
-      schedules.push_back({"planned for " + format_bytes(budget), chosen, budget});
+      listed.push_back({"planned for " + format_bytes(budget), chosen, budget});
     } catch (const plan::BudgetTooSmall&) {
     }
   }
-  schedules.push_back(none);
+  listed.push_back(none);
+  std::vector<Candidate> runs;
+  for (auto& c : listed) {
+    const bool repeated = std::any_of(runs.begin(), runs.end(), [&](const auto& r) { return r.schedule == c.schedule; });
+    const bool too_large = check.device_bytes > 0 &&
+                           plan::simulate(profile, c.schedule).peak_bytes > 0.95 * check.device_bytes;
+    if (!repeated && !too_large) runs.push_back(std::move(c));
+  }
   std::ofstream out;
   if (lead) {
-    out.open(path);
-    if (!out) throw std::runtime_error("--plan-check: cannot write '" + path + "'");
+    out.open(check.path);
+    if (!out) throw std::runtime_error("--plan-check: cannot write '" + check.path + "'");
   }
-  std::vector<plan::Schedule> done;
-  for (const auto& [name, schedule, budget_bytes] : schedules) {
-    const bool repeated = std::find(done.begin(), done.end(), schedule) != done.end();
-    const plan::Prediction predicted = plan::simulate(profile, schedule);
-    if (repeated || (device_bytes > 0 && predicted.peak_bytes > 0.95 * device_bytes)) continue;
-    done.push_back(schedule);
-    apply_schedule(model, schedule);
-    std::vector<double> times;
-    for (int i = 0; i < steps; ++i) {
-      if (i == 2) reset_peak_allocated(device);
-      const auto start = std::chrono::steady_clock::now();
-      one_step();  // ends with the device idle
-      const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
-      if (i >= 2) times.push_back(elapsed.count());
-    }
-    const int64_t peak = allocated_bytes(device).peak;
-    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
-    const double median = times[times.size() / 2];
-    if (lead) {
-      std::printf("fsdp-train: plan check: %s: %s | predicted %.1f ms, %s | measured %.1f ms, %s\n", name.c_str(),
-                  describe(schedule, profile).c_str(), predicted.step_ms, format_bytes(predicted.peak_bytes).c_str(),
-                  median, format_bytes(peak).c_str());
-      std::fflush(stdout);
-      out << "{\"name\":\"" << name << "\",\"schedule\":\"" << describe(schedule, profile)
-          << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(schedule) << ",\"budget_bytes\":" << budget_bytes
-          << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
-          << ",\"measured_ms\":" << median << ",\"measured_peak_bytes\":" << peak << "}" << std::endl;
+  // Rounds in alternating order (least memory first, then back): a drift over the run (the GPU's
+  // clocks under sustained load, the allocator's pool) reaches every schedule alike instead of
+  // favouring those measured first.
+  for (int round = 0; round < check.rounds; ++round) {
+    for (size_t k = 0; k < runs.size(); ++k) {
+      Candidate& c = runs[round % 2 == 0 ? k : runs.size() - 1 - k];
+      apply_schedule(model, c.schedule);
+      c.times.emplace_back();
+      for (int i = 0; i < check.steps; ++i) {
+        if (i == 2) reset_peak_allocated(device);
+        const auto start = std::chrono::steady_clock::now();
+        one_step();  // ends with the device idle
+        const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
+        if (i >= 2) c.times.back().push_back(elapsed.count());
+      }
+      c.peak = std::max(c.peak, allocated_bytes(device).peak);
     }
   }
-  if (lead && !out.flush()) throw std::runtime_error("--plan-check: could not write '" + path + "'");
+  if (!lead) return;
+  const auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  for (const auto& c : runs) {
+    const plan::Prediction predicted = plan::simulate(profile, c.schedule);
+    std::vector<double> all;
+    std::string rounds = "[";
+    for (const auto& t : c.times) {
+      all.insert(all.end(), t.begin(), t.end());
+      rounds += (rounds.size() > 1 ? "," : "") + std::to_string(median(t));
+    }
+    const double measured = median(all);
+    std::printf("fsdp-train: plan check: %s: %s | predicted %.1f ms, %s | measured %.1f ms, %s\n", c.name.c_str(),
+                describe(c.schedule, profile).c_str(), predicted.step_ms, format_bytes(predicted.peak_bytes).c_str(),
+                measured, format_bytes(c.peak).c_str());
+    out << "{\"name\":\"" << c.name << "\",\"schedule\":\"" << describe(c.schedule, profile)
+        << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(c.schedule) << ",\"budget_bytes\":" << c.budget_bytes
+        << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
+        << ",\"measured_ms\":" << measured << ",\"round_ms\":" << rounds << "]"
+        << ",\"measured_peak_bytes\":" << c.peak << "}" << std::endl;
+  }
+  std::fflush(stdout);
+  if (!out.flush()) throw std::runtime_error("--plan-check: could not write '" + check.path + "'");
 }
 
 }  // namespace fsdp::train

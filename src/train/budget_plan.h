@@ -22,11 +22,16 @@ std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, 
 // --plan-check: the schedules of no and of full checkpointing (the runtime's defaults otherwise)
 // and the planner's choice for `budgets` budgets spread evenly from the predicted peak of the one
 // to the other's. Each distinct one is applied and trained for `steps` steps (`one_step` runs a
-// step; the first two are warm-up), and rank 0 writes one JSON line each to `path`: the schedule,
-// its predicted and its measured step time (median) and peak allocated bytes. Schedules predicted
-// above `device_bytes` (when positive) are not run.
+// step; the first two are warm-up) in each of `rounds` rounds (alternately in order and reversed),
+// and rank 0 writes one JSON line each to `path`: the schedule, its predicted and its measured step
+// time (median of all rounds' steps, and each round's) and peak allocated bytes. Schedules
+// predicted above `device_bytes` (when positive) are not run.
+struct PlanCheck {
+  int budgets = 8, steps = 6, rounds = 2;
+  double device_bytes = 0;
+  std::string path;
+};
 void check_plans(model::Llama& model, const plan::CostModel& profile, const std::function<void()>& one_step,
-                 const c10::Device& device, int budgets, int steps, double device_bytes, const std::string& path,
-                 bool lead);
+                 const c10::Device& device, const PlanCheck& check, bool lead);
 
 }  // namespace fsdp::train
