@@ -120,6 +120,7 @@ struct TrainSetup {
   std::function<at::Tensor(int64_t step, int64_t first, int64_t count)> loss;
   std::function<void()> shard;  // empty: single-process reference
   std::function<void(int step)> before_step;  // sharded runs: called before each step's zero_grad
+  std::shared_ptr<Communicator> comm;  // whose ranks share the batch; empty: the world
   int steps = 4;
   int64_t rows_per_rank = 2;
   double clip = 0;  // 0: no clipping
@@ -153,68 +154,91 @@ inline double largest_gradient(torch::nn::Module& module) {
   return largest;
 }
 
-inline TrainResult train(const TrainSetup& s) {
-  const bool sharded = static_cast<bool>(s.shard);
-  const int world_size = world()->world_size(), rank = world()->rank();
-  const double lr = (s.sgd ? kParitySgdLr : kParityAdamLr) * s.lr_scale;
-  auto make_optimizer = [&]() -> std::unique_ptr<torch::optim::Optimizer> {
-    if (s.sgd) return std::make_unique<torch::optim::SGD>(s.module->parameters(), torch::optim::SGDOptions(lr));
-    return std::make_unique<torch::optim::AdamW>(
-        s.module->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.1).eps(kParityAdamEps));
-  };
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (s.optimizer_before_shard) optimizer = make_optimizer();
-  if (sharded) s.shard();
-  if (!optimizer) optimizer = make_optimizer();
+// Runs a setup one step at a time, so that other work (another root's step) can run between.
+class Trainer {
+ public:
+  explicit Trainer(TrainSetup setup) : s_(std::move(setup)), sharded_(static_cast<bool>(s_.shard)) {
+    const double lr = (s_.sgd ? kParitySgdLr : kParityAdamLr) * s_.lr_scale;
+    auto make_optimizer = [&]() -> std::unique_ptr<torch::optim::Optimizer> {
+      if (s_.sgd) return std::make_unique<torch::optim::SGD>(s_.module->parameters(), torch::optim::SGDOptions(lr));
+      return std::make_unique<torch::optim::AdamW>(
+          s_.module->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.1).eps(kParityAdamEps));
+    };
+    if (s_.optimizer_before_shard) optimizer_ = make_optimizer();
+    if (sharded_) s_.shard();
+    if (!optimizer_) optimizer_ = make_optimizer();
+    lr_ = lr;
+    eps_ = Rounding{s_.chain_depth, s_.longest_sum(s_.rows_per_rank * comm().world_size())}.eps();
+  }
+  Communicator& comm() const { return s_.comm ? *s_.comm : *world(); }
 
-  TrainResult result;
-  const double eps = Rounding{s.chain_depth, s.longest_sum(s.rows_per_rank * world_size)}.eps();
-  double largest_delta = 0;  // the largest gradient difference allowed so far
-  for (int step = 0; step < s.steps; ++step) {
-    if (sharded && s.before_step) s.before_step(step);
-    optimizer->zero_grad();
-    const int64_t rows = sharded ? s.rows_per_rank : s.rows_per_rank * world_size;
-    const int64_t first = sharded ? rank * s.rows_per_rank : 0;
-    const int64_t slice = rows / s.micro_batches;
+  // One optimizer step; `between` runs after the (last micro-batch's) loss, before its backward.
+  void step(const std::function<void()>& between = {}) {
+    const int step = step_++;
+    if (sharded_ && s_.before_step) s_.before_step(step);
+    optimizer_->zero_grad();
+    const int64_t rows = sharded_ ? s_.rows_per_rank : s_.rows_per_rank * comm().world_size();
+    const int64_t first = sharded_ ? comm().rank() * s_.rows_per_rank : 0;
+    const int64_t slice = rows / s_.micro_batches;
     at::Tensor loss = torch::zeros({}, on_device());
-    for (int m = 0; m < s.micro_batches; ++m) {
-      if (sharded && !s.sync_every_micro_batch) set_requires_gradient_sync(*s.module, m == s.micro_batches - 1);
-      at::Tensor part = s.loss(step, first + m * slice, slice) / s.micro_batches;
+    for (int m = 0; m < s_.micro_batches; ++m) {
+      if (sharded_ && !s_.sync_every_micro_batch) set_requires_gradient_sync(*s_.module, m == s_.micro_batches - 1);
+      at::Tensor part = s_.loss(step, first + m * slice, slice) / s_.micro_batches;
+      if (between && m == s_.micro_batches - 1) between();
       part.backward();
       loss += part.detach();
     }
-    if (s.clip > 0) {
-      if (sharded) {
-        result.grad_norms.push_back(clip_grad_norm_(*s.module, s.clip).item<double>());
+    if (s_.clip > 0) {
+      if (sharded_) {
+        result_.grad_norms.push_back(clip_grad_norm_(*s_.module, s_.clip).item<double>());
       } else {
-        result.grad_norms.push_back(
-            torch::nn::utils::clip_grad_norm_(s.module->parameters(), s.clip));
+        result_.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(s_.module->parameters(), s_.clip));
       }
     }
-    if (!sharded) {
-      const double step_eps = (step + 1) * eps;
-      result.bounds.relative.push_back(step_eps);
-      const double delta = step_eps * largest_gradient(*s.module) * (s.clip > 0 ? 2 : 1);
-      largest_delta = std::max(largest_delta, delta);
-      result.bounds.parameters += s.sgd ? lr * delta
-                                        : lr * (1 + adam_ratio_bound(step + 1)) * largest_delta / kParityAdamEps;
+    if (!sharded_) {
+      const double step_eps = (step + 1) * eps_;
+      result_.bounds.relative.push_back(step_eps);
+      const double delta = step_eps * largest_gradient(*s_.module) * (s_.clip > 0 ? 2 : 1);
+      largest_delta_ = std::max(largest_delta_, delta);
+      result_.bounds.parameters += s_.sgd ? lr_ * delta
+                                          : lr_ * (1 + adam_ratio_bound(step + 1)) * largest_delta_ / kParityAdamEps;
     }
-    optimizer->step();
+    optimizer_->step();
     at::Tensor global = loss.detach().clone();
-    if (sharded) world()->all_reduce(global, ReduceOp::Avg);
-    result.losses.push_back(global.item<double>());
+    if (sharded_) comm().all_reduce(global, ReduceOp::Avg);
+    result_.losses.push_back(global.item<double>());
   }
-  for (const auto& item : s.module->named_parameters())
-    if (!item.value().grad().defined()) result.params_without_grad.push_back(item.key());
-  if (sharded) {
-    result.params = full_state_dict(*s.module);
-  } else {
-    for (const auto& item : s.module->named_parameters())
-      result.params.emplace_back(item.key(), item.value().detach().clone());
-    for (const auto& item : s.module->named_buffers())
-      result.params.emplace_back(item.key(), item.value().detach().clone());
+
+  // Collective when sharded: the losses so far and the full parameters now.
+  TrainResult result() {
+    TrainResult r = result_;
+    for (const auto& item : s_.module->named_parameters())
+      if (!item.value().grad().defined()) r.params_without_grad.push_back(item.key());
+    r.params = full_values(*s_.module, sharded_);
+    return r;
   }
-  return result;
+  // The full parameters and buffers of `module`, gathered when sharded (collective then).
+  static std::vector<std::pair<std::string, at::Tensor>> full_values(torch::nn::Module& module, bool sharded) {
+    if (sharded) return full_state_dict(module);
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value().detach().clone());
+    for (const auto& item : module.named_buffers()) out.emplace_back(item.key(), item.value().detach().clone());
+    return out;
+  }
+
+ private:
+  TrainSetup s_;
+  bool sharded_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  double lr_ = 0, eps_ = 0, largest_delta_ = 0;
+  int step_ = 0;
+  TrainResult result_;
+};
+
+inline TrainResult train(const TrainSetup& s) {
+  Trainer trainer(s);
+  for (int step = 0; step < s.steps; ++step) trainer.step();
+  return trainer.result();
 }
 
 constexpr int64_t kLlamaSeq = 16;

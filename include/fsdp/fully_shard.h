@@ -107,6 +107,15 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
 /// scalar tensor on the device. Like PyTorch's clip_grad_norm_ it never waits
 /// for the device; call .item() only where the number is needed.
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm);
+/// Not collective: moves nothing between ranks. An exponential moving average kept as shards:
+/// every parameter of `ema` becomes decay * itself + (1 - decay) * the same parameter of
+/// `model`, on the rows this rank holds (buffers are left as they are). `ema` must be sharded as
+/// `model` is (the same structure, fully_shard on the same modules with the same communicator),
+/// so that each rank holds the same rows of both; throws std::invalid_argument naming the first
+/// parameter whose name, shape, rows, dtype or device differ, or a decay outside [0, 1]. For an
+/// EMA copy of a model in training, evaluated forward-only (fsdp::forward under
+/// torch::NoGradGuard).
+void ema_update_(torch::nn::Module& ema, torch::nn::Module& model, double decay);
 
 namespace detail {
 

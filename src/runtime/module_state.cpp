@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "fsdp/fully_shard.h"
+#include "runtime/root_state.h"
 #include "runtime/runtime.h"
 #include "shard/trace.h"
 
@@ -69,8 +70,9 @@ void ModuleState::start_step(uint64_t step, bool is_root) {
 }
 
 void ModuleState::pre_forward() {
-  Runtime& runtime = Runtime::get();
-  runtime.enter_forward(*this);
+  const Runtime& runtime = Runtime::get();
+  RootState& root = this->root();
+  root.enter_forward(*this);
   trace("pre_forward", runtime.recomputing() ? "(recompute)" : is_root_ ? "(root)" : "");
   try {
     if (runtime.recomputing()) {
@@ -78,19 +80,19 @@ void ModuleState::pre_forward() {
       group_.wait_for_unshard();
     } else {
       unshard();
-      for (ModuleState* next : runtime.forward_prefetch_targets(*this)) next->prefetch();
+      for (ModuleState* next : root.forward_prefetch_targets(*this)) next->prefetch();
       group_.wait_for_unshard();
       compute_span_ =
           Trace::get().begin("forward " + group_.label(), Trace::Track::Compute, compute_stream());
     }
   } catch (...) {
-    runtime.exit_forward();
+    root.exit_forward();
     throw;
   }
 }
 
 void ModuleState::unshard() {
-  if (!group_.is_unsharded()) Runtime::get().all_gather(*this);
+  if (!group_.is_unsharded()) root().all_gather(*this);
 }
 
 void ModuleState::prefetch() {
@@ -101,11 +103,14 @@ void ModuleState::prefetch() {
 }
 
 void ModuleState::reshard() {
-  Runtime::get().after_reshard(group_.reshard());
+  auto last_use = group_.reshard();
+  if (root_) root_->after_reshard(std::move(last_use));
   Trace::get().mark();  // the parameters' memory is back (cost model)
 }
 
-void ModuleState::abort_forward() { Runtime::get().exit_forward(); }
+void ModuleState::abort_forward() { root().exit_forward(); }
+
+RootState& ModuleState::root() { return root_ ? *root_ : Runtime::get().root_of(*this); }
 
 std::optional<c10::Stream> ModuleState::compute_stream() const {
   const auto& streams = DeviceStreams::of(group_.device());
@@ -118,7 +123,7 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
   // A recompute is traced apart from the backward that follows it (the cost model tells them apart).
   if (Runtime::get().recomputing())
     compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
-  Runtime::get().exit_forward();
+  root().exit_forward();
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
     std::weak_ptr<ModuleState> self = weak_from_this();
@@ -168,10 +173,10 @@ void ModuleState::pre_backward() {
 void ModuleState::start_backward() {
   if (backward_started_) return;
   backward_started_ = true;
-  Runtime& runtime = Runtime::get();
-  runtime.enter_backward(*this);
+  const Runtime& runtime = Runtime::get();
+  root().enter_backward(*this);
   unshard();
-  for (ModuleState* next : runtime.backward_prefetch_targets(*this)) next->prefetch();
+  for (ModuleState* next : root().backward_prefetch_targets(*this)) next->prefetch();
   group_.wait_for_unshard();
   const char* phase = runtime.recomputing() ? "recompute " : "backward ";
   compute_span_ = Trace::get().begin(phase + group_.label(), Trace::Track::Compute, compute_stream());
@@ -202,7 +207,7 @@ void ModuleState::post_backward() {
 
 void ModuleState::hand_off_gradients() {
   if (gradient_sync_)
-    Runtime::get().reduce_scatter(group_);
+    root().reduce_scatter(group_);
   else
     group_.hold_unsynced_gradients();
   reduced_ = true;

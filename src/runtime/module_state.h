@@ -23,6 +23,8 @@
 
 namespace fsdp {
 
+class RootState;
+
 class ModuleState : public std::enable_shared_from_this<ModuleState> {
  public:
   ModuleState(std::string module_name, std::vector<std::pair<std::string, at::Tensor>> params,
@@ -33,6 +35,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   bool reshard_after_forward() const { return reshard_after_forward_; }
   void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
   ParamGroup& group() { return group_; }
+  // The root it runs under; nullptr before its first forward.
+  const RootState* root_state() const { return root_.get(); }
   const ParamGroup& group() const { return group_; }
 
   void pre_forward();
@@ -68,7 +72,10 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   std::optional<c10::Stream> compute_stream() const;
   void start_step(uint64_t step, bool is_root);
   void hook_gradient_accumulators();
+  // The root this group runs under (Runtime::root_of gives it at the first forward).
+  RootState& root();
   friend class Runtime;
+  friend class RootState;
 
   std::string module_name_;
   ParamGroup group_;
@@ -81,6 +88,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 
   int id_ = -1;  // given by the Runtime; names the group in recorded orders
+  std::shared_ptr<RootState> root_;
   int compute_span_ = -1;  // Chrome-trace span of the forward or backward running now
 
   // Per step.

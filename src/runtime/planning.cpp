@@ -12,6 +12,7 @@
 #include "fsdp/launch.h"
 #include "fsdp/runtime_options.h"
 #include "runtime/module_state.h"
+#include "runtime/root_state.h"
 #include "runtime/runtime.h"
 #include "shard/streams.h"
 #include "shard/trace.h"
@@ -34,8 +35,10 @@ std::vector<Group> groups_in_order(const torch::nn::Module& root, const char* ca
   if (under_root.empty())
     throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
                                 "): no module in it is sharded; call fully_shard first");
+  // The groups' root's record (each root records its own order: runtime/root_state.h).
+  const RootState* recorded = under_root.begin()->second.state->root_state();
   std::vector<Group> order;
-  for (int id : Runtime::get().recorded_forward_order())
+  for (int id : recorded ? recorded->recorded_forward_order() : std::vector<int>{})
     if (under_root.count(id)) order.push_back(under_root.at(id));
   if (order.size() != under_root.size())
     throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +

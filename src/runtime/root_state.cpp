@@ -1,0 +1,197 @@
+#include "runtime/root_state.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+
+#include "runtime/module_state.h"
+#include "runtime/runtime.h"
+#include "shard/trace.h"
+
+namespace fsdp {
+namespace {
+
+size_t bucket_bytes(const RuntimeOptions& options) {
+  return static_cast<size_t>(options.bucket_mb * 1024.0 * 1024.0);
+}
+
+}  // namespace
+
+void RootState::add_member(const std::shared_ptr<ModuleState>& state) { members_.push_back(state); }
+
+void RootState::adopt(RootState& other) {
+  for (const auto& state : other.members()) {
+    state->root_ = shared_from_this();
+    members_.push_back(state);
+  }
+  other.members_.clear();
+}
+
+std::vector<std::shared_ptr<ModuleState>> RootState::members() const {
+  std::vector<std::shared_ptr<ModuleState>> out;
+  for (const auto& weak : members_)
+    if (auto state = weak.lock()) out.push_back(std::move(state));
+  return out;
+}
+
+void RootState::enter_forward(ModuleState& state) {
+  Runtime& runtime = Runtime::get();
+  if (runtime.recomputing()) {
+    ++depth_;
+    return;
+  }
+  const bool is_root = depth_ == 0;
+  if (is_root) {
+    // Step numbers are unique across roots, so a group moved between roots never mistakes
+    // another root's step for its own.
+    step_ = runtime.new_step();
+    forward_order_.clear();
+    callback_queued_ = false;
+    forward_pass_.begin_pass();
+  }
+  if (state.step_ != step_) {
+    forward_order_.push_back(state.weak_from_this());
+    if (!forward_pass_.observe(state.id_)) ++stats_.order_departures;
+  }
+  state.start_step(step_, is_root);
+  ++depth_;
+}
+
+void RootState::exit_forward() {
+  if (--depth_ > 0 || Runtime::get().recomputing()) return;
+  forward_pass_.end_pass();
+  reshard_strays(/*only_idle_this_step=*/true);
+}
+
+void RootState::enter_backward(ModuleState& state) {
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    backward_pass_.begin_pass();
+    std::shared_ptr<RootState> self = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([self] { self->end_of_backward(); });
+  }
+  if (!backward_pass_.observe(state.id_)) ++stats_.order_departures;
+}
+
+// A prefetched group that did not run (the order changed) holds memory for
+// nothing: give it back. Forward end: groups that did not run this step;
+// backward end: every group still unsharded.
+void RootState::reshard_strays(bool only_idle_this_step) {
+  for (const auto& state : members())
+    if (state->group().is_unsharded() && (!only_idle_this_step || state->step_ != step_)) state->reshard();
+}
+
+// In forward: the group's forward already ran this step. In backward: its
+// backward already started, or it did not run forward this step (so it has
+// no backward to run).
+bool RootState::ran_in_pass(const ModuleState& state, bool backward) const {
+  return backward ? state.backward_started_ || state.step_ != step_ : state.step_ == step_;
+}
+
+std::vector<ModuleState*> RootState::prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
+                                                      bool backward) {
+  std::vector<ModuleState*> targets;
+  const auto ids = order.next(state.id_, Runtime::get().options().prefetch_depth);
+  if (ids.empty()) return targets;
+  const auto states = members();
+  // In execution order, never the registry's (ordered by address, which
+  // differs between processes): every rank must issue the same all-gathers
+  // in the same order, or equal-sized ones silently trade data.
+  for (int id : ids) {
+    ModuleState* candidate = find_state(states, id);
+    // Guards against a stale order: never prefetch a group that already ran
+    // in this pass (it would be gathered again for nothing).
+    if (candidate && !ran_in_pass(*candidate, backward)) targets.push_back(candidate);
+  }
+  return targets;
+}
+
+ModuleState* RootState::find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id) {
+  auto it = std::find_if(states.begin(), states.end(), [id](const auto& s) { return s->id_ == id; });
+  return it == states.end() ? nullptr : it->get();
+}
+
+std::vector<ModuleState*> RootState::forward_prefetch_targets(const ModuleState& state) {
+  return prefetch_targets(forward_pass_, state, /*backward=*/false);
+}
+
+std::vector<ModuleState*> RootState::backward_prefetch_targets(const ModuleState& state) {
+  return prefetch_targets(backward_pass_, state, /*backward=*/true);
+}
+
+// Applies the current cap and counts the times the CPU had to wait.
+void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits) {
+  const long before = queue.waits();
+  queue.set_limit(limit);
+  queue.make_room();
+  waits += queue.waits() - before;
+}
+
+void RootState::all_gather(ModuleState& state) {
+  const RuntimeOptions options = Runtime::get().options();
+  std::vector<ParamGroup*> groups{&state.group()};
+  const size_t limit = bucket_bytes(options);
+  size_t bytes = state.group().unsharded_size_bytes();
+  if (limit > 0 && bytes < limit) {
+    // The groups expected next, while they are small, fit and have not run.
+    const bool backward = callback_queued_ || Runtime::get().recomputing();
+    const auto& order = backward ? backward_pass_ : forward_pass_;
+    std::vector<std::shared_ptr<ModuleState>> states = members();
+    for (int id : order.next(state.id_, static_cast<int>(states.size()))) {
+      ModuleState* found = find_state(states, id);
+      if (!found) break;
+      ModuleState& next = *found;
+      const size_t next_bytes = next.group().unsharded_size_bytes();
+      if (ran_in_pass(next, backward) || next.group().is_unsharded() ||
+          &next.group().comm() != &state.group().comm() || bytes + next_bytes > limit)
+        break;
+      groups.push_back(&next.group());
+      bytes += next_bytes;
+    }
+  }
+  make_room(allgathers_, options.max_inflight_allgathers, stats_.allgather_waits);
+  Trace::get().mark();  // what the compute before it left allocated (cost model)
+  ParamGroup::unshard_together(groups);
+  ++stats_.all_gathers;
+}
+
+void RootState::after_reshard(std::shared_ptr<c10::Event> last_use) {
+  if (last_use) allgathers_.push(DeviceWork{std::move(last_use), {}});
+}
+
+void RootState::reduce_scatter(ParamGroup& group) {
+  group.prepare_reduce_scatter();
+  reduce_bucket_.push_back(&group);
+  reduce_bucket_bytes_ += group.unsharded_size_bytes();
+  if (reduce_bucket_bytes_ >= bucket_bytes(Runtime::get().options())) flush_reduce_scatters();
+}
+
+void RootState::flush_reduce_scatters() {
+  if (reduce_bucket_.empty()) return;
+  make_room(reduce_scatters_, Runtime::get().options().max_inflight_reduce_scatters, stats_.reduce_scatter_waits);
+  reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
+  ++stats_.reduce_scatters;
+  reduce_bucket_.clear();
+  reduce_bucket_bytes_ = 0;
+}
+
+// Groups finish in reverse forward order, the order their backward ran in,
+// so all ranks issue any outstanding reduce-scatters in the same order. Then
+// the compute stream waits for each reduce-scatter and takes its result as
+// the sharded gradients; after that every reduce-scatter input can go.
+void RootState::end_of_backward() {
+  callback_queued_ = false;
+  std::vector<std::shared_ptr<ModuleState>> groups;
+  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
+    if (auto state = it->lock()) groups.push_back(std::move(state));
+  for (auto& state : groups) state->finish_backward();
+  flush_reduce_scatters();
+  std::vector<ParamGroup*> committed;
+  for (auto& state : groups) committed.push_back(&state->group());
+  ParamGroup::commit_gradients(committed);
+  reduce_scatters_.clear();
+  backward_pass_.end_pass();
+  reshard_strays(/*only_idle_this_step=*/false);
+}
+
+}  // namespace fsdp

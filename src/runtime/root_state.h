@@ -1,0 +1,95 @@
+// The bookkeeping of one sharded root and the groups under it: its current step (one forward
+// at depth 0 plus its backward), the groups in this step's forward order, the recorded forward
+// and backward orders that steer prefetching, the in-flight queues and the reduce-scatter bucket.
+//
+// Each root has its own (as PyTorch FSDP2 keeps its shared context on the root's state), so a
+// frozen teacher's forward between a student's forward and backward, an EMA copy's evaluation,
+// or two models stepping alternately or on different communicators never mix their steps. The
+// Runtime makes a RootState at a root's first forward and hands it to every sharded module under
+// it (Runtime::root_of); what all roots share lives in the Runtime: the module registry, the
+// options and counters, the recompute scopes, the device streams (shard/streams.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/runtime_options.h"
+#include "sched/execution_order.h"
+#include "sched/inflight_queue.h"
+#include "shard/streams.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace fsdp {
+
+class ModuleState;
+class ParamGroup;
+
+class RootState : public std::enable_shared_from_this<RootState> {
+ public:
+  // `top`: the outermost sharded module, named so in errors; `stats`: the Runtime's counters.
+  RootState(std::string top, std::weak_ptr<const torch::nn::Module> top_module, RuntimeStats& stats)
+      : top_(std::move(top)), top_module_(std::move(top_module)), stats_(stats) {}
+
+  const std::string& top() const { return top_; }
+  const std::weak_ptr<const torch::nn::Module>& top_module() const { return top_module_; }
+  void add_member(const std::shared_ptr<ModuleState>& state);
+  // Moves every group of `other` (an idle root under this one) here.
+  void adopt(RootState& other);
+  // A forward or backward of this root is under way (another root may not take its groups).
+  bool busy() const { return depth_ > 0 || callback_queued_; }
+
+  // A forward at depth 0 starts a new step and is its root; its end closes
+  // the forward pass (recording the order, resharding stray prefetches).
+  void enter_forward(ModuleState& state);
+  void exit_forward();
+  // The first group of a backward queues the callback that finishes every
+  // group; each group's backward start is recorded in the backward order.
+  void enter_backward(ModuleState& state);
+
+  // Groups to all-gather ahead of `state`, from the recorded orders, minus
+  // any that already ran (or are running) in this pass.
+  std::vector<ModuleState*> forward_prefetch_targets(const ModuleState& state);
+  std::vector<ModuleState*> backward_prefetch_targets(const ModuleState& state);
+
+  // All-gathers `state`'s group, with the small groups expected next when it
+  // is small itself (bucketing), within the CPU run-ahead limit.
+  void all_gather(ModuleState& state);
+  void after_reshard(std::shared_ptr<c10::Event> last_use);
+  // Prepares `group`'s gradients and issues its reduce-scatter, or holds it
+  // in the bucket until enough bytes are ready (flush_reduce_scatters).
+  void reduce_scatter(ParamGroup& group);
+  void flush_reduce_scatters();
+
+  // Group ids in the forward order the last step recorded.
+  const std::vector<int>& recorded_forward_order() const { return forward_pass_.recorded(); }
+
+ private:
+  void end_of_backward();
+  void reshard_strays(bool only_idle_this_step);
+  std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
+                                             bool backward);
+  std::vector<std::shared_ptr<ModuleState>> members() const;
+  static ModuleState* find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id);
+  bool ran_in_pass(const ModuleState& state, bool backward) const;
+  static void make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits);
+
+  std::string top_;
+  std::weak_ptr<const torch::nn::Module> top_module_;
+  RuntimeStats& stats_;
+  std::vector<std::weak_ptr<ModuleState>> members_;
+  int depth_ = 0;
+  uint64_t step_ = 0;
+  std::vector<std::weak_ptr<ModuleState>> forward_order_;  // groups of this step
+  bool callback_queued_ = false;
+  ExecutionOrder forward_pass_, backward_pass_;
+  InflightQueue<DeviceWork> allgathers_, reduce_scatters_;
+  std::vector<ParamGroup*> reduce_bucket_;  // prepared, not yet issued
+  size_t reduce_bucket_bytes_ = 0;
+};
+
+}  // namespace fsdp
