@@ -39,8 +39,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-8b, overlap-1b, offload, offload-8b, offload-budget,
-  hsdp, two-nodes, package}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-8b, overlap-1b, offload, offload-8b,
+  offload-budget, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part

@@ -23,7 +23,8 @@ std::string rows_text(const ShardRows& rows) {
 
 void ema_update_(torch::nn::Module& ema, torch::nn::Module& model, double decay) {
   const std::string caller = "fsdp::ema_update_(" + ema.name() + ", " + model.name() + "): ";
-  if (!(decay >= 0 && decay <= 1)) throw std::invalid_argument(caller + "decay " + std::to_string(decay) + " is outside [0, 1]");
+  if (!(decay >= 0 && decay <= 1))
+    throw std::invalid_argument(caller + "decay " + std::to_string(decay) + " is outside [0, 1]");
   const auto averaged = ema.named_parameters(), source = model.named_parameters();
   if (averaged.size() != source.size())
     throw std::invalid_argument(caller + std::to_string(averaged.size()) + " parameters against " +

@@ -94,7 +94,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
   listed.push_back(none);
   std::vector<Candidate> runs;
   for (auto& c : listed) {
-    const bool repeated = std::any_of(runs.begin(), runs.end(), [&](const auto& r) { return r.schedule == c.schedule; });
+    const bool repeated =
+        std::any_of(runs.begin(), runs.end(), [&](const auto& r) { return r.schedule == c.schedule; });
     const bool too_large = check.device_bytes > 0 &&
                            plan::simulate(profile, c.schedule).peak_bytes > 0.95 * check.device_bytes;
     if (!repeated && !too_large) runs.push_back(std::move(c));
@@ -140,7 +141,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
                 describe(c.schedule, profile).c_str(), predicted.step_ms, format_bytes(predicted.peak_bytes).c_str(),
                 measured, format_bytes(c.peak).c_str());
     out << "{\"name\":\"" << c.name << "\",\"schedule\":\"" << describe(c.schedule, profile)
-        << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(c.schedule) << ",\"budget_bytes\":" << c.budget_bytes
+        << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(c.schedule)
+        << ",\"budget_bytes\":" << c.budget_bytes
         << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
         << ",\"measured_ms\":" << measured << ",\"round_ms\":" << rounds << "]"
         << ",\"measured_peak_bytes\":" << c.peak << "}" << std::endl;
