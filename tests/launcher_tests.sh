@@ -19,7 +19,8 @@
 #                                             evaluation set is the same on 1-3 ranks and does not
 #                                             disturb training; the default log goes under runs/
 #   launcher_tests.sh BUILD_DIR budget        --memory-budget on CPU ranks: profiles, calibrates, plans
-#                                             and trains; a budget below every schedule is refused
+#                                             and trains (also with --grad-accum 2); a budget below
+#                                             every schedule is refused
 #                                             with the smallest that fits (exit 2)
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
 #                                             the signal to fsdp-run mid-run reaches every rank: all
@@ -246,6 +247,10 @@ budget)
     "fsdp-train:   predicted"; do
     grep -qF -- "$want" "$work/out" || { cat "$work/out"; fail "no '$want'"; }
   done
+  # Gradient accumulation (a reduce-scatter every micro-batch): planned for two passes a step.
+  "$run" "${common[@]}" --steps 7 --memory-budget 1 --grad-accum 2 --grad-accum-sync every \
+    --log "$work/accum.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "the planned run with --grad-accum failed"; }
+  grep -qF "fsdp-train:   predicted" "$work/out" || { cat "$work/out"; fail "no plan with --grad-accum"; }
   "$run" "${common[@]}" --steps 6 --memory-budget 0.0001 >"$work/out" 2>&1
   code=$?
   [ "$code" = 2 ] || { cat "$work/out"; fail "exit code $code, not 2, for a budget too small"; }

@@ -62,6 +62,27 @@ TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
   EXPECT_EQ(p.timeline.back().second, 1000);  // everything but the fixed bytes freed
 }
 
+// Gradient accumulation, two passes of the schedule above with 10 bytes of sharded gradients a
+// group: the first pass as before (8.5 ms) but for the sharded gradients, kept from each
+// reduce-scatter on; A's reduce-scatter is now its peak: 1000 + A's parameters 100 + both inputs
+// 50 + 50 (B's not yet seen done by the host) + both results 10 + 10 = 1220. The second pass
+// starts with both groups' sharded gradients (1020) and adds a 10-byte reduce-scatter output per
+// group until its end: at A's reduce-scatter 1220 + 20 = 1240. One optimizer step: 2 x 8.5 + 1.
+TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld) {
+  CostModel m = two_groups();
+  for (auto& g : m.groups) g.sharded_grad_bytes = 10;
+  m.micro_batches = 2;
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  const Prediction p = simulate(m, s);
+  EXPECT_DOUBLE_EQ(p.step_ms, 18);
+  EXPECT_EQ(p.peak_bytes, 1240);
+  EXPECT_EQ(p.peak_during, "reduce-scatter of A");
+  EXPECT_EQ(p.timeline.back().second, 1020);  // the fixed bytes and the sharded gradients
+  m.micro_batches = 0;
+  EXPECT_THROW(simulate(m, s), std::invalid_argument);
+}
+
 // Prefetch depth 1: B's all-gather (0.5-1) hides behind A's forward and A's (3-3.5) behind B's
 // backward: fwd A 0.5-1.5, fwd B 1.5-2.5, AG B 2.5-3, bwd B 3-5, bwd A 5-7, RS A 7-7.5, then the
 // optimizer: 8.5 ms. The price is memory: in B's backward A's parameters are already there, next

@@ -205,13 +205,13 @@ int train(const fsdp::train::TrainArgs& args) {
   // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
   auto train_step = [&](int step, void (*start_recording)()) {
     optimizer->zero_grad();
-    if (start_recording) start_recording();
     // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
     // rows, the same rows one step of K x --batch rows would take.
     at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
     for (int micro = 0; micro < args.grad_accum; ++micro) {
       if (args.grad_accum > 1 && args.grad_accum_sync == "last")
         fsdp::set_requires_gradient_sync(model, micro == args.grad_accum - 1);
+      if (start_recording && micro == args.grad_accum - 1) start_recording();  // the planner records one pass
       const int64_t first_row = (int64_t(comm->rank()) * args.grad_accum + micro) * args.batch;
       auto tokens = data->rows(step, first_row, args.batch, args.seq).to(device);
       auto inputs = tokens.narrow(1, 0, args.seq), targets = tokens.narrow(1, 1, args.seq);
@@ -249,7 +249,7 @@ int train(const fsdp::train::TrainArgs& args) {
     const double loss_value = totals[0].item<double>() / comm->world_size();
     const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
-    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model, warmup_ms);
+    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model, warmup_ms, args.grad_accum);
     if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile, warmup_ms);
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -140,7 +140,10 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
       throw std::invalid_argument("profiled step: only the first of two or more groups can be the root (" +
                                   groups[g].name + ")");
   const Measure m(step);
+  if (step.micro_batches < 1)
+    throw std::invalid_argument("profiled step: " + std::to_string(step.micro_batches) + " micro-batches");
   CostModel model;
+  model.micro_batches = step.micro_batches;
   model.fixed_bytes = step.marks.front().allocated;
   for (const auto& mark : step.marks)
     model.profiled_peak_bytes = std::max(model.profiled_peak_bytes, mark.peak_since_last);
@@ -166,6 +169,8 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = 0;  // no separate host time
     model.groups.push_back(std::move(cost));
   }
+  if (model.micro_batches > 1)  // the last pass began with the earlier passes' sharded gradients
+    for (const auto& g : model.groups) model.fixed_bytes -= g.sharded_grad_bytes;
   model.profiled_step_ms = step.step_ms;
   fit_fixed_ms(model, profiling_schedule(groups));
   return model;

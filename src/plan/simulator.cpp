@@ -27,6 +27,8 @@ class Replay {
       throw std::invalid_argument("schedule: " + std::to_string(schedule.checkpoint.size()) + " checkpoint and " +
                                   std::to_string(schedule.reshard_after_forward.size()) +
                                   " reshard choices for a model of " + std::to_string(n) + " groups");
+    if (model.micro_batches < 1)
+      throw std::invalid_argument("cost model: " + std::to_string(model.micro_batches) + " micro-batches");
     if (schedule.prefetch_depth < 0 || schedule.max_inflight_allgathers < 0 ||
         schedule.max_inflight_reduce_scatters < 0)
       throw std::invalid_argument("schedule: prefetch depth and in-flight caps must be 0 or more");
@@ -47,18 +49,23 @@ class Replay {
     if (root) backward_order_.push_back(0);
     for (int g = n - 1; g >= (root ? 1 : 0); --g) backward_order_.push_back(g);
 
-    if (root) gather_and_wait(0, forward_order_, 0);  // the root's parameters come first
-    for (int i = root ? 1 : 0; i < n; ++i) {
-      gather_and_wait(forward_order_[i], forward_order_, i);
-      forward_compute(forward_order_[i]);
+    for (pass_ = 0; pass_ < model_.micro_batches; ++pass_) {
+      if (root) gather_and_wait(0, forward_order_, 0);  // the root's parameters come first
+      for (int i = root ? 1 : 0; i < n; ++i) {
+        gather_and_wait(forward_order_[i], forward_order_, i);
+        forward_compute(forward_order_[i]);
+      }
+      if (root) forward_compute(0);  // the head, after every block
+      for (int i = 0; i < n; ++i) backward(backward_order_[i], i);
+      if (root) reduce_and_reshard(0, /*beside_compute=*/false);  // the root's gradients are complete last
+      // The end of backward waits for every reduce-scatter and adds later passes' outputs into the
+      // sharded gradients.
+      compute_end_ = std::max(compute_end_, reduce_end_);
+      while (!reductions_.empty()) finish_oldest_reduction();
+      if (pass_ > 0)
+        for (int g = 0; g < n; ++g) release(reduce_output(g), "end of backward");
     }
-    if (root) forward_compute(0);  // the head, after every block
-    for (int i = 0; i < n; ++i) backward(backward_order_[i], i);
-    if (root) reduce_and_reshard(0, /*beside_compute=*/false);  // the root's gradients are complete last
-    // The end of backward waits for every reduce-scatter; then the optimizer.
-    compute_end_ = std::max(compute_end_, reduce_end_);
-    while (!reductions_.empty()) finish_oldest_reduction();
-    compute(model_.fixed_ms, 0.0, 0.0);
+    compute(model_.fixed_ms, 0.0, 0.0);  // then the optimizer
     prediction_.step_ms = std::max(compute_end_, cpu_);
     std::sort(prediction_.live_at_peak.begin(), prediction_.live_at_peak.end(),
               [](const LiveBuffer& a, const LiveBuffer& b) { return a.bytes > b.bytes; });
@@ -143,12 +150,18 @@ class Replay {
     }
     const std::string during = "reduce-scatter of " + cost(g).name;
     allocate("reduce-scatter input of " + cost(g).name, cost(g).reduce_input_bytes, during);
-    allocate("sharded gradients of " + cost(g).name, cost(g).sharded_grad_bytes, during);
+    allocate(reduce_output(g), cost(g).sharded_grad_bytes, during);
     release("gradients of " + cost(g).name, during);
     const double start = std::max({reduce_end_, compute_end_, cpu_});
     reduce_end_ = start + cost(g).reduce_scatter_ms * (beside_compute ? model_.contention.reduce_scatter_stretch : 1.0);
     collectives_.emplace_back(start, reduce_end_);
     reductions_.emplace_back(reduce_end_, g);
+  }
+
+  // The first pass's reduce-scatter output becomes the sharded gradients (to the step's end); a
+  // later pass's is added into them at the end of its backward.
+  std::string reduce_output(int g) const {
+    return (pass_ == 0 ? "sharded gradients of " : "reduce-scatter output of ") + cost(g).name;
   }
 
   void finish_oldest_reduction() {
@@ -201,6 +214,7 @@ class Replay {
   std::map<std::string, int64_t> live_;
   int64_t in_use_ = 0;
   double cpu_ = 0, compute_end_ = 0, gather_end_ = 0, reduce_end_ = 0;
+  int pass_ = 0;  // of model_.micro_batches
   std::vector<int> forward_order_, backward_order_;
   std::vector<double> gathered_at_;             // when each group's latest all-gather ends
   std::vector<bool> unsharded_;

@@ -180,8 +180,13 @@ plan::RecordedStep finish_recording(const char* caller, double untraced_step_ms)
 
 void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
 
-plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms) {
-  const plan::RecordedStep step = finish_recording("finish_profiled_step", untraced_step_ms);
+plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms, int micro_batches) {
+  plan::RecordedStep step = finish_recording("finish_profiled_step", untraced_step_ms);
+  if (micro_batches < 1 || (micro_batches > 1 && untraced_step_ms <= 0))
+    throw std::invalid_argument("fsdp::finish_profiled_step: " + std::to_string(micro_batches) +
+                                " micro-batches; more than one needs the untraced time of a whole step (the "
+                                "recording holds only the last micro-batch)");
+  step.micro_batches = micro_batches;
   plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
   agree_across_ranks(model, *default_communicator());
   return model;
@@ -195,6 +200,11 @@ void start_calibration_step() { start_recording("start_calibration_step", /*with
 
 void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile, double untraced_step_ms) {
   const plan::RecordedStep step = finish_recording("finish_calibration_step", untraced_step_ms);
+  if (profile.micro_batches > 1 && untraced_step_ms <= 0)
+    throw std::invalid_argument("fsdp::finish_calibration_step: the profile has " +
+                                std::to_string(profile.micro_batches) +
+                                " micro-batches: pass the untraced time of a whole step (the recording holds only "
+                                "the last micro-batch)");
   plan::calibrate_contention(profile, group_shapes(root), step);
   agree_across_ranks(profile, *default_communicator());
 }

@@ -55,6 +55,10 @@ struct Contention {
 struct CostModel {
   std::vector<GroupCost> groups;  ///< in forward order, the root first
   Contention contention;          ///< measured by plan::calibrate_contention; default none
+  /// Forward and backward passes per optimizer step (gradient accumulation, every pass
+  /// reduce-scattered): the first pass allocates the sharded gradients, later ones add into them
+  /// through a reduce-scatter output freed at the pass's end.
+  int micro_batches = 1;
   int64_t fixed_bytes = 0;  ///< allocated when the step starts: shards, optimizer state, workspaces
   double fixed_ms = 0;      ///< time outside the groups (optimizer step, launch gaps)
   int64_t profiled_peak_bytes = 0;  ///< measured: the peak of the step this model was profiled from

@@ -41,6 +41,10 @@ struct RecordedStep {
   std::vector<RecordedSpan> spans;  ///< in the order begun
   std::vector<MemoryMark> marks;  ///< marks[0]: the start of the step
   double step_ms = 0;             ///< wall time from the start of the forward to the optimizer's end
+  /// Passes in the step (gradient accumulation); the recording then holds only the last, which
+  /// starts with the earlier passes' sharded gradients allocated, and step_ms must be the whole
+  /// step's (an untraced one's).
+  int micro_batches = 1;
   bool host_is_device = false;    ///< CPU training: the host's time is the compute time
 };
 
