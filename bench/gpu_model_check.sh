@@ -96,8 +96,8 @@ case $part in
       --log "$work/plan-1b.jsonl"
     phase frontier-1b 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" --out "$work/frontier-1b"
     phase plan-check-1b-accum 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 2 \
-      --grad-accum 2 --grad-accum-sync every --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-1b-accum.jsonl" \
-      --log "$work/plan-1b-accum.jsonl"
+      --grad-accum 2 --grad-accum-sync every --param-dtype bf16 --steps 5 \
+      --plan-check "$work/plan-check-1b-accum.jsonl" --log "$work/plan-1b-accum.jsonl"
     phase frontier-1b-accum 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b-accum.jsonl" \
       --out "$work/frontier-1b-accum" ;;
   overlap-1b)
