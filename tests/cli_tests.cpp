@@ -57,7 +57,6 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--plan-only"}, "--plan-only needs --memory-budget"},
       {{"--memory-budget", "8", "--checkpoint"}, "--memory-budget chooses which blocks are checkpointed"},
       {{"--memory-budget", "8", "--bucket-mb", "4"}, "drop --bucket-mb"},
-      {{"--memory-budget", "8", "--grad-accum", "2"}, "add --grad-accum-sync every"},
       {{"--memory-budget", "8", "--replicas", "2"}, "drop --replicas"},
       {{"--replicas", "0"}, "--replicas must be at least 1"},
       {{"--replicas", "2"}, "--replicas 2 does not divide the 1 ranks"},

@@ -19,7 +19,7 @@
 #                                             evaluation set is the same on 1-3 ranks and does not
 #                                             disturb training; the default log goes under runs/
 #   launcher_tests.sh BUILD_DIR budget        --memory-budget on CPU ranks: profiles, calibrates, plans
-#                                             and trains (also with --grad-accum 2); a budget below
+#                                             and trains (also with --grad-accum 2, either sync); a budget below
 #                                             every schedule is refused
 #                                             with the smallest that fits (exit 2)
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
@@ -251,6 +251,9 @@ budget)
   "$run" "${common[@]}" --steps 7 --memory-budget 1 --grad-accum 2 --grad-accum-sync every \
     --log "$work/accum.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "the planned run with --grad-accum failed"; }
   grep -qF "fsdp-train:   predicted" "$work/out" || { cat "$work/out"; fail "no plan with --grad-accum"; }
+  "$run" "${common[@]}" --steps 7 --memory-budget 1 --grad-accum 2 --log "$work/accum-last.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the planned run with --grad-accum (sync last) failed"; }
+  grep -qF "fsdp-train:   predicted" "$work/out" || { cat "$work/out"; fail "no plan with --grad-accum-sync last"; }
   "$run" "${common[@]}" --steps 6 --memory-budget 0.0001 >"$work/out" 2>&1
   code=$?
   [ "$code" = 2 ] || { cat "$work/out"; fail "exit code $code, not 2, for a budget too small"; }

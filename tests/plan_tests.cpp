@@ -83,6 +83,25 @@ TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld)
   EXPECT_THROW(simulate(m, s), std::invalid_argument);
 }
 
+// The same two passes without communication before the last, 60 bytes of unsynced sums a group:
+// the first pass has no reduce-scatter (8 ms: bwd A ends at 8) and leaves both sums (1120); the
+// second runs as one step (8.5 ms) with each sum held until its group's reduce-scatter; the peak
+// is B's: 1000 + both sums 120 + B's parameters 100 + A's activations 30 + B's input 50 and
+// result 10 = 1310.
+TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
+  CostModel m = two_groups();
+  for (auto& g : m.groups) g.sharded_grad_bytes = 10, g.unsynced_grad_bytes = 60;
+  m.micro_batches = 2;
+  m.reduce_every_micro_batch = false;
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  const Prediction p = simulate(m, s);
+  EXPECT_DOUBLE_EQ(p.step_ms, 8 + 8.5 + 1);
+  EXPECT_EQ(p.peak_bytes, 1310);
+  EXPECT_EQ(p.peak_during, "reduce-scatter of B");
+  EXPECT_EQ(p.timeline.back().second, 1020);
+}
+
 // Prefetch depth 1: B's all-gather (0.5-1) hides behind A's forward and A's (3-3.5) behind B's
 // backward: fwd A 0.5-1.5, fwd B 1.5-2.5, AG B 2.5-3, bwd B 3-5, bwd A 5-7, RS A 7-7.5, then the
 // optimizer: 8.5 ms. The price is memory: in B's backward A's parameters are already there, next

@@ -249,7 +249,8 @@ int train(const fsdp::train::TrainArgs& args) {
     const double loss_value = totals[0].item<double>() / comm->world_size();
     const bool stop_requested = totals[1].item<double>() > 0;
     const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
-    if (step == profiled_step) profile = fsdp::finish_profiled_step(*model, warmup_ms, args.grad_accum);
+    if (step == profiled_step)
+      profile = fsdp::finish_profiled_step(*model, warmup_ms, args.grad_accum, args.grad_accum_sync == "every");
     if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile, warmup_ms);
     if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -59,13 +59,14 @@ void set_runtime_choices(const plan::Schedule& schedule);
 /// would read as fixed time and contention; the step before a recorded one, under its schedule,
 /// is the natural one to time (fsdp-train does). Throws std::invalid_argument when negative.
 ///
-/// `micro_batches`: forward and backward passes per optimizer step (gradient accumulation with a
-/// reduce-scatter after every pass: set_requires_gradient_sync left on). Record only the last
+/// `micro_batches`: forward and backward passes per optimizer step (gradient accumulation), each
+/// reduce-scattered (`reduce_every_micro_batch`: set_requires_gradient_sync left on) or only the
+/// last (false: set_requires_gradient_sync(root, false) before the others). Record only the last
 /// pass (start_profiled_step right before its forward; the calibration step the same way) and
 /// pass the untraced time of a whole step (required then); the simulator replays every pass.
 void start_profiled_step();
 plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms = 0,
-                                     int micro_batches = 1);
+                                     int micro_batches = 1, bool reduce_every_micro_batch = true);
 
 /// The step after the profiled one, recorded to measure how collectives and compute slow each
 /// other (plan::calibrate_contention), so the planner prices prefetching truthfully: run it under

@@ -144,6 +144,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     throw std::invalid_argument("profiled step: " + std::to_string(step.micro_batches) + " micro-batches");
   CostModel model;
   model.micro_batches = step.micro_batches;
+  model.reduce_every_micro_batch = step.reduce_every_micro_batch;
   model.fixed_bytes = step.marks.front().allocated;
   for (const auto& mark : step.marks)
     model.profiled_peak_bytes = std::max(model.profiled_peak_bytes, mark.peak_since_last);
@@ -155,6 +156,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     cost.grad_bytes = shape.grad_bytes;
     cost.reduce_input_bytes = shape.reduce_input_bytes;
     cost.sharded_grad_bytes = shape.sharded_grad_bytes;
+    cost.unsynced_grad_bytes = shape.unsynced_grad_bytes;
     cost.checkpointable = shape.checkpointable;
     cost.encloses_later = shape.encloses_later;
     cost.allgather_ms = m.mean_ms("all-gather " + shape.label);
@@ -169,8 +171,9 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = 0;  // no separate host time
     model.groups.push_back(std::move(cost));
   }
-  if (model.micro_batches > 1)  // the last pass began with the earlier passes' sharded gradients
-    for (const auto& g : model.groups) model.fixed_bytes -= g.sharded_grad_bytes;
+  if (model.micro_batches > 1)  // the last pass began with the earlier passes' gradients
+    for (const auto& g : model.groups)
+      model.fixed_bytes -= model.reduce_every_micro_batch ? g.sharded_grad_bytes : g.unsynced_grad_bytes;
   model.profiled_step_ms = step.step_ms;
   fit_fixed_ms(model, profiling_schedule(groups));
   return model;

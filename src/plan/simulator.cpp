@@ -62,7 +62,7 @@ class Replay {
       // sharded gradients.
       compute_end_ = std::max(compute_end_, reduce_end_);
       while (!reductions_.empty()) finish_oldest_reduction();
-      if (pass_ > 0)
+      if (later_reduction())
         for (int g = 0; g < n; ++g) release(reduce_output(g), "end of backward");
     }
     compute(model_.fixed_ms, 0.0, 0.0);  // then the optimizer
@@ -109,8 +109,15 @@ class Replay {
     if (!cost(g).encloses_later) reduce_and_reshard(g, position + 1 < static_cast<int>(backward_order_.size()));
   }
 
+  // A pass before the last without communication adds the gradients into the unsynced sums.
   void reduce_and_reshard(int g, bool beside_compute) {
-    reduce_scatter(g, beside_compute);
+    if (!model_.reduce_every_micro_batch && pass_ + 1 < model_.micro_batches) {
+      const std::string sums = "unsynced gradients of " + cost(g).name, during = "backward of " + cost(g).name;
+      if (!live_.count(sums)) allocate(sums, cost(g).unsynced_grad_bytes, during);
+      release("gradients of " + cost(g).name, during);
+    } else {
+      reduce_scatter(g, beside_compute);
+    }
     reshard(g);
   }
 
@@ -152,16 +159,18 @@ class Replay {
     allocate("reduce-scatter input of " + cost(g).name, cost(g).reduce_input_bytes, during);
     allocate(reduce_output(g), cost(g).sharded_grad_bytes, during);
     release("gradients of " + cost(g).name, during);
+    release("unsynced gradients of " + cost(g).name, during);  // summed into the input
     const double start = std::max({reduce_end_, compute_end_, cpu_});
     reduce_end_ = start + cost(g).reduce_scatter_ms * (beside_compute ? model_.contention.reduce_scatter_stretch : 1.0);
     collectives_.emplace_back(start, reduce_end_);
     reductions_.emplace_back(reduce_end_, g);
   }
 
-  // The first pass's reduce-scatter output becomes the sharded gradients (to the step's end); a
-  // later pass's is added into them at the end of its backward.
+  // The first reduce-scatter's output becomes the sharded gradients (to the step's end); a later
+  // pass's is added into them at the end of its backward.
+  bool later_reduction() const { return model_.reduce_every_micro_batch && pass_ > 0; }
   std::string reduce_output(int g) const {
-    return (pass_ == 0 ? "sharded gradients of " : "reduce-scatter output of ") + cost(g).name;
+    return (later_reduction() ? "reduce-scatter output of " : "sharded gradients of ") + cost(g).name;
   }
 
   void finish_oldest_reduction() {

@@ -102,6 +102,7 @@ std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
     shape.grad_bytes = memory.unsharded_grads;
     shape.reduce_input_bytes = memory.reduce_input;
     shape.sharded_grad_bytes = memory.sharded_grads;
+    shape.unsynced_grad_bytes = memory.unsynced_grads;
     shape.encloses_later = group.state == root_state && groups.size() > 1 && shapes.empty();
     shape.checkpointable = !shape.encloses_later;
     shapes.push_back(std::move(shape));
@@ -180,13 +181,15 @@ plan::RecordedStep finish_recording(const char* caller, double untraced_step_ms)
 
 void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
 
-plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms, int micro_batches) {
+plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms, int micro_batches,
+                                     bool reduce_every_micro_batch) {
   plan::RecordedStep step = finish_recording("finish_profiled_step", untraced_step_ms);
   if (micro_batches < 1 || (micro_batches > 1 && untraced_step_ms <= 0))
     throw std::invalid_argument("fsdp::finish_profiled_step: " + std::to_string(micro_batches) +
                                 " micro-batches; more than one needs the untraced time of a whole step (the "
                                 "recording holds only the last micro-batch)");
   step.micro_batches = micro_batches;
+  step.reduce_every_micro_batch = reduce_every_micro_batch;
   plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
   agree_across_ranks(model, *default_communicator());
   return model;

@@ -277,6 +277,7 @@ ParamGroup::MemoryShape ParamGroup::memory_shape() const {
   if (needs_staging())
     shape.gather_buffers += shard_numel_ * host_shards_.element_size();  // the staging copy
   shape.unsharded_grads = trainable_numel * compute;
+  shape.unsynced_grads = trainable_numel * reduce;
   const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
   // Offloaded: the sharded result leaves the device with its reduce-scatter input.
   shape.sharded_grads = offloaded() ? 0 : sharded_grads;

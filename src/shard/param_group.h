@@ -90,6 +90,7 @@ class ParamGroup {
     int64_t gather_buffers = 0;   // all-gather input and (2+ parameters) output
     int64_t unsharded_grads = 0;  // what autograd leaves in backward, compute dtype
     int64_t reduce_input = 0, sharded_grads = 0;  // on the device (offloaded: none held after the step)
+    int64_t unsynced_grads = 0;  // gradients summed unsharded over backward passes, reduce dtype
   };
   MemoryShape memory_shape() const;
   const std::vector<ShardedParam>& params() const { return params_; }

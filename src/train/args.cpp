@@ -211,9 +211,6 @@ void check_ranges(const TrainArgs& a) {
             flag + " chooses which blocks are checkpointed and kept unsharded: drop --checkpoint and "
                    "--no-reshard-after-forward");
     require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
-    require(a.grad_accum == 1 || a.grad_accum_sync == "every",
-            flag + " plans gradient accumulation with a reduce-scatter after every micro-batch: add "
-                   "--grad-accum-sync every (or drop --grad-accum)");
     require(a.replicas == 1,
             flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
     require(a.steps >= 5 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),

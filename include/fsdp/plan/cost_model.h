@@ -22,6 +22,9 @@ struct GroupCost {
   int64_t grad_bytes = 0;
   int64_t reduce_input_bytes = 0;  ///< the reduce-scatter's input, until the reduce-scatter is done
   int64_t sharded_grad_bytes = 0;  ///< the reduce-scatter's result, to the end of the step
+  /// Gradient accumulation without communication: the unsharded sums in the reduce dtype, from
+  /// the first pass's backward to the last pass's reduce-scatter.
+  int64_t unsynced_grad_bytes = 0;
   double allgather_ms = 0;         ///< the all-gather's time alone
   double reduce_scatter_ms = 0;    ///< the reduce-scatter's time alone
   /// Above the level at the start of its forward: the most in use during the forward.
@@ -55,10 +58,12 @@ struct Contention {
 struct CostModel {
   std::vector<GroupCost> groups;  ///< in forward order, the root first
   Contention contention;          ///< measured by plan::calibrate_contention; default none
-  /// Forward and backward passes per optimizer step (gradient accumulation, every pass
-  /// reduce-scattered): the first pass allocates the sharded gradients, later ones add into them
-  /// through a reduce-scatter output freed at the pass's end.
+  /// Forward and backward passes per optimizer step (gradient accumulation).
   int micro_batches = 1;
+  /// true: every pass reduce-scatters; the first allocates the sharded gradients, later ones add
+  /// into them through a reduce-scatter output freed at the pass's end. false: the passes before
+  /// the last hold unsharded sums (unsynced_grad_bytes) and only the last reduce-scatters.
+  bool reduce_every_micro_batch = true;
   int64_t fixed_bytes = 0;  ///< allocated when the step starts: shards, optimizer state, workspaces
   double fixed_ms = 0;      ///< time outside the groups (optimizer step, launch gaps)
   int64_t profiled_peak_bytes = 0;  ///< measured: the peak of the step this model was profiled from

@@ -42,9 +42,10 @@ struct RecordedStep {
   std::vector<MemoryMark> marks;  ///< marks[0]: the start of the step
   double step_ms = 0;             ///< wall time from the start of the forward to the optimizer's end
   /// Passes in the step (gradient accumulation); the recording then holds only the last, which
-  /// starts with the earlier passes' sharded gradients allocated, and step_ms must be the whole
-  /// step's (an untraced one's).
+  /// starts with the earlier passes' sharded gradients (or unsynced sums) allocated, and step_ms
+  /// must be the whole step's (an untraced one's).
   int micro_batches = 1;
+  bool reduce_every_micro_batch = true;  ///< CostModel::reduce_every_micro_batch
   bool host_is_device = false;    ///< CPU training: the host's time is the compute time
 };
 
@@ -57,6 +58,7 @@ struct GroupShape {
   int64_t grad_bytes = 0;           ///< GroupCost::grad_bytes
   int64_t reduce_input_bytes = 0;   ///< GroupCost::reduce_input_bytes
   int64_t sharded_grad_bytes = 0;   ///< GroupCost::sharded_grad_bytes
+  int64_t unsynced_grad_bytes = 0;  ///< GroupCost::unsynced_grad_bytes
   bool checkpointable = true;       ///< whether the model can recompute it
   bool encloses_later = false;  ///< the root
 };
