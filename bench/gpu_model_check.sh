@@ -15,6 +15,7 @@
 #           frontier (bench/plan_frontier.py)
 #   plan-check-1b  the GPU suite and training runs, --plan-check on the 1B (10 steps a schedule) and
 #           its frontier, without FSDP2; then the same with 2 micro-batches of batch 2 a step
+#           (reduce-scattered each, or only the last with ACCUM_SYNC=last)
 #   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
 #           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
@@ -96,7 +97,7 @@ case $part in
       --log "$work/plan-1b.jsonl"
     phase frontier-1b 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b.jsonl" --out "$work/frontier-1b"
     phase plan-check-1b-accum 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 2 \
-      --grad-accum 2 --grad-accum-sync every --param-dtype bf16 --steps 5 \
+      --grad-accum 2 --grad-accum-sync "${ACCUM_SYNC:-every}" --param-dtype bf16 --steps 5 \
       --plan-check "$work/plan-check-1b-accum.jsonl" --log "$work/plan-1b-accum.jsonl"
     phase frontier-1b-accum 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b-accum.jsonl" \
       --out "$work/frontier-1b-accum" ;;
