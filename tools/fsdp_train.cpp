@@ -191,11 +191,10 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
     std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
   int exit_code = 0;
-  // --memory-budget / --plan-check: the step after the first is profiled; the next runs at prefetch
-  // depth 1 (its first prefetching step: the allocator grows its pool there, which would be timed),
-  // the one after calibrates the profile's contention at that depth; then the plan is made.
-  // Each recorded step follows a step of its schedule that is timed untraced, for the fits
-  // (recording costs host time: fsdp::finish_profiled_step).
+  // --memory-budget / --plan-check: after the first step, two under the profiling schedule (the
+  // first timed untraced, the second profiled), then two at prefetch depth 1 (the first, where the
+  // allocator grows its pool, timed untraced; the second calibrates the contention); then the plan
+  // is made. The fits take the untraced times: recording costs host time (fsdp::finish_profiled_step).
   const int profiling_warmup_step = planning ? first_step + 1 : -1;
   const int profiled_step = planning ? first_step + 2 : -1;
   const int calibration_warmup_step = planning ? profiled_step + 1 : -1;

@@ -121,6 +121,7 @@ void check_replicas(const Communicator& comm, Communicator& replicate, const Nam
   replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size()), hash}, opts));
   all = all.cpu();
   const int64_t* row = all.data_ptr<int64_t>();
+  const int64_t first_hash = row[2];
   for (int r = 0; r < replicate.world_size(); ++r, row += 3) {
     if (row[0] != comm.rank() || row[1] != comm.world_size())
       throw shard_error(module_name, "rank " + std::to_string(r) + " of the replicate group '" +
@@ -128,8 +129,7 @@ void check_replicas(const Communicator& comm, Communicator& replicate, const Nam
                                          " of " + std::to_string(row[1]) + ", this rank shard " +
                                          std::to_string(comm.rank()) + " of " + std::to_string(comm.world_size()) +
                                          "; a replicate group joins the ranks holding the same shard" + fix);
-    if (row[2] != all.data_ptr<int64_t>()[2])
-      throw structure_error(module_name, all.data_ptr<int64_t>()[2], row[2], r, replicate, params.size());
+    if (row[2] != first_hash) throw structure_error(module_name, first_hash, row[2], r, replicate, params.size());
   }
 }
 
