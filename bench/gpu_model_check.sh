@@ -16,6 +16,8 @@
 #   plan-check-1b  the GPU suite and training runs, --plan-check on the 1B (10 steps a schedule) and
 #           its frontier, without FSDP2; then the same with 2 micro-batches of batch 2 a step
 #           (reduce-scattered each, or only the last with ACCUM_SYNC=last)
+#   plan-small  the GPU suite and training runs, --plan-check on the small model (24 blocks of 6 MB:
+#           collective latency matters), with the bucketed fixed points
 #   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
 #           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
@@ -40,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-8b, overlap-1b, offload, offload-8b,
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload, offload-8b,
   offload-budget, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
@@ -101,6 +103,14 @@ case $part in
       --plan-check "$work/plan-check-1b-accum.jsonl" --log "$work/plan-1b-accum.jsonl"
     phase frontier-1b-accum 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b-accum.jsonl" \
       --out "$work/frontier-1b-accum" ;;
+  plan-small)
+    phase gpu-tests 200 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
+'train_gpu_2_checkpoint)$'
+    phase plan-check-small 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model small --seq 1024 --batch 4 \
+      --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-small.jsonl" --plan-check-steps 10 \
+      --log "$work/plan-small.jsonl"
+    phase frontier-small 30 python3 bench/plan_frontier.py --check "$work/plan-check-small.jsonl" \
+      --out "$work/frontier-small" ;;
   overlap-1b)
     for depth in 0 1; do  # the contention the calibration prices: step 2 traced at prefetch depth 0 and 1
       phase overlap-1b-depth$depth 60 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \

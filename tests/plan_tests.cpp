@@ -86,8 +86,9 @@ TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld)
 // The same two passes without communication before the last, 60 bytes of unsynced sums a group:
 // the first pass has no reduce-scatter (8 ms: bwd A ends at 8) and leaves both sums (1120); the
 // second runs as one step (8.5 ms) with each sum held until its group's reduce-scatter; the peak
-// is B's: 1000 + both sums 120 + B's parameters 100 + A's activations 30 + B's input 50 and
-// result 10 = 1310.
+// is in B's backward: 1000 + both sums 120 + B's parameters 100 + both groups' activations 60 +
+// 20 working = 1300 (B's reduce-scatter input, 50, then takes the place of its activations and
+// working memory: the runtime frees the sums before it allocates the result).
 TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
   CostModel m = two_groups();
   for (auto& g : m.groups) g.sharded_grad_bytes = 10, g.unsynced_grad_bytes = 60;
@@ -97,8 +98,8 @@ TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
   s.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
   EXPECT_DOUBLE_EQ(p.step_ms, 8 + 8.5 + 1);
-  EXPECT_EQ(p.peak_bytes, 1310);
-  EXPECT_EQ(p.peak_during, "reduce-scatter of B");
+  EXPECT_EQ(p.peak_bytes, 1300);
+  EXPECT_EQ(p.peak_during, "backward of B");
   EXPECT_EQ(p.timeline.back().second, 1020);
 }
 
@@ -185,9 +186,9 @@ TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
 //   forward:  gather R (1100), gather B (1150), B saves 30 (1180), B reshards (1130), R's head
 //             saves 20 (1150);
 //   backward: R's head first: its activations go, its gradients come (1230); B gathered (1280),
-//             its activations go and gradients come (1300), its reduce-scatter input and shard
-//             replace them (1355), it reshards (1305); R last: input 200 and shard 10 (1515: the
-//             peak, B's reduce-scatter still in flight), its gradients go (1415).
+//             its activations go and gradients come (1300), its reduce-scatter input comes
+//             (1400), its gradients go and its shard comes (1355), it reshards (1305); R last: input 200 (1505: the peak, B's
+//             reduce-scatter still in flight), its gradients go (1405), its shard comes (1415).
 // At the end only the fixed bytes and the shards remain: 1015. Time: B 0-1, head 1-2, head's
 // backward 2-3, B's backward 3-5.
 TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
@@ -208,12 +209,72 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
   Schedule s = default_schedule(2);
   s.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
-  EXPECT_EQ(p.peak_bytes, 1515);
+  EXPECT_EQ(p.peak_bytes, 1505);
   EXPECT_EQ(p.peak_during, "reduce-scatter of R");
   EXPECT_EQ(p.timeline.back().second, 1015);
   EXPECT_DOUBLE_EQ(p.step_ms, 5);
   m.groups[1].encloses_later = true;
   EXPECT_THROW(simulate(m, s), std::invalid_argument);  // only the first group can be a root
+}
+
+// Groups of `param_bytes` each (10 bytes is small for the 50-byte buckets below): all-gather and
+// reduce-scatter 0.3 ms (0.5 for a large group), 0.2 ms of it latency; forward 1 ms, backward 2;
+// reduce-scatter inputs half the parameters, nothing else; 1 ms of optimizer; no prefetch.
+CostModel latency_bound(const std::vector<int64_t>& param_bytes) {
+  CostModel m;
+  for (size_t i = 0; i < param_bytes.size(); ++i) {
+    GroupCost g;
+    g.name = std::string(1, char('A' + i));
+    g.param_bytes = param_bytes[i], g.reduce_input_bytes = param_bytes[i] / 2;
+    g.allgather_ms = g.reduce_scatter_ms = param_bytes[i] > 10 ? 0.5 : 0.3;
+    g.forward_ms = 1, g.backward_ms = 2;
+    m.groups.push_back(g);
+  }
+  m.allgather_latency_ms = m.reduce_scatter_latency_ms = 0.2;
+  m.fixed_ms = 1;
+  return m;
+}
+
+Schedule buckets_of(size_t groups, int64_t bucket_bytes, int max_wait = 0) {
+  Schedule s = default_schedule(groups);
+  s.prefetch_depth = 0;
+  s.bucket_mb = double(bucket_bytes) / (1024 * 1024);
+  s.reduce_bucket_max_wait = max_wait;
+  return s;
+}
+
+// Small A, C, D around a large B, in 50-byte buckets. Forward: A's all-gather takes C and D along
+// (past B): 0.9 ms less two latencies, 0-0.5; fwd A 0.5-1.5, AG B 1.5-2, fwd B 2-3, C 3-4, D 4-5.
+// Backward D, C, B, A: D's all-gather takes C and A, 5-5.5; bwd D 5.5-7.5 and C 7.5-9.5 leave
+// their gradients in the bucket; AG B 9.5-10, bwd B 10-12, whose 100 bytes send the bucket: D, C
+// and B in one reduce-scatter, 1.1 ms less two latencies, 12-12.7; bwd A 12-14, RS A 14-14.3,
+// +1: 15.3 ms. The peak is at B's reduce-scatter: B's parameters 100 and input 50, A's
+// parameters 10 (gathered early), D's and C's inputs 5 + 5: 170 bytes.
+// Apart: 0.3 ms more per all-gather and 16.1 ms (worked as above, the in-flight cap of 2 holding
+// back A's reduce-scatter), and a peak of 160 (A's parameters not there yet).
+TEST(Simulator, BucketsGatherSmallGroupsPastLargeOnesAndSaveLatencies) {
+  const CostModel m = latency_bound({10, 100, 10, 10});
+  const Prediction bucketed = simulate(m, buckets_of(4, 50));
+  EXPECT_DOUBLE_EQ(bucketed.step_ms, 15.3);
+  EXPECT_EQ(bucketed.peak_bytes, 170);
+  EXPECT_EQ(bucketed.peak_during, "reduce-scatter of B");
+  const Prediction apart = simulate(m, buckets_of(4, 0));
+  EXPECT_DOUBLE_EQ(apart.step_ms, 16.1);
+  EXPECT_EQ(apart.peak_bytes, 160);
+  CostModel no_latency = m;
+  no_latency.allgather_latency_ms = no_latency.reduce_scatter_latency_ms = 0;
+  EXPECT_GT(simulate(no_latency, buckets_of(4, 50)).step_ms, bucketed.step_ms);
+  EXPECT_THROW(simulate(m, buckets_of(4, 50, -1)), std::invalid_argument);
+}
+
+// Three small groups in one bucket: forward AG 0-0.5, fwd 0.5-3.5; backward AG 3.5-4, bwd C 4-6,
+// B 6-8, A 8-10. Without a cap on the wait the three reduce-scatters go out after A's backward,
+// 10-10.5, and the step takes 11.5 ms; with a wait of one group C and B go at B's end (8-8.4,
+// beside A's backward) and A alone after it, 10-10.3: 11.3 ms.
+TEST(Simulator, CappingTheBucketsWaitSendsGradientsBesideLaterCompute) {
+  const CostModel m = latency_bound({10, 10, 10});
+  EXPECT_DOUBLE_EQ(simulate(m, buckets_of(3, 50)).step_ms, 11.5);
+  EXPECT_DOUBLE_EQ(simulate(m, buckets_of(3, 50, 1)).step_ms, 11.3);
 }
 
 // The fixed points of the frontier: every group that can be checkpointed is (or none), and every
@@ -283,6 +344,21 @@ TEST(Planner, TightBudgetCheckpointsJustEnoughAndTooSmallOneNamesTheLeastThatFit
   }
 }
 
+// Twelve small groups whose collectives are mostly latency: the planner buckets them; without
+// a latency to save it never tries.
+TEST(Planner, BucketsGroupsWhenTheirCollectivesAreLatency) {
+  CostModel m = latency_bound(std::vector<int64_t>(12, 10));
+  for (auto& g : m.groups) g.forward_ms = 0.1, g.backward_ms = 0.2;
+  const Plan plan = plan_schedule(m, int64_t(1) << 40);
+  EXPECT_GT(plan.chosen.schedule.bucket_mb, 0);
+  Schedule apart = plan.chosen.schedule;
+  apart.bucket_mb = 0, apart.reduce_bucket_max_wait = 0;
+  EXPECT_LT(plan.chosen.prediction.step_ms, simulate(m, apart).step_ms);
+  m.allgather_latency_ms = m.reduce_scatter_latency_ms = 0;
+  EXPECT_EQ(bucket_sizes_mb(m), std::vector<double>{0});
+  EXPECT_EQ(plan_schedule(m, int64_t(1) << 40).chosen.schedule.bucket_mb, 0);
+}
+
 TEST(Planner, DescribeNamesTheChoices) {
   Schedule s = default_schedule(8);
   s.checkpoint[0] = s.checkpoint[1] = true;
@@ -291,6 +367,8 @@ TEST(Planner, DescribeNamesTheChoices) {
   EXPECT_EQ(describe(s, deep()),
             "checkpoint 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
             "all-gathers / unlimited reduce-scatters");
+  s.bucket_mb = 1.5, s.reduce_bucket_max_wait = 2;
+  EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"), std::string::npos);
 }
 
 }  // namespace

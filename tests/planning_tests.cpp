@@ -77,7 +77,13 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   const int64_t low = plan::simulate(profile, all).peak_bytes, high = plan::simulate(profile, none).peak_bytes;
   ASSERT_GT(high, low + low / 10) << "checkpointing must matter on this model";
   const plan::Plan middle = plan_for_budget(*llama, static_cast<int64_t>((low + high) / 2 / 0.95), profile);
-  for (const auto& [name, schedule] : {std::pair{"none", none}, {"all", all}, {"planned", middle.chosen.schedule}}) {
+  EXPECT_GT(profile.allgather_latency_ms, 0);
+  EXPECT_GT(profile.reduce_scatter_latency_ms, 0);
+  ASSERT_EQ(plan::bucket_sizes_mb(profile).size(), 3u);
+  plan::Schedule bucketed = none;  // about four blocks a bucket
+  bucketed.bucket_mb = plan::bucket_sizes_mb(profile).back();
+  for (const auto& [name, schedule] : {std::pair{"none", none}, {"all", all}, {"planned", middle.chosen.schedule},
+                                       {"bucketed", bucketed}}) {
     train::apply_schedule(llama, schedule);
     step();
     step();
@@ -151,11 +157,14 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
     schedule.reshard_after_forward = {false, true, false};
     schedule.prefetch_depth = 2;
     schedule.max_inflight_allgathers = schedule.max_inflight_reduce_scatters = 1;
+    schedule.bucket_mb = 1, schedule.reduce_bucket_max_wait = 1;  // every group is small
     train::apply_schedule(m, schedule);
   };
   expect_same_run(train(s), want);
   EXPECT_EQ(model::Llama(llama)->config.checkpointed_blocks, std::vector<int64_t>{0});
   EXPECT_EQ(runtime_options().prefetch_depth, 2);
+  EXPECT_EQ(runtime_options().bucket_mb, 1);
+  EXPECT_EQ(runtime_options().reduce_bucket_max_wait, 1);
   set_runtime_options({});
 }
 

@@ -39,18 +39,19 @@ std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root);
 /// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
 plan::Schedule profiling_schedule(const torch::nn::Module& root);
 
-/// Each group's reshard_after_forward and the runtime's prefetch depth and in-flight caps, as the
-/// schedule says (bucketing as it was). Takes effect from the next step. Throws
+/// Each group's reshard_after_forward and the runtime's prefetch depth, in-flight caps and
+/// buckets (bucket_mb, reduce_bucket_max_wait), as the schedule says. Takes effect from the next step. Throws
 /// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
 void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule);
-/// Only the runtime's part of it: prefetch depth and in-flight caps (for use before any step,
+/// Only the runtime's part of it: prefetch depth, in-flight caps and buckets (for use before any step,
 /// while sharding with the schedule's per-group choices).
 void set_runtime_choices(const plan::Schedule& schedule);
 
 /// Records the next step with memory marks (call right before its forward; not while a Chrome
 /// trace is being recorded). Waits for the device first, so that the step is timed alone.
 /// finish_profiled_step, after the optimizer step, waits for the device and measures the cost
-/// model of the groups under `root`. Collective: every number is the
+/// model of the groups under `root`, with their communicator's collective latency (the smallest
+/// collectives, timed back to back). Collective: every number is the
 /// largest any rank measured, so all ranks plan the same schedule.
 ///
 /// `untraced_step_ms`: the time of a step under the same schedule that was not recorded (the

@@ -19,10 +19,15 @@ struct RuntimeOptions {
   /// waits for the oldest. 0: unlimited.
   int max_inflight_reduce_scatters = 2;
   /// Bucketing: a group smaller than this (unsharded, in MB) is all-gathered
-  /// together with the small groups expected next, and small groups'
-  /// reduce-scatters wait to go out together until this many MB are ready, in
-  /// one coalesced collective each. 0: every group on its own.
+  /// together with the small groups expected next (past larger groups, which
+  /// go alone), and reduce-scatters wait to go out together until this many
+  /// MB are ready (a large group takes the waiting ones with it), in one
+  /// coalesced collective each. 0: every group on its own.
   double bucket_mb = 0;
+  /// With bucketing: how many groups may join the reduce-scatter bucket after its first before it
+  /// goes out even if not full (a cap on the backward compute that gradients wait through, and so
+  /// on the compute between reduce-scatters). 0: until it is full or backward ends.
+  int reduce_bucket_max_wait = 0;
 };
 
 /// Takes effect from the next collective; not thread-safe (call between steps). Throws

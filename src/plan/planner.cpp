@@ -42,6 +42,18 @@ std::string names(const std::vector<bool>& chosen, const CostModel& model, bool 
 
 }  // namespace
 
+std::vector<double> bucket_sizes_mb(const CostModel& model) {
+  std::vector<double> sizes{0};
+  if (model.allgather_latency_ms <= 0 && model.reduce_scatter_latency_ms <= 0) return sizes;
+  int64_t smallest = 0;
+  for (const auto& g : model.groups)
+    if (g.param_bytes > 0 && (smallest == 0 || g.param_bytes < smallest)) smallest = g.param_bytes;
+  // Half a group above a multiple, so that equal groups fill a bucket whatever their rounding.
+  for (double groups : {2.5, 4.5})
+    if (smallest > 0) sizes.push_back(double(smallest) * groups / (1024.0 * 1024.0));
+  return sizes;
+}
+
 std::string format_bytes(int64_t bytes) {
   char text[32];
   if (bytes >= (int64_t(1) << 30))
@@ -59,9 +71,13 @@ std::string describe(const Schedule& s, const CostModel& model) {
   if (checkpointed > 0) text += " (" + names(s.checkpoint, model, true) + ")";
   text += ", " + std::to_string(kept) + " kept unsharded";
   if (kept > 0) text += " (" + names(s.reshard_after_forward, model, false) + ")";
-  return text + ", prefetch " + std::to_string(s.prefetch_depth) + ", in flight " +
-         cap(s.max_inflight_allgathers) + " all-gathers / " + cap(s.max_inflight_reduce_scatters) +
-         " reduce-scatters";
+  text += ", prefetch " + std::to_string(s.prefetch_depth) + ", in flight " + cap(s.max_inflight_allgathers) +
+          " all-gathers / " + cap(s.max_inflight_reduce_scatters) + " reduce-scatters";
+  if (s.bucket_mb > 0) {
+    text += ", buckets of " + format_bytes(static_cast<int64_t>(s.bucket_mb * 1024.0 * 1024.0));
+    if (s.reduce_bucket_max_wait > 0) text += " waiting at most " + std::to_string(s.reduce_bucket_max_wait) + " groups";
+  }
+  return text;
 }
 
 Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) {
@@ -69,6 +85,7 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
   const size_t n = model.groups.size();
   const auto usable = static_cast<int64_t>(std::floor(double(budget_bytes) * (1 - margin)));
   const auto order = checkpoint_order(model);
+  const auto buckets = bucket_sizes_mb(model);
   std::vector<Planned> fits;
   int64_t smallest_peak = std::numeric_limits<int64_t>::max();
   Schedule s = default_schedule(n);
@@ -79,14 +96,19 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
       for (size_t g = 0; g < n; ++g) s.reshard_after_forward[g] = g < n - m && !model.groups[g].encloses_later;
       for (int depth : {0, 1, 2})
         for (int gathers : {1, 2, 0})
-          for (int reductions : {1, 2, 0}) {
-            s.prefetch_depth = depth;
-            s.max_inflight_allgathers = gathers;
-            s.max_inflight_reduce_scatters = reductions;
-            Prediction p = simulate(model, s);
-            smallest_peak = std::min(smallest_peak, p.peak_bytes);
-            if (p.peak_bytes <= usable) fits.push_back({s, std::move(p)});
-          }
+          for (int reductions : {1, 2, 0})
+            for (double bucket_mb : buckets)
+              for (int max_wait : {0, 1}) {
+                if (bucket_mb == 0 && max_wait > 0) continue;  // the wait applies to buckets only
+                s.prefetch_depth = depth;
+                s.max_inflight_allgathers = gathers;
+                s.max_inflight_reduce_scatters = reductions;
+                s.bucket_mb = bucket_mb;
+                s.reduce_bucket_max_wait = max_wait;
+                Prediction p = simulate(model, s, /*explain=*/false);
+                smallest_peak = std::min(smallest_peak, p.peak_bytes);
+                if (p.peak_bytes <= usable) fits.push_back({s, std::move(p)});
+              }
     }
   }
   if (fits.empty()) {
@@ -113,6 +135,9 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
     if (!same(plan.chosen) && std::none_of(plan.runners_up.begin(), plan.runners_up.end(), same))
       plan.runners_up.push_back(fits[i]);
   }
+  // The search replayed without explanations; the answers get theirs.
+  plan.chosen.prediction = simulate(model, plan.chosen.schedule);
+  for (Planned& p : plan.runners_up) p.prediction = simulate(model, p.schedule);
   return plan;
 }
 

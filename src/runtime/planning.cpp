@@ -58,6 +58,8 @@ void visit_measurements(plan::CostModel& model, Visit&& visit) {
                        &g.backward_cpu_ms})
       visit(*ms);
   }
+  visit(model.allgather_latency_ms);
+  visit(model.reduce_scatter_latency_ms);
   visit(model.fixed_bytes);
   visit(model.fixed_ms);
   visit(model.profiled_peak_bytes);
@@ -130,6 +132,8 @@ void set_runtime_choices(const plan::Schedule& schedule) {
   runtime.prefetch_depth = schedule.prefetch_depth;
   runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
   runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
+  runtime.bucket_mb = schedule.bucket_mb;
+  runtime.reduce_bucket_max_wait = schedule.reduce_bucket_max_wait;
   set_runtime_options(runtime);
 }
 
@@ -177,6 +181,25 @@ plan::RecordedStep finish_recording(const char* caller, double untraced_step_ms)
   return step;
 }
 
+// What a collective costs whatever its size (plan::CostModel's latencies): the mean of
+// back-to-back all-gathers (and reduce-scatters) of one element a rank, between barriers (which
+// wait for the device).
+void measure_collective_latency(plan::CostModel& model, Communicator& comm) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(comm.device());
+  const at::Tensor part = at::zeros({1}, opts), whole = at::zeros({comm.world_size()}, opts);
+  constexpr int repeats = 20;
+  const auto mean_ms = [&](auto&& collective) {
+    collective();  // the first may set up buffers
+    comm.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < repeats; ++i) collective();
+    comm.barrier();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / repeats;
+  };
+  model.allgather_latency_ms = mean_ms([&] { comm.all_gather(whole, part); });
+  model.reduce_scatter_latency_ms = mean_ms([&] { comm.reduce_scatter(part, whole, ReduceOp::Avg); });
+}
+
 }  // namespace
 
 void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
@@ -191,6 +214,7 @@ plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untra
   step.micro_batches = micro_batches;
   step.reduce_every_micro_batch = reduce_every_micro_batch;
   plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
+  measure_collective_latency(model, groups_in_order(root, "finish_profiled_step").front().state->group().comm());
   agree_across_ranks(model, *default_communicator());
   return model;
 }

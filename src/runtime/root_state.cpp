@@ -133,18 +133,20 @@ void RootState::all_gather(ModuleState& state) {
   const size_t limit = bucket_bytes(options);
   size_t bytes = state.group().unsharded_size_bytes();
   if (limit > 0 && bytes < limit) {
-    // The groups expected next, while they are small, fit and have not run.
+    // The small groups expected next that have not run, past any large ones (whose own
+    // all-gathers are not delayed), until the bucket is full.
     const bool backward = callback_queued_ || Runtime::get().recomputing();
     const auto& order = backward ? backward_pass_ : forward_pass_;
     std::vector<std::shared_ptr<ModuleState>> states = members();
     for (int id : order.next(state.id_, static_cast<int>(states.size()))) {
       ModuleState* found = find_state(states, id);
-      if (!found) break;
+      if (!found) continue;
       ModuleState& next = *found;
       const size_t next_bytes = next.group().unsharded_size_bytes();
-      if (ran_in_pass(next, backward) || next.group().is_unsharded() ||
-          &next.group().comm() != &state.group().comm() || bytes + next_bytes > limit)
-        break;
+      if (next_bytes >= limit || ran_in_pass(next, backward) || next.group().is_unsharded() ||
+          &next.group().comm() != &state.group().comm())
+        continue;
+      if (bytes + next_bytes > limit) break;
       groups.push_back(&next.group());
       bytes += next_bytes;
     }
@@ -159,11 +161,17 @@ void RootState::after_reshard(std::shared_ptr<c10::Event> last_use) {
   if (last_use) allgathers_.push(DeviceWork{std::move(last_use), {}});
 }
 
+// The bucket goes out once it holds bucket_mb (at once when bucketing is off; a large group takes
+// the small ones waiting with it), or once reduce_bucket_max_wait later groups joined it.
 void RootState::reduce_scatter(ParamGroup& group) {
+  const RuntimeOptions options = Runtime::get().options();
   group.prepare_reduce_scatter();
+  const bool waiting = !reduce_bucket_.empty();
   reduce_bucket_.push_back(&group);
   reduce_bucket_bytes_ += group.unsharded_size_bytes();
-  if (reduce_bucket_bytes_ >= bucket_bytes(Runtime::get().options())) flush_reduce_scatters();
+  const bool waited_enough = waiting && options.reduce_bucket_max_wait > 0 &&
+                             ++reduce_bucket_waited_ >= options.reduce_bucket_max_wait;
+  if (reduce_bucket_bytes_ >= bucket_bytes(options) || waited_enough) flush_reduce_scatters();
 }
 
 void RootState::flush_reduce_scatters() {
@@ -173,6 +181,7 @@ void RootState::flush_reduce_scatters() {
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();
   reduce_bucket_bytes_ = 0;
+  reduce_bucket_waited_ = 0;
 }
 
 // Groups finish in reverse forward order, the order their backward ran in,

@@ -90,6 +90,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   InflightQueue<DeviceWork> allgathers_, reduce_scatters_;
   std::vector<ParamGroup*> reduce_bucket_;  // prepared, not yet issued
   size_t reduce_bucket_bytes_ = 0;
+  int reduce_bucket_waited_ = 0;  // groups that joined the bucket after its first
 };
 
 }  // namespace fsdp

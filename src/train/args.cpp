@@ -105,6 +105,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         number(a.runtime.max_inflight_reduce_scatters)}},
       {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
                        number(a.runtime.bucket_mb)}},
+      {"--reduce-bucket-max-wait", {"with --bucket-mb: groups whose backward may run while gradients wait in the "
+                                    "reduce-scatter bucket, 0 = until it is full (default 0)",
+                                    number(a.runtime.reduce_bucket_max_wait)}},
       {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
       {"--trace-steps", {"steps the trace covers, from the second (default 2)", number(a.trace_steps)}},
       {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
@@ -129,10 +132,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                        text(a.init_from)}},
       {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
                     "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
-      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 2 is profiled, step 4 "
+      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 3 is profiled, step 5 "
                            "calibrated, and the fastest schedule predicted to fit (blocks checkpointed, blocks kept "
-                           "unsharded, prefetch depth, in-flight caps) trains from step 5; replaces --checkpoint "
-                           "and the prefetch and in-flight flags", number(a.memory_budget_gib)}},
+                           "unsharded, prefetch depth, in-flight caps, buckets) trains from step 6; replaces "
+                           "--checkpoint and the prefetch, in-flight and bucket flags", number(a.memory_budget_gib)}},
       {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
                        set_true(a.plan_only), false}},
       {"--plan-check", {"benchmark of the planner: after the profile and calibration, train each budget's plan "
@@ -179,6 +182,7 @@ void check_ranges(const TrainArgs& a) {
   require(a.runtime.max_inflight_reduce_scatters >= 0,
           "--max-inflight-reduce-scatters must be 0 (unlimited) or more");
   require(a.runtime.bucket_mb >= 0, "--bucket-mb must be 0 (off) or positive");
+  require(a.runtime.reduce_bucket_max_wait >= 0, "--reduce-bucket-max-wait must be 0 (no cap) or more");
   require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");
@@ -210,7 +214,9 @@ void check_ranges(const TrainArgs& a) {
     require(!a.checkpoint && a.reshard_after_forward,
             flag + " chooses which blocks are checkpointed and kept unsharded: drop --checkpoint and "
                    "--no-reshard-after-forward");
-    require(a.runtime.bucket_mb == 0, flag + " profiles each group's collectives apart: drop --bucket-mb");
+    require(a.runtime.bucket_mb == 0 && a.runtime.reduce_bucket_max_wait == 0,
+            flag + " chooses the buckets (the profile sees each group's collectives apart): drop --bucket-mb and "
+                   "--reduce-bucket-max-wait");
     require(a.replicas == 1,
             flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
     require(a.steps >= 5 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),

@@ -33,9 +33,12 @@ std::string checkpointed_blocks_json(const plan::Schedule& s) {
 
 std::string profile_report(const plan::CostModel& profile, const plan::Schedule& profiled) {
   const plan::Prediction replay = plan::simulate(profile, profiled);
+  char latency[160];
+  std::snprintf(latency, sizeof(latency), "; a collective's latency (what a bucket saves per group): all-gather "
+                "%.3f ms, reduce-scatter %.3f ms\n", profile.allgather_latency_ms, profile.reduce_scatter_latency_ms);
   return "fsdp-train: profiled step: peak " + format_bytes(profile.profiled_peak_bytes) +
          " allocated (the simulator's replay: " + format_bytes(replay.peak_bytes) + "); " +
-         format_bytes(profile.fixed_bytes) + " held throughout (shards, optimizer state)\n";
+         format_bytes(profile.fixed_bytes) + " held throughout (shards, optimizer state)" + latency;
 }
 
 std::string contention_report(const plan::CostModel& profile, const plan::Schedule& calibrated) {
@@ -92,6 +95,14 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     }
   }
   listed.push_back(none);
+  // And no checkpointing with each bucket size the planner tries: the buckets' own predictions.
+  for (double mb : plan::bucket_sizes_mb(profile)) {
+    if (mb == 0) continue;
+    Candidate bucketed = none;
+    bucketed.schedule.bucket_mb = mb;
+    bucketed.name = "no checkpointing, buckets of " + format_bytes(static_cast<int64_t>(mb * 1024 * 1024));
+    listed.push_back(std::move(bucketed));
+  }
   std::vector<Candidate> runs;
   for (auto& c : listed) {
     const bool repeated =

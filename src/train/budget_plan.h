@@ -21,7 +21,7 @@ std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, 
 
 // --plan-check: the schedules of no and of full checkpointing (the runtime's defaults otherwise)
 // and the planner's choice for `budgets` budgets spread evenly from the predicted peak of the one
-// to the other's. Each distinct one is applied and trained for `steps` steps (`one_step` runs a
+// to the other's, and no checkpointing with each of plan::bucket_sizes_mb. Each distinct one is applied and trained for `steps` steps (`one_step` runs a
 // step; the first two are warm-up) in each of `rounds` rounds (alternately in order and reversed),
 // and rank 0 writes one JSON line each to `path`: the schedule, its predicted and its measured step
 // time (median of all rounds' steps, and each round's) and peak allocated bytes. Schedules

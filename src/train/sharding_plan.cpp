@@ -35,6 +35,8 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
   s.prefetch_depth = runtime.prefetch_depth;
   s.max_inflight_allgathers = runtime.max_inflight_allgathers;
   s.max_inflight_reduce_scatters = runtime.max_inflight_reduce_scatters;
+  s.bucket_mb = runtime.bucket_mb;
+  s.reduce_bucket_max_wait = runtime.reduce_bucket_max_wait;
   return s;
 }
 

@@ -23,7 +23,7 @@ void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, Sh
 
 // On a sharded model: checkpoints the blocks the schedule names, sets each group's reshard choice
 // (after a step has recorded the forward order: fsdp::set_schedule) and the runtime's prefetch
-// depth and caps (bucket_mb as it was). Throws std::invalid_argument when the schedule is not one
+// depth, caps and buckets. Throws std::invalid_argument when the schedule is not one
 // of this model's groups or checkpoints the root.
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule);
 

@@ -64,6 +64,11 @@ struct CostModel {
   /// into them through a reduce-scatter output freed at the pass's end. false: the passes before
   /// the last hold unsharded sums (unsynced_grad_bytes) and only the last reduce-scatters.
   bool reduce_every_micro_batch = true;
+  /// What a collective costs whatever its size (launch and synchronisation across the ranks):
+  /// one coalesced collective of k groups (a bucket) takes k - 1 of them less than k apart.
+  /// Measured with the profile from the smallest collectives back to back; 0: buckets save nothing.
+  double allgather_latency_ms = 0;
+  double reduce_scatter_latency_ms = 0;  ///< the same for reduce-scatters
   int64_t fixed_bytes = 0;  ///< allocated when the step starts: shards, optimizer state, workspaces
   double fixed_ms = 0;      ///< time outside the groups (optimizer step, launch gaps)
   int64_t profiled_peak_bytes = 0;  ///< measured: the peak of the step this model was profiled from
@@ -77,12 +82,17 @@ struct Schedule {
   int prefetch_depth = 1;  ///< groups all-gathered ahead of use
   int max_inflight_allgathers = 2;      ///< 0: unlimited
   int max_inflight_reduce_scatters = 2;  ///< 0: unlimited
+  /// Groups below this many MB (param_bytes) share coalesced collectives (RuntimeOptions::bucket_mb):
+  /// bucket membership follows from the sizes and the order. 0: every group alone.
+  double bucket_mb = 0;
+  int reduce_bucket_max_wait = 0;  ///< RuntimeOptions::reduce_bucket_max_wait
 
   /// The same choices everywhere.
   bool operator==(const Schedule& o) const {
     return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward &&
            prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
-           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters;
+           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters && bucket_mb == o.bucket_mb &&
+           reduce_bucket_max_wait == o.reduce_bucket_max_wait;
   }
 };
 

@@ -3,7 +3,9 @@
 //   - checkpoint the k checkpointable groups that free the most activation bytes per millisecond
 //     of recompute, for every k from none to all;
 //   - keep the last m groups (whose backward comes first) unsharded between forward and backward;
-//   - prefetch depth 0-2 and in-flight caps of 1, 2 or unlimited for all-gathers and reduce-scatters.
+//   - prefetch depth 0-2 and in-flight caps of 1, 2 or unlimited for all-gathers and reduce-scatters;
+//   - no buckets, or buckets of bucket_sizes_mb (each with no cap on the reduce-scatters' wait, or
+//     a wait of one group).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,11 @@ class BudgetTooSmall : public std::invalid_argument {
 /// The fastest schedule whose predicted peak stays within budget_bytes * (1 - margin); equal
 /// times go to the lower peak. Throws BudgetTooSmall naming the smallest budget that fits.
 Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin = 0.05);
+
+/// The bucket sizes the planner tries: 0 (none), and 2.5 and 4.5 times the smallest group's
+/// parameters (about two and four such groups a bucket), when the model has a collective latency
+/// that buckets would save.
+std::vector<double> bucket_sizes_mb(const CostModel& model);
 
 /// "1.50 GiB", or "12.3 MiB" below a GiB: how plans and their checks print bytes.
 std::string format_bytes(int64_t bytes);

@@ -42,7 +42,8 @@ struct Prediction {
 };
 
 /// Throws std::invalid_argument when the schedule's per-group vectors do not match the model.
-Prediction simulate(const CostModel& model, const Schedule& schedule);
+/// explain = false: only step_ms and peak_bytes (no names, no timeline; the planner's search).
+Prediction simulate(const CostModel& model, const Schedule& schedule, bool explain = true);
 
 /// How much of the (start, end) intervals falls within [from, to] (overlaps counted once each).
 double time_within(const std::vector<std::pair<double, double>>& intervals, double from, double to);
