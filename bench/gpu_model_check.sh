@@ -17,7 +17,7 @@
 #           its frontier, without FSDP2; then the same with 2 micro-batches of batch 2 a step
 #           (reduce-scattered each, or only the last with ACCUM_SYNC=last)
 #   plan-small  the GPU suite and training runs, --plan-check on the small model (24 blocks of 6 MB:
-#           collective latency matters), with the bucketed fixed points
+#           collective latency matters), with the bucketed fixed points; 2 GPUs, or 1 if only one
 #   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
 #           with every block checkpointed, traced at prefetch depth 0 and at 1)
 #   plan-8b the 2-rank GPU suite and 2-GPU training runs, --plan-check on the 8B, and
@@ -103,10 +103,11 @@ case $part in
       --plan-check "$work/plan-check-1b-accum.jsonl" --log "$work/plan-1b-accum.jsonl"
     phase frontier-1b-accum 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b-accum.jsonl" \
       --out "$work/frontier-1b-accum" ;;
-  plan-small)
-    phase gpu-tests 200 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
-'train_gpu_2_checkpoint)$'
-    phase plan-check-small 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model small --seq 1024 --batch 4 \
+  plan-small)  # on 2 GPUs, or on 1 where only one is lent
+    gpus=$(( $(nvidia-smi -L | wc -l) > 1 ? 2 : 1 ))
+    phase gpu-tests 200 ctest --test-dir build --output-on-failure -R "^(unit|gpu_${gpus}_ranks|train_gpu_${gpus}|"\
+"train_gpu_${gpus}_checkpoint)\$"
+    phase plan-check-small 200 build/fsdp-run --gpu -n $gpus build/fsdp-train --model small --seq 1024 --batch 4 \
       --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-small.jsonl" --plan-check-steps 10 \
       --log "$work/plan-small.jsonl"
     phase frontier-small 30 python3 bench/plan_frontier.py --check "$work/plan-check-small.jsonl" \
