@@ -27,6 +27,10 @@
 #           resumed on the device, the 1B offloaded
 #   offload-8b  the 8B offloaded, and under FSDP2's CPUOffloadPolicy
 #   offload-budget  the 8B offloaded: --memory-budget 48 (plans and trains), and every block checkpointed
+#   offload-1gpu  on ONE GPU: the 1-rank suite and training runs (offloaded, optimizer in backward), the
+#           8B offloaded with the optimizer in backward
+#   device-1gpu  on ONE GPU: the 8B offloaded with the optimizer after backward (refused: host memory),
+#           and not offloaded (every block checkpointed, batch 1)
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
@@ -43,7 +47,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
 part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload, offload-8b,
-  offload-budget, hsdp, two-nodes, package}
+  offload-budget, offload-1gpu, device-1gpu, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -148,6 +152,16 @@ case $part in
       --param-dtype bf16 --cpu-offload --memory-budget 48 --steps 7 --log "$work/budget-48-8b.jsonl"
     phase offload-8b-ac 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --checkpoint --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
+  offload-1gpu)
+    phase gpu-tests 240 ctest --test-dir build --output-on-failure \
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+    phase offload-8b-1gpu 330 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 5 --log "$work/offload-8b-1gpu.jsonl" ;;
+  device-1gpu)
+    phase offload-8b-1gpu-after-backward 30 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
+      --batch 2 --param-dtype bf16 --cpu-offload --clip 0 --steps 5 --log "$work/refused.jsonl"
+    phase device-8b-1gpu 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
+      --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-1gpu.jsonl" ;;
   hsdp)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'

@@ -1,6 +1,7 @@
 // FSDP training against single-process training of the same model on the
 // same global batch.
 #include "helpers.h"
+#include "train/fused_adamw.h"
 #include "train/sharding_plan.h"
 
 namespace fsdp::testing {
@@ -406,6 +407,44 @@ TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
   EXPECT_EQ(waited.all_gathers, 7);
   EXPECT_EQ(waited.reduce_scatters, 4);
   set_runtime_options(defaults);
+}
+
+// The optimizer stepped group by group in backward (set_step_in_backward) computes what one step
+// after backward does: AdamW's update of a parameter reads only its gradient and state, and the
+// fused kernel is elementwise, so the runs are bit-identical, offloaded or not. After each
+// backward no gradient is left (only one group's existed at a time), and clipping is refused.
+TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
+  for (bool offload : {false, true}) {
+    auto run = [offload](bool in_backward) {
+      model::Llama llama = seeded_llama(tiny_llama());
+      ShardOptions options;
+      options.cpu_offload = offload;
+      shard_blocks_and_root(llama, options);
+      train::FusedAdamW adam(llama->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      adam.init_state();
+      if (in_backward)
+        set_step_in_backward(llama, [&adam](const std::vector<at::Tensor>& params) { adam.step_params(params); });
+      const auto tokens = train::synthetic_tokens(llama->config.vocab, 5)->rows(0, world()->rank() * 2, 2, 16);
+      TrainResult result;
+      for (int step = 0; step < 4; ++step) {
+        adam.zero_grad();
+        at::Tensor loss =
+            fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
+        loss.backward();
+        if (in_backward) {
+          for (const auto& p : llama->parameters()) EXPECT_FALSE(p.grad().defined());
+          EXPECT_THROW(clip_grad_norm_(*llama, 1.0), std::logic_error);
+        } else {
+          adam.step();
+        }
+        result.losses.push_back(loss.item<double>());
+      }
+      result.params = full_state_dict(*llama);
+      return result;
+    };
+    SCOPED_TRACE(offload ? "offloaded" : "on the device");
+    expect_identical_run(run(true), run(false));
+  }
 }
 
 }  // namespace

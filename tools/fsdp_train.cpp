@@ -130,6 +130,10 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!optimizer) optimizer = make_optimizer();
   // Long-lived buffers first, next to the sharded parameters, before activations split the pool.
   optimizer->init_state();
+  if (args.optimizer_in_backward)
+    fsdp::set_step_in_backward(model, [&optimizer](const std::vector<at::Tensor>& params) {
+      optimizer->step_params(params);
+    });
   fsdp::train::allocate_library_workspaces(device);
   fsdp::CheckpointState checkpoint = fsdp::model_state(*model);
   optimizer->add_to_checkpoint(checkpoint, model->named_parameters().pairs());
@@ -175,6 +179,7 @@ int train(const fsdp::train::TrainArgs& args) {
                 c10::toString(*shard.mixed_precision.reduce_dtype));
     if (args.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args.replicas, comm->world_size() / args.replicas);
     if (args.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
+    if (args.optimizer_in_backward) std::printf(" | optimizer in backward");
     if (device.is_cuda())
       std::printf(" | attention %s | allocator '%s'", args.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
     std::printf("\n");
@@ -219,7 +224,7 @@ int train(const fsdp::train::TrainArgs& args) {
       loss += micro_loss.detach();
     }
     const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
-    optimizer->step();
+    if (!args.optimizer_in_backward) optimizer->step();  // else each group stepped in backward
     return std::make_pair(loss, grad_norm_on_device);
   };
   std::optional<fsdp::plan::CostModel> profile;

@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -69,6 +70,25 @@ void set_requires_gradient_sync(torch::nn::Module& root, bool sync);
 template <class M>
 void set_requires_gradient_sync(M& root, bool sync) {
   set_requires_gradient_sync(detail::as_module(root), sync);
+}
+
+/// An optimizer step over some parameters, each holding its sharded gradient (set_step_in_backward).
+using GroupStep = std::function<void(const std::vector<at::Tensor>& params)>;
+
+/// The optimizer step in backward, group by group: once a sharded module's gradients are reduced
+/// (for an offloaded module, copied to the host), `step` runs with its parameters that have a
+/// gradient, and those gradients are freed right after, so only one group's sharded gradients
+/// exist at a time (with CPU offload the host then holds 12 bytes a parameter instead of 16). For
+/// optimizers whose update of a parameter reads only that parameter's gradient and state (AdamW,
+/// SGD) it computes what one step after backward would, without gradient clipping:
+/// clip_grad_norm_ throws while a step in backward is set. Each module's reduce-scatter then goes
+/// out at its backward's end (no bucket waits for it). With gradient accumulation, turn gradient
+/// sync off for every micro-batch but the last: each synced backward steps. Applies to `root` and
+/// every sharded module under it; an empty `step` turns it off. Not collective.
+void set_step_in_backward(torch::nn::Module& root, GroupStep step);
+template <class M>
+void set_step_in_backward(M& root, GroupStep step) {
+  set_step_in_backward(detail::as_module(root), std::move(step));
 }
 
 /// The rows of a full parameter that `param` (a module's parameter tensor) holds on this rank:

@@ -50,6 +50,9 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm) {
     if (owner->state->group().is_unsharded())
       throw std::logic_error("fsdp::clip_grad_norm_: call it after backward, not between "
                              "forward and backward ('" + item.key() + "' is unsharded)");
+    if (owner->state->steps_in_backward())
+      throw std::logic_error("fsdp::clip_grad_norm_: the optimizer steps in backward (set_step_in_backward), so the "
+                             "gradients are applied and gone before the norm could be taken; clip without it");
     comm = &owner->state->group().comm();
     if (!p.grad().defined()) continue;
     auto it = std::find_if(grads.begin(), grads.end(), [&](const auto& g) { return g.first == p.grad().device(); });

@@ -158,16 +158,30 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
 
 ModuleState* state_of(const torch::nn::Module& module) { return Runtime::get().state_of(module); }
 
-void set_requires_gradient_sync(torch::nn::Module& root, bool sync) {
+namespace {
+
+// Applies `set` to the state of every sharded module under `root` (itself included).
+template <class Set>
+void for_each_state(torch::nn::Module& root, const char* caller, Set&& set) {
   bool any = false;
   for (const auto& module : root.modules(/*include_self=*/true))
     if (ModuleState* state = Runtime::get().state_of(*module)) {
-      state->set_gradient_sync(sync);
+      set(*state);
       any = true;
     }
   if (!any)
-    throw std::invalid_argument("fsdp::set_requires_gradient_sync(" + root.name() +
+    throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
                                 "): no module in it is sharded; call fully_shard first");
+}
+
+}  // namespace
+
+void set_requires_gradient_sync(torch::nn::Module& root, bool sync) {
+  for_each_state(root, "set_requires_gradient_sync", [sync](ModuleState& state) { state.set_gradient_sync(sync); });
+}
+
+void set_step_in_backward(torch::nn::Module& root, GroupStep step) {
+  for_each_state(root, "set_step_in_backward", [&step](ModuleState& state) { state.set_step_in_backward(step); });
 }
 
 }  // namespace fsdp

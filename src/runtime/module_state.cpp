@@ -202,7 +202,25 @@ void ModuleState::post_backward() {
   hand_off_gradients();
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
   // last use in backward has run: they stay unsharded until the end.
-  if (!has_frozen_params_) reshard();
+  if (has_frozen_params_) return;
+  reshard();
+  if (step_in_backward_ && gradient_sync_) {
+    // Its reduce-scatter now (not in a bucket), its gradients committed (for an offloaded group
+    // the host waits for their copy), stepped and freed before the next group's arrive.
+    root().flush_reduce_scatters();
+    ParamGroup::commit_gradients({&group_});
+    step_committed_gradients();
+  }
+}
+
+void ModuleState::step_committed_gradients() {
+  if (!step_in_backward_) return;
+  std::vector<at::Tensor> stepped;
+  for (const auto& p : group_.params())
+    if (p.param.grad().defined()) stepped.push_back(p.param);
+  if (stepped.empty()) return;
+  step_in_backward_(stepped);
+  for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
 }
 
 void ModuleState::hand_off_gradients() {

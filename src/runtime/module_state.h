@@ -7,9 +7,10 @@
 //   backward  pre_backward (first output gradient): unshard again
 //             on_gradient (each AccumulateGrad): when every trainable
 //             parameter has its gradient, reduce-scatter and reshard
+//             (with a step in backward: then commit them and step)
 //   end       the engine's final callback: reduce-scatter / reshard whatever
 //             is still outstanding (unused or frozen parameters, groups whose
-//             gradients never all arrived)
+//             gradients never all arrived), and step those groups
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/fully_shard.h"
 #include "fsdp/options.h"
 #include "shard/param_group.h"
 
@@ -54,6 +56,12 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // (ParamGroup::hold_unsynced_gradients) instead of reduce-scattering them; the first backward
   // with true reduce-scatters the sum.
   void set_gradient_sync(bool sync) { gradient_sync_ = sync; }
+  // fsdp::set_step_in_backward; empty: off.
+  void set_step_in_backward(GroupStep step) { step_in_backward_ = std::move(step); }
+  bool steps_in_backward() const { return static_cast<bool>(step_in_backward_); }
+  // With a step in backward: steps the parameters whose sharded gradients are committed, then
+  // frees those gradients (the end-of-backward callback calls it after committing the rest).
+  void step_committed_gradients();
 
   // All-gathers ahead of use (no-op when unsharded already).
   void prefetch();
@@ -82,6 +90,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   bool reshard_after_forward_;
   bool has_frozen_params_ = false;
   bool gradient_sync_ = true;
+  GroupStep step_in_backward_;
   int trainable_params_ = 0;
   // The accumulator each trainable parameter's gradient last went through;
   // held so that it (and our hook on it) survives between steps.

@@ -198,6 +198,7 @@ void RootState::end_of_backward() {
   std::vector<ParamGroup*> committed;
   for (auto& state : groups) committed.push_back(&state->group());
   ParamGroup::commit_gradients(committed);
+  for (auto& state : groups) state->step_committed_gradients();  // those not stepped in backward yet
   reduce_scatters_.clear();
   backward_pass_.end_pass();
   reshard_strays(/*only_idle_this_step=*/false);

@@ -87,6 +87,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
                          "optimizer on the CPU: the GPU holds only what forward and backward use",
                          set_true(a.cpu_offload), false}},
+      {"--optimizer-in-backward",
+       {"step AdamW group by group in backward, as each group's gradients are reduced, and free them: no "
+        "model-sized gradients (with --cpu-offload 12 bytes of host memory a parameter instead of 16); "
+        "needs --clip 0", set_true(a.optimizer_in_backward), false}},
       {"--replicas", {"HSDP: split the ranks into this many replicas, each sharding the model over its "
                       "ranks (consecutive ones); gradients are averaged across replicas (default 1: plain FSDP)",
                       number(a.replicas)}},
@@ -209,6 +213,10 @@ void check_ranges(const TrainArgs& a) {
   require(a.plan_check_budgets >= 1, "--plan-check-budgets must be at least 1");
   require(a.plan_check_steps >= 3, "--plan-check-steps must be at least 3 (two are warm-up)");
   require(a.plan_check_rounds >= 1, "--plan-check-rounds must be at least 1");
+  require(!a.optimizer_in_backward || a.clip == 0,
+          "--optimizer-in-backward steps each group before the global gradient norm exists: add --clip 0");
+  require(!a.optimizer_in_backward || a.grad_accum == 1 || a.grad_accum_sync == "last",
+          "--optimizer-in-backward with --grad-accum steps after the last micro-batch only: use --grad-accum-sync last");
   if (plans_schedule(a)) {
     const std::string flag = a.memory_budget_gib > 0 ? "--memory-budget" : "--plan-check";
     require(!a.checkpoint && a.reshard_after_forward,
@@ -217,6 +225,8 @@ void check_ranges(const TrainArgs& a) {
     require(a.runtime.bucket_mb == 0 && a.runtime.reduce_bucket_max_wait == 0,
             flag + " chooses the buckets (the profile sees each group's collectives apart): drop --bucket-mb and "
                    "--reduce-bucket-max-wait");
+    require(!a.optimizer_in_backward,
+            flag + " plans a step whose optimizer runs after backward: drop --optimizer-in-backward");
     require(a.replicas == 1,
             flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
     require(a.steps >= 5 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),
@@ -319,7 +329,9 @@ void check_memory(const TrainArgs& a) {
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
-  const double sharded_state = 16.0 * params / shard_ranks;  // fp32 weights, gradients, two AdamW moments
+  // fp32 weights, gradients and two AdamW moments; stepped in backward, one group's gradients at a time.
+  const double state_bytes = a.optimizer_in_backward ? 12.0 : 16.0;
+  const double sharded_state = state_bytes * params / shard_ranks;
   // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
   const bool offloaded = a.cpu_offload && on_gpu;
   const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
@@ -334,12 +346,15 @@ void check_memory(const TrainArgs& a) {
   // Parameters are made as shards (sharded initialisation): the model itself needs only its
   // share of the state on each rank.
   if (offloaded && host > 0 && sharded_state * local > host)
-    throw UsageError("--cpu-offload: the " + model_name(a) + " model's sharded state (16 bytes a parameter) takes " +
-                     gib(sharded_state * local) + " of host memory for this host's " + std::to_string(local) +
-                     " rank(s), more than the " + gib(host) + " available: use more hosts or a smaller model");
+    throw UsageError("--cpu-offload: the " + model_name(a) + " model's sharded state (" +
+                     std::to_string(int(state_bytes)) + " bytes a parameter) takes " + gib(sharded_state * local) +
+                     " of host memory for this host's " + std::to_string(local) + " rank(s), more than the " +
+                     gib(host) + " available: use more hosts" +
+                     (a.optimizer_in_backward ? "" : ", --optimizer-in-backward (12 bytes a parameter)") +
+                     " or a smaller model");
   if (have > 0 && !offloaded && sharded_state > have)
-    throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, 16 bytes a "
-                     "parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(shard_ranks) +
+    throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, " +
+                     std::to_string(int(state_bytes)) + " bytes a parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(shard_ranks) +
                      " rank(s)" + (a.replicas > 1 ? " a replica" : "") + ", more than the " + gib(have) + where +
                      ": use more ranks, " + (a.replicas > 1 ? "fewer --replicas, " : "") +
                      (on_gpu && !a.cpu_offload ? "--cpu-offload, " : "") + "or a smaller model");

@@ -31,6 +31,7 @@ struct TrainArgs {
   std::string param_dtype = "auto", reduce_dtype = "fp32";
   bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
   bool cpu_offload = false;  // ShardOptions::cpu_offload: sharded state and the optimizer step on the host
+  bool optimizer_in_backward = false;  // fsdp::set_step_in_backward: AdamW per group as gradients arrive
   int replicas = 1;          // HSDP (fsdp::make_mesh): replica groups, each sharding the model over its ranks
   std::string backend = "auto";
   std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)

@@ -53,37 +53,54 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode enable(true);
     loss = closure();
   }
+  for (auto& group : param_groups_)
+    update(static_cast<const torch::optim::AdamWOptions&>(group.options()), group.params());
+  return loss;
+}
+
+void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
+  size_t found = 0;
+  for (auto& group : param_groups_) {
+    std::vector<at::Tensor> in_group;
+    for (const auto& p : params)
+      for (const auto& q : group.params())
+        if (p.is_same(q)) in_group.push_back(p);
+    found += in_group.size();
+    if (!in_group.empty()) update(static_cast<const torch::optim::AdamWOptions&>(group.options()), in_group);
+  }
+  if (found != params.size())
+    throw std::invalid_argument("FusedAdamW::step_params: " + std::to_string(params.size() - found) +
+                                " of the parameters were not given to this optimizer");
+}
+
+void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
   };
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    // The kernel takes tensors of one device and dtype at a time.
-    std::map<std::pair<std::string, at::ScalarType>, Lists> batches;
-    for (auto& p : group.params()) {
-      if (!p.grad().defined() || p.numel() == 0) continue;
-      auto& s = state_of(p);
-      if (!s.exp_avg.sizes().equals(p.sizes()))
-        throw std::invalid_argument(
-            "FusedAdamW: a parameter of shape " + c10::str(p.sizes()) + " has moments of shape " +
-            c10::str(s.exp_avg.sizes()) + ": its state was created before the parameter changed shape "
-            "(fully_shard after init_state() or after a step); create the state after sharding");
-      auto& lists = batches[{p.device().str(), p.scalar_type()}];
-      lists.params.push_back(p);
-      lists.grads.push_back(p.grad());
-      lists.exp_avgs.push_back(s.exp_avg);
-      lists.exp_avg_sqs.push_back(s.exp_avg_sq);
-      lists.steps.push_back(s.step);
-    }
-    for (auto& [key, l] : batches) {
-      at::_foreach_add_(l.steps, 1);
-      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps,
-                        o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                        /*amsgrad=*/false, /*maximize=*/false);
-    }
+  // The kernel takes tensors of one device and dtype at a time.
+  std::map<std::pair<std::string, at::ScalarType>, Lists> batches;
+  for (auto& p : params) {
+    if (!p.grad().defined() || p.numel() == 0) continue;
+    auto& s = state_of(p);
+    if (!s.exp_avg.sizes().equals(p.sizes()))
+      throw std::invalid_argument(
+          "FusedAdamW: a parameter of shape " + c10::str(p.sizes()) + " has moments of shape " +
+          c10::str(s.exp_avg.sizes()) + ": its state was created before the parameter changed shape "
+          "(fully_shard after init_state() or after a step); create the state after sharding");
+    auto& lists = batches[{p.device().str(), p.scalar_type()}];
+    lists.params.push_back(p);
+    lists.grads.push_back(p.grad());
+    lists.exp_avgs.push_back(s.exp_avg);
+    lists.exp_avg_sqs.push_back(s.exp_avg_sq);
+    lists.steps.push_back(s.step);
   }
-  return loss;
+  for (auto& [key, l] : batches) {
+    at::_foreach_add_(l.steps, 1);
+    at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps, o.lr(),
+                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                      /*amsgrad=*/false, /*maximize=*/false);
+  }
 }
 
 }  // namespace fsdp::train

@@ -20,6 +20,9 @@ class FusedAdamW : public torch::optim::Optimizer {
  public:
   FusedAdamW(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options);
   at::Tensor step(LossClosure closure = nullptr) override;
+  // The step of only these parameters (each with its group's options): a step in backward
+  // (fsdp::set_step_in_backward). Throws std::invalid_argument for a parameter it was not given.
+  void step_params(const std::vector<at::Tensor>& params);
 
   // Allocates the moments of every trainable parameter now rather than in the
   // first step(). Call it after sharding (the moments take the parameters'
@@ -35,6 +38,7 @@ class FusedAdamW : public torch::optim::Optimizer {
 
  private:
   FusedAdamWState& state_of(const at::Tensor& param);
+  void update(const torch::optim::AdamWOptions& options, const std::vector<at::Tensor>& params);
 };
 
 }  // namespace fsdp::train
