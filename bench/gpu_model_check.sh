@@ -29,8 +29,8 @@
 #   offload-budget  the 8B offloaded: --memory-budget 48 (plans and trains), and every block checkpointed
 #   offload-1gpu  on ONE GPU: the 1-rank suite and training runs (offloaded, optimizer in backward), the
 #           8B offloaded with the optimizer in backward
-#   device-1gpu  on ONE GPU: the 8B offloaded with the optimizer after backward (refused: host memory),
-#           and not offloaded (every block checkpointed, batch 1)
+#   device-1gpu  on ONE GPU: the 8B offloaded with the optimizer after backward, and not offloaded
+#           (every block checkpointed at batch 1; none at batch 2)
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
@@ -158,10 +158,12 @@ case $part in
     phase offload-8b-1gpu 330 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 5 --log "$work/offload-8b-1gpu.jsonl" ;;
   device-1gpu)
-    phase offload-8b-1gpu-after-backward 30 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
+    phase offload-8b-1gpu-after-backward 240 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
       --batch 2 --param-dtype bf16 --cpu-offload --clip 0 --steps 5 --log "$work/refused.jsonl"
     phase device-8b-1gpu 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
-      --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-1gpu.jsonl" ;;
+      --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-1gpu.jsonl"
+    phase device-8b-1gpu-batch2 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
+      --param-dtype bf16 --steps 3 --log "$work/device-8b-1gpu-batch2.jsonl" ;;
   hsdp)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
