@@ -1,6 +1,9 @@
 // FSDP training against single-process training of the same model on the
 // same global batch.
+#include <unordered_set>
+
 #include "helpers.h"
+#include "shard/memory_stats.h"
 #include "train/fused_adamw.h"
 #include "train/sharding_plan.h"
 
@@ -412,10 +415,15 @@ TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
 // The optimizer stepped group by group in backward (set_step_in_backward) computes what one step
 // after backward does: AdamW's update of a parameter reads only its gradient and state, and the
 // fused kernel is elementwise, so the runs are bit-identical, offloaded or not. After each
-// backward no gradient is left (only one group's existed at a time), and clipping is refused.
+// backward no gradient is left (only one group's existed at a time), and clipping is refused. On
+// CPU ranks (host memory counted exactly) a backward with the step in it leaves less allocated,
+// by exactly the storage of the gradients the other run's backward leaves.
 TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
+  count_host_allocations();
   for (bool offload : {false, true}) {
-    auto run = [offload](bool in_backward) {
+    int64_t held_after_backward[2] = {0, 0};  // [in_backward]: bytes the last backward left allocated
+    int64_t gradient_bytes = 0;               // the storage of the gradients then (stepped after backward)
+    auto run = [&, offload](bool in_backward) {
       model::Llama llama = seeded_llama(tiny_llama());
       ShardOptions options;
       options.cpu_offload = offload;
@@ -428,9 +436,18 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
       TrainResult result;
       for (int step = 0; step < 4; ++step) {
         adam.zero_grad();
+        const int64_t at_start = allocated_bytes(device()).now;
         at::Tensor loss =
             fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
         loss.backward();
+        held_after_backward[in_backward] = allocated_bytes(device()).now - at_start;
+        if (!in_backward) {
+          std::unordered_set<const void*> storages;
+          gradient_bytes = 0;
+          for (const auto& p : llama->parameters())
+            if (p.grad().defined() && storages.insert(p.grad().storage().data()).second)
+              gradient_bytes += static_cast<int64_t>(p.grad().storage().nbytes());
+        }
         if (in_backward) {
           for (const auto& p : llama->parameters()) EXPECT_FALSE(p.grad().defined());
           EXPECT_THROW(clip_grad_norm_(*llama, 1.0), std::logic_error);
@@ -444,6 +461,8 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
     };
     SCOPED_TRACE(offload ? "offloaded" : "on the device");
     expect_identical_run(run(true), run(false));
+    ASSERT_GT(gradient_bytes, 0);
+    if (device().is_cpu()) EXPECT_EQ(held_after_backward[false] - held_after_backward[true], gradient_bytes);
   }
 }
 
