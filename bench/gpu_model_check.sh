@@ -110,7 +110,7 @@ case $part in
   plan-small)  # on 2 GPUs, or on 1 where only one is lent
     gpus=$(( $(nvidia-smi -L | wc -l) > 1 ? 2 : 1 ))
     phase gpu-tests 200 ctest --test-dir build --output-on-failure -R "^(unit|gpu_${gpus}_ranks|train_gpu_${gpus}|"\
-"train_gpu_${gpus}_checkpoint)\$"
+"train_gpu_${gpus}_checkpoint|train_gpu_${gpus}_optimizer_in_backward)\$"
     phase plan-check-small 200 build/fsdp-run --gpu -n $gpus build/fsdp-train --model small --seq 1024 --batch 4 \
       --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-small.jsonl" --plan-check-steps 10 \
       --log "$work/plan-small.jsonl"
@@ -135,7 +135,7 @@ case $part in
       --param-dtype bf16 --steps 5 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
   offload)
     phase gpu-tests 200 ctest --test-dir build --output-on-failure \
-      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload)$'
+      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_optimizer_in_backward)$'
     phase offload-resume 120 bash -c "build/fsdp-run --gpu -n 2 build/fsdp-train --model tiny --seq 64 --steps 10 \
       --cpu-offload --save-dir $work/ckpt --log $work/offload-save.jsonl && build/fsdp-run --gpu -n 2 \
       build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/device-resume.jsonl"
