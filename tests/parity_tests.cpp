@@ -1,5 +1,10 @@
 // FSDP training against single-process training of the same model on the
 // same global batch.
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <unordered_set>
 
 #include "helpers.h"
@@ -418,20 +423,52 @@ TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
 // backward no gradient is left (only one group's existed at a time), and clipping is refused. On
 // CPU ranks (host memory counted exactly) a backward with the step in it leaves less allocated,
 // by exactly the storage of the gradients the other run's backward leaves.
+// Where the shards live and how the steps run: offloaded groups step on the root's host worker
+// (RuntimeOptions::max_pending_host_steps of them pending; 0: on backward's thread), groups on the
+// device on backward's thread. "mixed": blocks offloaded, the root's own parameters not.
+struct StepCase {
+  const char* name;
+  bool offload_blocks, offload_root;
+  int pending;
+};
+
 TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
   count_host_allocations();
-  for (bool offload : {false, true}) {
+  const RuntimeOptions defaults = runtime_options();
+  for (const StepCase c : {StepCase{"on the device", false, false, 2}, StepCase{"offloaded, no worker", true, true, 0},
+                           StepCase{"offloaded, 1 pending", true, true, 1}, StepCase{"offloaded", true, true, 2},
+                           StepCase{"mixed", true, false, 2}}) {
+    SCOPED_TRACE(c.name);
+    RuntimeOptions options = defaults;
+    options.max_pending_host_steps = c.pending;
+    set_runtime_options(options);
     int64_t held_after_backward[2] = {0, 0};  // [in_backward]: bytes the last backward left allocated
     int64_t gradient_bytes = 0;               // the storage of the gradients then (stepped after backward)
-    auto run = [&, offload](bool in_backward) {
+    std::atomic<int> stepping{0};
+    std::atomic<bool> overlapped{false};
+    std::mutex threads_mutex;
+    std::set<std::thread::id> step_threads;
+    std::thread::id backward_thread;
+    auto run = [&](bool in_backward) {
       model::Llama llama = seeded_llama(tiny_llama());
-      ShardOptions options;
-      options.cpu_offload = offload;
-      shard_blocks_and_root(llama, options);
+      ShardOptions blocks, root;
+      blocks.cpu_offload = c.offload_blocks;
+      root.cpu_offload = c.offload_root;
+      for (auto& b : llama->blocks) fully_shard(b, blocks);
+      fully_shard(llama, root);
       train::FusedAdamW adam(llama->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
       adam.init_state();
       if (in_backward)
-        set_step_in_backward(llama, [&adam](const std::vector<at::Tensor>& params) { adam.step_params(params); });
+        set_step_in_backward(llama, [&](const std::vector<at::Tensor>& params) {
+          if (++stepping > 1) overlapped = true;
+          {
+            std::lock_guard<std::mutex> lock(threads_mutex);
+            step_threads.insert(std::this_thread::get_id());
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a window for a second step to overlap
+          adam.step_params(params);
+          --stepping;
+        });
       const auto tokens = train::synthetic_tokens(llama->config.vocab, 5)->rows(0, world()->rank() * 2, 2, 16);
       TrainResult result;
       for (int step = 0; step < 4; ++step) {
@@ -439,6 +476,10 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
         const int64_t at_start = allocated_bytes(device()).now;
         at::Tensor loss =
             fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
+        loss.register_hook([&](const at::Tensor& grad) {  // runs on backward's thread, first
+          backward_thread = std::this_thread::get_id();
+          return grad;
+        });
         loss.backward();
         held_after_backward[in_backward] = allocated_bytes(device()).now - at_start;
         if (!in_backward) {
@@ -459,11 +500,45 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
       result.params = full_state_dict(*llama);
       return result;
     };
-    SCOPED_TRACE(offload ? "offloaded" : "on the device");
     expect_identical_run(run(true), run(false));
     ASSERT_GT(gradient_bytes, 0);
     if (device().is_cpu()) EXPECT_EQ(held_after_backward[false] - held_after_backward[true], gradient_bytes);
+    EXPECT_FALSE(overlapped) << "the step function ran twice at once";
+    if (c.offload_root && c.pending > 0) {  // every step on the worker
+      EXPECT_EQ(step_threads.size(), 1u);
+      EXPECT_EQ(step_threads.count(backward_thread), 0u);
+    }
   }
+  set_runtime_options(defaults);
+}
+
+// A step that throws fails the backward, naming the module, whichever thread it ran on.
+TEST(Parity, AFailedStepInBackwardNamesTheModule) {
+  const RuntimeOptions defaults = runtime_options();
+  for (int pending : {0, 2}) {
+    RuntimeOptions options = defaults;
+    options.max_pending_host_steps = pending;
+    set_runtime_options(options);
+    model::Llama llama = seeded_llama(tiny_llama());
+    ShardOptions offloaded;
+    offloaded.cpu_offload = true;
+    shard_blocks_and_root(llama, offloaded);
+    int calls = 0;
+    set_step_in_backward(llama, [&calls](const std::vector<at::Tensor>&) {
+      if (++calls == 2) throw std::runtime_error("no room for the moments");
+    });
+    const auto tokens = train::synthetic_tokens(llama->config.vocab, 5)->rows(0, world()->rank() * 2, 2, 16);
+    at::Tensor loss = fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
+    try {
+      loss.backward();
+      ADD_FAILURE() << "backward went through a failed step (pending " << pending << ")";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("the optimizer step in backward of '#"), std::string::npos) << what;
+      EXPECT_NE(what.find("no room for the moments"), std::string::npos) << what;
+    }
+  }
+  set_runtime_options(defaults);
 }
 
 }  // namespace

@@ -2,13 +2,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
 #include "sched/execution_order.h"
+#include "sched/host_worker.h"
 #include "sched/inflight_queue.h"
 #include "shard/flat_copy.h"
 #include "shard/shard_layout.h"
@@ -156,6 +161,74 @@ TEST(InflightQueue, ZeroMeansUnlimited) {
   }
   EXPECT_EQ(queue.waits(), 0);
   EXPECT_EQ(queue.size(), 100u);
+}
+
+TEST(HostWorker, RunsJobsInOrderOffTheCallersThread) {
+  std::vector<int> ran;
+  std::vector<std::thread::id> threads;
+  fsdp::HostWorker worker;
+  for (int i = 0; i < 5; ++i)
+    worker.submit(
+        [&, i] {
+          ran.push_back(i);
+          threads.push_back(std::this_thread::get_id());
+        },
+        10);
+  worker.wait_all();  // orders the jobs' writes before the reads below
+  EXPECT_EQ(ran, (std::vector<int>{0, 1, 2, 3, 4}));
+  for (const auto& id : threads) EXPECT_NE(id, std::this_thread::get_id());
+  EXPECT_EQ(worker.pending(), 0);
+}
+
+TEST(HostWorker, ASubmitPastTheCapWaitsForTheOldestJob) {
+  fsdp::HostWorker worker;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  EXPECT_FALSE(worker.submit([released] { released.wait(); }, 1));
+  std::atomic<bool> queued{false};
+  std::thread second([&] {
+    EXPECT_TRUE(worker.submit([] {}, 1));  // the first is pending: waits for it
+    queued = true;
+  });
+  // Only the release lets it through: with the cap broken it would be queued at once.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(queued);
+  EXPECT_EQ(worker.pending(), 1);
+  release.set_value();
+  second.join();
+  EXPECT_TRUE(queued);
+  worker.wait_all();
+  EXPECT_EQ(worker.pending(), 0);
+  EXPECT_THROW(worker.submit([] {}, 0), std::invalid_argument);
+}
+
+TEST(HostWorker, AJobsExceptionIsRethrownOnceAndTheRestStillRun) {
+  fsdp::HostWorker worker;
+  int ran = 0;
+  worker.submit([] { throw std::runtime_error("first failure"); }, 4);
+  worker.submit([] { throw std::runtime_error("second failure"); }, 4);
+  worker.submit([&] { ++ran; }, 4);
+  try {
+    worker.wait_all();
+    ADD_FAILURE() << "wait_all did not rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "first failure");
+  }
+  EXPECT_EQ(ran, 1);
+  EXPECT_NO_THROW(worker.wait_all());
+}
+
+TEST(HostWorker, DestructionRunsWhatIsQueued) {
+  std::atomic<int> ran{0};
+  {
+    fsdp::HostWorker worker;
+    for (int i = 0; i < 3; ++i)
+      worker.submit([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        ++ran;
+      }, 3);
+  }
+  EXPECT_EQ(ran, 3);
 }
 
 struct FakeEnv {

@@ -269,6 +269,7 @@ int train(const fsdp::train::TrainArgs& args) {
     const auto stats = fsdp::runtime_stats();
     const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
     const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
+    const long host_step_waits = stats.host_step_waits - stats_before.host_step_waits;
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
     const int done = step + 1;
@@ -287,7 +288,9 @@ int train(const fsdp::train::TrainArgs& args) {
                   step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
                   mem.allocated_gib);
       if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
-      std::printf(" GiB | waits ag %ld rs %ld\n", ag_waits, rs_waits);
+      std::printf(" GiB | waits ag %ld rs %ld", ag_waits, rs_waits);
+      if (args.optimizer_in_backward && args.cpu_offload) std::printf(" host steps %ld", host_step_waits);
+      std::printf("\n");
       if (eval)
         std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", done, eval->loss,
                     eval->perplexity, (long long)eval->tokens);
@@ -297,6 +300,7 @@ int train(const fsdp::train::TrainArgs& args) {
           << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
           << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
           << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
+          << ",\"host_step_waits\":" << host_step_waits
           << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << tokens_per_step
           << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
           << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes

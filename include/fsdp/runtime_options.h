@@ -28,6 +28,11 @@ struct RuntimeOptions {
   /// goes out even if not full (a cap on the backward compute that gradients wait through, and so
   /// on the compute between reduce-scatters). 0: until it is full or backward ends.
   int reduce_bucket_max_wait = 0;
+  /// With the optimizer step in backward (set_step_in_backward), an offloaded group's step runs on
+  /// a host thread of the root's while backward's thread goes on issuing the GPU's work; this
+  /// many steps may be pending there (each holds the group's gradients in host memory) before
+  /// backward waits for the oldest. 0: steps run on backward's thread, one group at a time.
+  int max_pending_host_steps = 2;
 };
 
 /// Takes effect from the next collective; not thread-safe (call between steps). Throws
@@ -40,6 +45,7 @@ RuntimeOptions runtime_options();
 struct RuntimeStats {
   long allgather_waits = 0;       ///< times the CPU blocked on max_inflight_allgathers
   long reduce_scatter_waits = 0;  ///< times the CPU blocked on max_inflight_reduce_scatters
+  long host_step_waits = 0;       ///< times backward blocked on max_pending_host_steps
   long prefetches = 0;            ///< all-gathers issued ahead of use
   long order_departures = 0;      ///< passes whose order differed from the recorded one
   long all_gathers = 0;           ///< all-gather collectives issued (a bucket counts once)

@@ -74,7 +74,7 @@ std::string describe(const Schedule& s, const CostModel& model) {
   text += ", prefetch " + std::to_string(s.prefetch_depth) + ", in flight " + cap(s.max_inflight_allgathers) +
           " all-gathers / " + cap(s.max_inflight_reduce_scatters) + " reduce-scatters";
   if (s.bucket_mb > 0) {
-    text += ", buckets of " + format_bytes(static_cast<int64_t>(s.bucket_mb * 1024.0 * 1024.0));
+    text += ", buckets of " + format_bytes(s.bucket_bytes());
     if (s.reduce_bucket_max_wait > 0) text += " waiting at most " + std::to_string(s.reduce_bucket_max_wait) + " groups";
   }
   return text;

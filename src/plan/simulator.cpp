@@ -43,8 +43,8 @@ class Replay {
  public:
   Replay(const CostModel& model, const Schedule& schedule, bool explain)
       : model_(model), schedule_(schedule), explain_(explain),
-        bucket_limit_(static_cast<int64_t>(schedule.bucket_mb * 1024.0 * 1024.0)),
-        live_(kBufferKinds * model.groups.size() + 1, 0), gathered_at_(model.groups.size(), 0.0),
+        bucket_limit_(schedule.bucket_bytes()),
+        live_((kBufferKinds - 1) * model.groups.size() + 1, 0), gathered_at_(model.groups.size(), 0.0),
         unsharded_(model.groups.size(), false) {
     const size_t n = model.groups.size();
     if (schedule.checkpoint.size() != n || schedule.reshard_after_forward.size() != n)

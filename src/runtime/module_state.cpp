@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <thread>
 
 #include "fsdp/fully_shard.h"
@@ -205,11 +206,9 @@ void ModuleState::post_backward() {
   if (has_frozen_params_) return;
   reshard();
   if (step_in_backward_ && gradient_sync_) {
-    // Its reduce-scatter now (not in a bucket), its gradients committed (for an offloaded group
-    // the host waits for their copy), stepped and freed before the next group's arrive.
+    // Its reduce-scatter now (not in a bucket), then its step (RootState::step_in_backward).
     root().flush_reduce_scatters();
-    ParamGroup::commit_gradients({&group_});
-    step_committed_gradients();
+    root().step_in_backward(*this);
   }
 }
 
@@ -219,7 +218,13 @@ void ModuleState::step_committed_gradients() {
   for (const auto& p : group_.params())
     if (p.param.grad().defined()) stepped.push_back(p.param);
   if (stepped.empty()) return;
-  step_in_backward_(stepped);
+  const int span = Trace::get().begin("step " + group_.label(), Trace::Track::HostStep);
+  try {
+    step_in_backward_(stepped);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("fsdp: the optimizer step in backward of '" + group_.label() + "' failed: " + e.what());
+  }
+  Trace::get().end(span);
   for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
 }
 

@@ -85,10 +85,8 @@ void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
   visit_measurements(model, [&](auto& field) { field = static_cast<std::decay_t<decltype(field)>>(agreed[i++]); });
 }
 
-}  // namespace
-
-std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
-  const auto groups = groups_in_order(root, "group_shapes");
+// What the planner needs of `groups` (groups_in_order(root)).
+std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const torch::nn::Module& root) {
   const ModuleState* root_state = Runtime::get().state_of(root);
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
@@ -110,6 +108,12 @@ std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
     shapes.push_back(std::move(shape));
   }
   return shapes;
+}
+
+}  // namespace
+
+std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
+  return shapes_of(groups_in_order(root, "group_shapes"), root);
 }
 
 plan::Schedule profiling_schedule(const torch::nn::Module& root) {
@@ -213,8 +217,9 @@ plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untra
                                 "recording holds only the last micro-batch)");
   step.micro_batches = micro_batches;
   step.reduce_every_micro_batch = reduce_every_micro_batch;
-  plan::CostModel model = plan::measure_cost_model(group_shapes(root), step);
-  measure_collective_latency(model, groups_in_order(root, "finish_profiled_step").front().state->group().comm());
+  const auto groups = groups_in_order(root, "finish_profiled_step");
+  plan::CostModel model = plan::measure_cost_model(shapes_of(groups, root), step);
+  measure_collective_latency(model, groups.front().state->group().comm());
   agree_across_ranks(model, *default_communicator());
   return model;
 }

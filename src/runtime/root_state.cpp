@@ -1,5 +1,6 @@
 #include "runtime/root_state.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@ void RootState::enter_forward(ModuleState& state) {
   }
   const bool is_root = depth_ == 0;
   if (is_root) {
+    host_steps_.wait_all();
     // Step numbers are unique across roots, so a group moved between roots never mistakes
     // another root's step for its own.
     step_ = runtime.new_step();
@@ -184,12 +186,32 @@ void RootState::flush_reduce_scatters() {
   reduce_bucket_waited_ = 0;
 }
 
+void RootState::step_in_backward(ModuleState& state) {
+  const int limit = Runtime::get().options().max_pending_host_steps;
+  if (state.group().offloaded() && limit > 0) {
+    const bool waited = host_steps_.submit(
+        [keep = state.shared_from_this()] {
+          // The group's device on this thread too: a CUDA call here must not open a context on GPU 0.
+          const c10::DeviceGuard on_device(keep->group().device());
+          ParamGroup::commit_gradients({&keep->group()});  // waits for the gradients' copy to the host
+          keep->step_committed_gradients();
+        },
+        limit);
+    if (waited) ++stats_.host_step_waits;
+    return;
+  }
+  host_steps_.wait_all();
+  ParamGroup::commit_gradients({&state.group()});
+  state.step_committed_gradients();
+}
+
 // Groups finish in reverse forward order, the order their backward ran in,
 // so all ranks issue any outstanding reduce-scatters in the same order. Then
 // the compute stream waits for each reduce-scatter and takes its result as
 // the sharded gradients; after that every reduce-scatter input can go.
 void RootState::end_of_backward() {
   callback_queued_ = false;
+  host_steps_.wait_all();
   std::vector<std::shared_ptr<ModuleState>> groups;
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
     if (auto state = it->lock()) groups.push_back(std::move(state));

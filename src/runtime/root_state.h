@@ -17,6 +17,7 @@
 
 #include "fsdp/runtime_options.h"
 #include "sched/execution_order.h"
+#include "sched/host_worker.h"
 #include "sched/inflight_queue.h"
 #include "shard/streams.h"
 
@@ -64,6 +65,9 @@ class RootState : public std::enable_shared_from_this<RootState> {
   // in the bucket until enough bytes are ready (flush_reduce_scatters).
   void reduce_scatter(ParamGroup& group);
   void flush_reduce_scatters();
+  // With a step in backward: commits `state`'s reduced gradients and steps them, on the host
+  // worker for an offloaded group (RuntimeOptions::max_pending_host_steps), else here.
+  void step_in_backward(ModuleState& state);
 
   // Group ids in the forward order the last step recorded.
   const std::vector<int>& recorded_forward_order() const { return forward_pass_.recorded(); }
@@ -91,6 +95,10 @@ class RootState : public std::enable_shared_from_this<RootState> {
   std::vector<ParamGroup*> reduce_bucket_;  // prepared, not yet issued
   size_t reduce_bucket_bytes_ = 0;
   int reduce_bucket_waited_ = 0;  // groups that joined the bucket after its first
+  // Offloaded groups' steps in backward. Drained before any step runs on backward's thread and at
+  // the end of backward (and, after a failed backward, at the next forward), so the step function
+  // never runs twice at once and nothing else touches a group while it is stepped.
+  HostWorker host_steps_;
 };
 
 }  // namespace fsdp

@@ -122,9 +122,11 @@ RuntimeStats Runtime::stats() const { return stats_; }
 
 void set_runtime_options(const RuntimeOptions& options) {
   if (options.prefetch_depth < 0 || options.max_inflight_allgathers < 0 ||
-      options.max_inflight_reduce_scatters < 0 || options.bucket_mb < 0 || options.reduce_bucket_max_wait < 0)
+      options.max_inflight_reduce_scatters < 0 || options.bucket_mb < 0 || options.reduce_bucket_max_wait < 0 ||
+      options.max_pending_host_steps < 0)
     throw std::invalid_argument(
-        "fsdp::set_runtime_options: prefetch depth, caps, bucket size and bucket wait must be >= 0");
+        "fsdp::set_runtime_options: prefetch depth, caps, bucket size, bucket wait and pending host steps must "
+        "be >= 0");
   Runtime::get().set_options(options);
 }
 RuntimeOptions runtime_options() { return Runtime::get().options(); }

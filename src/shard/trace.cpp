@@ -15,6 +15,7 @@ Trace& Trace::get() {
 }
 
 void Trace::start(const at::Device& device, bool with_memory) {
+  std::lock_guard<std::mutex> lock(mutex_);
   device_ = device;
   with_memory_ = with_memory;
   spans_.clear();
@@ -48,25 +49,29 @@ int Trace::add_mark() {
 }
 
 void Trace::mark() {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (active_) add_mark();
 }
 
 int Trace::begin(std::string name, Track track, const std::optional<c10::Stream>& stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!active_) return -1;
-  const int start_mark = add_mark();
+  const int start_mark = track == Track::HostStep ? -1 : add_mark();
   spans_.push_back(Span{std::move(name), track, timed_event(stream), nullptr, now_us(), -1, start_mark, -1});
   return static_cast<int>(spans_.size()) - 1;
 }
 
 void Trace::end(int token, const std::optional<c10::Stream>& stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!active_ || token < 0 || token >= static_cast<int>(spans_.size())) return;
   Span& span = spans_[token];
-  span.end_mark = add_mark();
+  span.end_mark = span.track == Track::HostStep ? -1 : add_mark();
   span.end_event = timed_event(stream);
   span.end_us = now_us();
 }
 
 Trace::Recording Trace::finish() {
+  std::lock_guard<std::mutex> lock(mutex_);
   Recording recording;
   if (!active_) return recording;
   active_ = false;
@@ -88,13 +93,13 @@ Trace::Recording Trace::finish() {
 }
 
 void Trace::write(const std::string& path, int rank) {
-  if (!active_) return;
+  if (!active()) return;
   const auto spans = finish().spans;
   std::ofstream out(path);
   if (!out) throw std::invalid_argument("fsdp: cannot write the trace file '" + path + "'");
-  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce"};
+  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step"};
   out << "{\"traceEvents\":[";
-  for (int t = 0; t < 4; ++t)
+  for (int t = 0; t < 5; ++t)
     out << (t ? "," : "") << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << rank
         << ",\"tid\":" << t << ",\"args\":{\"name\":\"" << track_names[t] << "\"}}";
   for (const auto& span : spans) {

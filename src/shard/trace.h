@@ -1,7 +1,10 @@
 // Chrome-trace recording of compute, all-gather, reduce-scatter and all-reduce spans,
 // one track per stream, so overlap can be seen in Perfetto or
 // chrome://tracing. On GPUs spans are timed with CUDA events on the stream
-// the work runs on; on CPU with the wall clock. Off unless started.
+// the work runs on; on CPU with the wall clock. The host-step track holds the
+// optimizer steps in backward, timed with the host's clock (they may run on
+// the root's host worker: spans may begin and end on any thread). Off unless
+// started.
 //
 // Started with memory, it also keeps memory marks: at every span's start and
 // end, and where the runtime calls mark() (before an all-gather allocates,
@@ -14,8 +17,10 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,7 +29,7 @@ namespace fsdp {
 
 class Trace {
  public:
-  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2, AllReduce = 3 };
+  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2, AllReduce = 3, HostStep = 4 };
   static Trace& get();
 
   struct MemoryMark {
@@ -46,7 +51,8 @@ class Trace {
   void start(const at::Device& device, bool with_memory = false);
   bool active() const { return active_; }
   // A span on `track`, begun now on `stream` (ignored on CPU). Returns a
-  // token for end(); -1 when tracing is off.
+  // token for end(); -1 when tracing is off. Host-step spans take no memory
+  // marks (the marks follow the device's work in the order it is issued).
   int begin(std::string name, Track track, const std::optional<c10::Stream>& stream = {});
   void end(int token, const std::optional<c10::Stream>& stream = {});
   // A memory mark (when recording memory).
@@ -69,7 +75,9 @@ class Trace {
   double now_us() const;
   int add_mark();  // its index, -1 without memory
 
-  bool active_ = false, with_memory_ = false;
+  std::mutex mutex_;  // for all below
+  std::atomic<bool> active_{false};
+  bool with_memory_ = false;
   at::Device device_ = at::kCPU;
   std::shared_ptr<c10::Event> origin_;
   std::chrono::steady_clock::time_point origin_time_;

@@ -112,6 +112,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--reduce-bucket-max-wait", {"with --bucket-mb: groups whose backward may run while gradients wait in the "
                                     "reduce-scatter bucket, 0 = until it is full (default 0)",
                                     number(a.runtime.reduce_bucket_max_wait)}},
+      {"--max-pending-host-steps",
+       {"with --cpu-offload --optimizer-in-backward: groups' host AdamW steps that may wait or run on the "
+        "step thread while backward goes on (each holds its group's gradients in host memory), 0 = step on "
+        "backward's thread (default 2)", number(a.runtime.max_pending_host_steps)}},
       {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
       {"--trace-steps", {"steps the trace covers, from the second (default 2)", number(a.trace_steps)}},
       {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
@@ -187,6 +191,7 @@ void check_ranges(const TrainArgs& a) {
           "--max-inflight-reduce-scatters must be 0 (unlimited) or more");
   require(a.runtime.bucket_mb >= 0, "--bucket-mb must be 0 (off) or positive");
   require(a.runtime.reduce_bucket_max_wait >= 0, "--reduce-bucket-max-wait must be 0 (no cap) or more");
+  require(a.runtime.max_pending_host_steps >= 0, "--max-pending-host-steps must be 0 (no step thread) or more");
   require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");

@@ -100,7 +100,7 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     if (mb == 0) continue;
     Candidate bucketed = none;
     bucketed.schedule.bucket_mb = mb;
-    bucketed.name = "no checkpointing, buckets of " + format_bytes(static_cast<int64_t>(mb * 1024 * 1024));
+    bucketed.name = "no checkpointing, buckets of " + format_bytes(bucketed.schedule.bucket_bytes());
     listed.push_back(std::move(bucketed));
   }
   std::vector<Candidate> runs;
