@@ -31,6 +31,11 @@
 #           8B offloaded with the optimizer in backward
 #   device-1gpu  on ONE GPU: the 8B offloaded with the optimizer after backward, and not offloaded
 #           (every block checkpointed at batch 1; none at batch 2)
+#   host-steps-1gpu  on ONE GPU: the 1-rank suite and training runs, the 8B offloaded with the
+#           optimizer in backward on backward's thread (--max-pending-host-steps 0) and on the host
+#           worker (2, the default; one step traced)
+#   offload-1b-1gpu  on ONE GPU: the 1B offloaded, optimizer after backward and in backward, and
+#           under FSDP2's CPUOffloadPolicy
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
@@ -47,7 +52,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
 part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload, offload-8b,
-  offload-budget, offload-1gpu, device-1gpu, hsdp, two-nodes, package}
+  offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part
@@ -164,6 +169,23 @@ case $part in
       --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-1gpu.jsonl"
     phase device-8b-1gpu-batch2 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --steps 3 --log "$work/device-8b-1gpu-batch2.jsonl" ;;
+  host-steps-1gpu)
+    phase gpu-tests 240 ctest --test-dir build --output-on-failure \
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+    for pending in 0 2; do
+      phase offload-8b-1gpu-pending$pending 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
+        --batch 2 --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 6 \
+        --max-pending-host-steps $pending --trace "$work/trace-8b-pending$pending" --trace-steps 1 \
+        --log "$work/offload-8b-1gpu-pending$pending.jsonl"
+    done ;;
+  offload-1b-1gpu)
+    one_gpu_1b="--model 1b --seq 2048 --batch 4 --steps 8"
+    phase offload-1b-1gpu 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b --param-dtype bf16 \
+      --cpu-offload --log "$work/offload-1b-1gpu.jsonl"
+    phase offload-1b-1gpu-in-backward 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b --param-dtype bf16 \
+      --cpu-offload --optimizer-in-backward --clip 0 --log "$work/offload-1b-1gpu-in-backward.jsonl"
+    phase fsdp2-offload-1b-1gpu 150 python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
+      bench/fsdp2_llama.py $one_gpu_1b --cpu-offload --jsonl "$work/fsdp2-offload-1b-1gpu.jsonl" ;;
   hsdp)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
