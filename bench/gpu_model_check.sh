@@ -34,8 +34,9 @@
 #   host-steps-1gpu  on ONE GPU: the 1-rank suite and training runs, the 8B offloaded with the
 #           optimizer in backward on backward's thread (--max-pending-host-steps 0) and on the host
 #           worker (2, the default; one step traced)
-#   offload-1b-1gpu  on ONE GPU: the 1B offloaded, optimizer after backward and in backward, and
-#           under FSDP2's CPUOffloadPolicy
+#   offload-1b-1gpu  on ONE GPU: the 1-rank suite and training runs, the 1B offloaded (optimizer after
+#           backward; in backward on backward's thread and on the host worker), and under FSDP2's
+#           CPUOffloadPolicy
 # and HSDP (issue #14):
 #   hsdp    the 2-rank GPU suite and training runs (HSDP too), a checkpoint saved under HSDP resumed
 #           under plain FSDP, the 1B as 1 x 2 (plain FSDP) and as 2 x 1 (two replicas), one step traced
@@ -179,11 +180,16 @@ case $part in
         --log "$work/offload-8b-1gpu-pending$pending.jsonl"
     done ;;
   offload-1b-1gpu)
+    phase gpu-tests 240 ctest --test-dir build --output-on-failure \
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     one_gpu_1b="--model 1b --seq 2048 --batch 4 --steps 8"
     phase offload-1b-1gpu 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b --param-dtype bf16 \
       --cpu-offload --log "$work/offload-1b-1gpu.jsonl"
-    phase offload-1b-1gpu-in-backward 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b --param-dtype bf16 \
-      --cpu-offload --optimizer-in-backward --clip 0 --log "$work/offload-1b-1gpu-in-backward.jsonl"
+    for pending in 0 2; do
+      phase offload-1b-1gpu-in-backward-pending$pending 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b \
+        --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --max-pending-host-steps $pending \
+        --log "$work/offload-1b-1gpu-in-backward-pending$pending.jsonl"
+    done
     phase fsdp2-offload-1b-1gpu 150 python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
       bench/fsdp2_llama.py $one_gpu_1b --cpu-offload --jsonl "$work/fsdp2-offload-1b-1gpu.jsonl" ;;
   hsdp)

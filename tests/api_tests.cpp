@@ -90,10 +90,12 @@ size_t count(const std::string& text, const std::string& needle) {
 
 // One step of three groups: a forward and a backward span per group, an
 // all-gather per group in forward and per block in backward (the root stays
-// gathered), a reduce-scatter per group; four tracks named (all-reduce: HSDP only).
+// gathered), a reduce-scatter per group, an optimizer step per group (stepped in
+// backward); five tracks named (all-reduce: HSDP only).
 TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   auto m = seeded_llama(tiny_llama());
   shard_blocks_and_root(m);
+  set_step_in_backward(m, [](const std::vector<at::Tensor>&) {});
   start_trace();
   auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
   torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
@@ -108,7 +110,9 @@ TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   EXPECT_EQ(count(json, "\"name\":\"backward #"), 3u);
   EXPECT_EQ(count(json, "\"name\":\"all-gather #"), 5u);
   EXPECT_EQ(count(json, "\"name\":\"reduce-scatter #"), 3u);
-  EXPECT_EQ(count(json, "\"thread_name\""), 4u);  // and the all-reduce track (HSDP; empty here)
+  EXPECT_EQ(count(json, "\"name\":\"step #"), 3u);
+  EXPECT_EQ(count(json, "\"tid\":4,"), 4u);  // the host-step track's name and its three spans
+  EXPECT_EQ(count(json, "\"thread_name\""), 5u);  // and the all-reduce track (HSDP; empty here)
 }
 
 // Prefetches are issued in execution order on every rank (a regression: they
