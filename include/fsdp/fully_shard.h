@@ -83,8 +83,11 @@ using GroupStep = std::function<void(const std::vector<at::Tensor>& params)>;
 /// SGD) it computes what one step after backward would, without gradient clipping:
 /// clip_grad_norm_ throws while a step in backward is set. Each module's reduce-scatter then goes
 /// out at its backward's end (no bucket waits for it). With gradient accumulation, turn gradient
-/// sync off for every micro-batch but the last: each synced backward steps. Applies to `root` and
-/// every sharded module under it; an empty `step` turns it off. Not collective.
+/// sync off for every micro-batch but the last: each synced backward steps. An offloaded module's
+/// step runs on a host thread of the root's while backward goes on issuing GPU work
+/// (RuntimeOptions::max_pending_host_steps); `step` is never called twice at once, and backward
+/// returns only after every step. Applies to `root` and every sharded module under it; an empty
+/// `step` turns it off. Not collective.
 void set_step_in_backward(torch::nn::Module& root, GroupStep step);
 template <class M>
 void set_step_in_backward(M& root, GroupStep step) {
