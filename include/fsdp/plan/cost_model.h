@@ -86,6 +86,7 @@ struct Schedule {
   /// bucket membership follows from the sizes and the order. 0: every group alone.
   double bucket_mb = 0;
   int reduce_bucket_max_wait = 0;  ///< RuntimeOptions::reduce_bucket_max_wait
+  /// bucket_mb in bytes.
   int64_t bucket_bytes() const { return static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0); }
 
   /// The same choices everywhere.
