@@ -37,6 +37,9 @@
 #   offload-h100  on ONE H100 (80 GB, where the 8B's sharded state cannot fit): the 1-rank suite
 #           and training runs, the 8B offloaded with the optimizer in backward, and not offloaded
 #           (the trainer's refusal)
+#   guarded-8b-1gpu  on ONE GPU, each under bench/host_memory_guard.py (killed before the host runs out
+#           of memory): FSDP2's CPUOffloadPolicy on the 8B, and fsdp.cpp's 8B offloaded with the
+#           optimizer in backward
 #   offload-1b-1gpu  on ONE GPU: the 1-rank suite and training runs, the 1B offloaded (optimizer after
 #           backward; in backward on backward's thread and on the host worker), and under FSDP2's
 #           CPUOffloadPolicy
@@ -56,7 +59,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
 part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload, offload-8b,
-  offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100, hsdp,
+  offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100, guarded-8b-1gpu, hsdp,
   two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
@@ -190,6 +193,14 @@ case $part in
       --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 6 --log "$work/offload-8b-h100.jsonl"
     phase device-8b-h100 60 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
       --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-h100.jsonl" ;;
+  guarded-8b-1gpu)
+    guard="python3 bench/host_memory_guard.py --min-available-gib 8 --out"
+    phase fsdp2-offload-8b-1gpu 240 $guard "$work/fsdp2-offload-8b-1gpu.guard.json" -- python3 -m \
+      torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py --model 8b --seq 2048 --batch 2 \
+      --steps 3 --cpu-offload --jsonl "$work/fsdp2-offload-8b-1gpu.jsonl"
+    phase offload-8b-1gpu 200 $guard "$work/offload-8b-1gpu.guard.json" -- build/fsdp-run --gpu -n 1 \
+      build/fsdp-train --model 8b --seq 2048 --batch 2 --param-dtype bf16 --cpu-offload --optimizer-in-backward \
+      --clip 0 --steps 3 --log "$work/offload-8b-1gpu.jsonl" ;;
   offload-1b-1gpu)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
