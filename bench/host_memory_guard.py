@@ -32,6 +32,8 @@ def main():
     p.add_argument("--min-available-gib", type=float, default=6.0,
                    help="kill the command when the host's available memory falls below this")
     p.add_argument("--poll-s", type=float, default=0.2, help="seconds between readings")
+    p.add_argument("--settle-s", type=float, default=120,
+                   help="before starting, wait up to this long for the memory of an earlier run to come back")
     p.add_argument("--out", required=True, help="JSON line: outcome, peak GiB in use, seconds")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     args = p.parse_args()
@@ -39,7 +41,14 @@ def main():
     if not command:
         p.error("no command given (put it after --)")
 
+    # A process killed just before may still be handing its (pinned) memory back.
+    waited = time.monotonic()
     total, available = meminfo_gib()
+    while available < args.min_available_gib + 1 and time.monotonic() - waited < args.settle_s:
+        time.sleep(args.poll_s)
+        total, available = meminfo_gib()
+    if available < args.min_available_gib + 1:
+        sys.exit(f"host_memory_guard: only {available:.1f} GiB available after {args.settle_s} s; not starting")
     baseline = total - available
     start = time.monotonic()
     child = subprocess.Popen(command, start_new_session=True)  # its own group: kill takes every rank
