@@ -58,9 +58,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload, offload-8b,
-  offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100, guarded-8b-1gpu, hsdp,
-  two-nodes, package}
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload,
+  offload-8b, offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100,
+  guarded-8b-1gpu, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
 work=/tmp/fsdp-check-$part

@@ -417,12 +417,6 @@ TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
   set_runtime_options(defaults);
 }
 
-// The optimizer stepped group by group in backward (set_step_in_backward) computes what one step
-// after backward does: AdamW's update of a parameter reads only its gradient and state, and the
-// fused kernel is elementwise, so the runs are bit-identical, offloaded or not. After each
-// backward no gradient is left (only one group's existed at a time), and clipping is refused. On
-// CPU ranks (host memory counted exactly) a backward with the step in it leaves less allocated,
-// by exactly the storage of the gradients the other run's backward leaves.
 // Where the shards live and how the steps run: offloaded groups step on the root's host worker
 // (RuntimeOptions::max_pending_host_steps of them pending; 0: on backward's thread), groups on the
 // device on backward's thread. "mixed": blocks offloaded, the root's own parameters not.
@@ -432,6 +426,12 @@ struct StepCase {
   int pending;
 };
 
+// The optimizer stepped group by group in backward (set_step_in_backward) computes what one step
+// after backward does: AdamW's update of a parameter reads only its gradient and state, and the
+// fused kernel is elementwise, so the runs are bit-identical, offloaded or not. After each
+// backward no gradient is left (only one group's existed at a time), and clipping is refused. On
+// CPU ranks (host memory counted exactly) a backward with the step in it leaves less allocated,
+// by exactly the storage of the gradients the other run's backward leaves.
 TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
   count_host_allocations();
   const RuntimeOptions defaults = runtime_options();

@@ -187,8 +187,9 @@ TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
 //             saves 20 (1150);
 //   backward: R's head first: its activations go, its gradients come (1230); B gathered (1280),
 //             its activations go and gradients come (1300), its reduce-scatter input comes
-//             (1400), its gradients go and its shard comes (1355), it reshards (1305); R last: input 200 (1505: the peak, B's
-//             reduce-scatter still in flight), its gradients go (1405), its shard comes (1415).
+//             (1400), its gradients go and its shard comes (1355), it reshards (1305); R last: input
+//             200 (1505: the peak, B's reduce-scatter still in flight), its gradients go (1405), its
+//             shard comes (1415).
 // At the end only the fixed bytes and the shards remain: 1015. Time: B 0-1, head 1-2, head's
 // backward 2-3, B's backward 3-5.
 TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
@@ -368,7 +369,8 @@ TEST(Planner, DescribeNamesTheChoices) {
             "checkpoint 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
             "all-gathers / unlimited reduce-scatters");
   s.bucket_mb = 1.5, s.reduce_bucket_max_wait = 2;
-  EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"), std::string::npos);
+  EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"),
+            std::string::npos);
 }
 
 }  // namespace
