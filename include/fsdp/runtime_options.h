@@ -1,6 +1,7 @@
 // Process-wide scheduling knobs of the FSDP runtime, and what it counted.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace fsdp {
@@ -24,6 +25,8 @@ struct RuntimeOptions {
   /// MB are ready (a large group takes the waiting ones with it), in one
   /// coalesced collective each. 0: every group on its own.
   double bucket_mb = 0;
+  /// bucket_mb in bytes.
+  size_t bucket_bytes() const { return static_cast<size_t>(bucket_mb * 1024.0 * 1024.0); }
   /// With bucketing: how many groups may join the reduce-scatter bucket after its first before it
   /// goes out even if not full (a cap on the backward compute that gradients wait through, and so
   /// on the compute between reduce-scatters). 0: until it is full or backward ends.

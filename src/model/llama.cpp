@@ -40,10 +40,13 @@ bool LlamaConfig::checkpoints(int64_t block) const {
          std::find(checkpointed_blocks.begin(), checkpointed_blocks.end(), block) != checkpointed_blocks.end();
 }
 
-int64_t LlamaConfig::parameter_count() const {
+int64_t LlamaConfig::block_parameter_count() const {
   const int64_t kv = n_kv_heads * head_dim();
-  const int64_t block = 2 * dim + dim * dim * 2 + 2 * dim * kv + 3 * dim * ffn;
-  return vocab * dim * (tie_embeddings ? 1 : 2) + n_layers * block + dim;
+  return 2 * dim + dim * dim * 2 + 2 * dim * kv + 3 * dim * ffn;
+}
+
+int64_t LlamaConfig::parameter_count() const {
+  return vocab * dim * (tie_embeddings ? 1 : 2) + n_layers * block_parameter_count() + dim;
 }
 
 double LlamaConfig::flops_per_token(int64_t seq) const {

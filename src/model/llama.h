@@ -37,6 +37,8 @@ struct LlamaConfig {
   int64_t head_dim() const { return dim / n_heads; }
   bool checkpoints(int64_t block) const;
   int64_t parameter_count() const;
+  // One block's (a parameter group of its own when blocks are sharded one by one).
+  int64_t block_parameter_count() const;
   // Forward+backward FLOPs per token (6 N plus attention), for MFU.
   double flops_per_token(int64_t seq) const;
 };

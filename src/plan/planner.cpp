@@ -75,7 +75,8 @@ std::string describe(const Schedule& s, const CostModel& model) {
           " all-gathers / " + cap(s.max_inflight_reduce_scatters) + " reduce-scatters";
   if (s.bucket_mb > 0) {
     text += ", buckets of " + format_bytes(s.bucket_bytes());
-    if (s.reduce_bucket_max_wait > 0) text += " waiting at most " + std::to_string(s.reduce_bucket_max_wait) + " groups";
+    if (s.reduce_bucket_max_wait > 0)
+      text += " waiting at most " + std::to_string(s.reduce_bucket_max_wait) + " groups";
   }
   return text;
 }

@@ -238,7 +238,8 @@ class Replay {
       cpu_ = std::max(cpu_, reductions_.front().first);
       finish_oldest_reduction();
     }
-    for (int g : members) allocate(reduce_output(), g, cost(g).sharded_grad_bytes, {"reduce-scatter of ", -1, &members});
+    for (int g : members)
+      allocate(reduce_output(), g, cost(g).sharded_grad_bytes, {"reduce-scatter of ", -1, &members});
     const double start = std::max({reduce_end_, compute_end_, cpu_});
     reduce_end_ = start + coalesced_ms(members, &GroupCost::reduce_scatter_ms, model_.reduce_scatter_latency_ms) *
                               (beside_compute ? model_.contention.reduce_scatter_stretch : 1.0);

@@ -10,13 +10,6 @@
 #include "shard/trace.h"
 
 namespace fsdp {
-namespace {
-
-size_t bucket_bytes(const RuntimeOptions& options) {
-  return static_cast<size_t>(options.bucket_mb * 1024.0 * 1024.0);
-}
-
-}  // namespace
 
 void RootState::add_member(const std::shared_ptr<ModuleState>& state) { members_.push_back(state); }
 
@@ -132,7 +125,7 @@ void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& wai
 void RootState::all_gather(ModuleState& state) {
   const RuntimeOptions options = Runtime::get().options();
   std::vector<ParamGroup*> groups{&state.group()};
-  const size_t limit = bucket_bytes(options);
+  const size_t limit = options.bucket_bytes();
   size_t bytes = state.group().unsharded_size_bytes();
   if (limit > 0 && bytes < limit) {
     // The small groups expected next that have not run, past any large ones (whose own
@@ -173,12 +166,13 @@ void RootState::reduce_scatter(ParamGroup& group) {
   reduce_bucket_bytes_ += group.unsharded_size_bytes();
   const bool waited_enough = waiting && options.reduce_bucket_max_wait > 0 &&
                              ++reduce_bucket_waited_ >= options.reduce_bucket_max_wait;
-  if (reduce_bucket_bytes_ >= bucket_bytes(options) || waited_enough) flush_reduce_scatters();
+  if (reduce_bucket_bytes_ >= options.bucket_bytes() || waited_enough) flush_reduce_scatters();
 }
 
 void RootState::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
-  make_room(reduce_scatters_, Runtime::get().options().max_inflight_reduce_scatters, stats_.reduce_scatter_waits);
+  make_room(reduce_scatters_, Runtime::get().options().max_inflight_reduce_scatters,
+            stats_.reduce_scatter_waits);
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();

@@ -221,7 +221,8 @@ void check_ranges(const TrainArgs& a) {
   require(!a.optimizer_in_backward || a.clip == 0,
           "--optimizer-in-backward steps each group before the global gradient norm exists: add --clip 0");
   require(!a.optimizer_in_backward || a.grad_accum == 1 || a.grad_accum_sync == "last",
-          "--optimizer-in-backward with --grad-accum steps after the last micro-batch only: use --grad-accum-sync last");
+          "--optimizer-in-backward with --grad-accum steps after the last micro-batch only: "
+          "use --grad-accum-sync last");
   if (plans_schedule(a)) {
     const std::string flag = a.memory_budget_gib > 0 ? "--memory-budget" : "--plan-check";
     require(!a.checkpoint && a.reshard_after_forward,
@@ -312,6 +313,22 @@ std::string gib(double bytes) {
   return s;
 }
 
+}  // namespace
+
+// Gradients reach the host a group at a time and up to --max-pending-host-steps groups' wait
+// there for the step thread: at least the largest group's (the root's embeddings and head) or
+// that many blocks', in the reduce dtype.
+double host_gradient_bytes(const TrainArgs& a, int shard_ranks) {
+  if (!a.cpu_offload || !a.optimizer_in_backward) return 0.0;
+  const auto config = model_config(a);
+  const double block = static_cast<double>(config.block_parameter_count());
+  const double root = static_cast<double>(config.parameter_count()) - config.n_layers * block;
+  const double waiting_blocks = std::min<int64_t>(std::max(a.runtime.max_pending_host_steps, 1), config.n_layers);
+  return std::max(root, waiting_blocks * block) * c10::elementSize(dtype_named(a.reduce_dtype, true)) / shard_ranks;
+}
+
+namespace {
+
 // Lower bounds, not estimates: a run below them cannot fit, a run above them still may not.
 void check_memory(const TrainArgs& a) {
   const auto config = model_config(a);
@@ -339,6 +356,8 @@ void check_memory(const TrainArgs& a) {
   const double sharded_state = state_bytes * params / shard_ranks;
   // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
   const bool offloaded = a.cpu_offload && on_gpu;
+  const double host_gradients = offloaded ? host_gradient_bytes(a, shard_ranks) : 0.0;
+  const double host_state = (sharded_state + host_gradients) * local;
   const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
   const double loss_chunk = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
   // A budget's plan may checkpoint every block: its bound is the checkpointed one.
@@ -350,17 +369,20 @@ void check_memory(const TrainArgs& a) {
   const std::string where = on_gpu ? " of a GPU" : " of host memory per process";
   // Parameters are made as shards (sharded initialisation): the model itself needs only its
   // share of the state on each rank.
-  if (offloaded && host > 0 && sharded_state * local > host)
+  if (offloaded && host > 0 && host_state > host)
     throw UsageError("--cpu-offload: the " + model_name(a) + " model's sharded state (" +
-                     std::to_string(int(state_bytes)) + " bytes a parameter) takes " + gib(sharded_state * local) +
-                     " of host memory for this host's " + std::to_string(local) + " rank(s), more than the " +
-                     gib(host) + " available: use more hosts" +
+                     std::to_string(int(state_bytes)) + " bytes a parameter" +
+                     (host_gradients > 0 ? ") and the gradients waiting for its step take " : ") takes ") +
+                     gib(host_state) + " of host memory for this host's " + std::to_string(local) +
+                     " rank(s), more than the " + gib(host) + " available: use more hosts" +
                      (a.optimizer_in_backward ? "" : ", --optimizer-in-backward (12 bytes a parameter)") +
+                     (a.runtime.max_pending_host_steps > 1 ? ", a lower --max-pending-host-steps" : "") +
                      " or a smaller model");
   if (have > 0 && !offloaded && sharded_state > have)
     throw UsageError("the " + model_name(a) + " model's sharded state (weights, gradients and AdamW moments, " +
-                     std::to_string(int(state_bytes)) + " bytes a parameter) takes " + gib(sharded_state) + " per rank on " + std::to_string(shard_ranks) +
-                     " rank(s)" + (a.replicas > 1 ? " a replica" : "") + ", more than the " + gib(have) + where +
+                     std::to_string(int(state_bytes)) + " bytes a parameter) takes " + gib(sharded_state) +
+                     " per rank on " + std::to_string(shard_ranks) + " rank(s)" + (a.replicas > 1 ? " a replica" : "") +
+                     ", more than the " + gib(have) + where +
                      ": use more ranks, " + (a.replicas > 1 ? "fewer --replicas, " : "") +
                      (on_gpu && !a.cpu_offload ? "--cpu-offload, " : "") + "or a smaller model");
   if (on_gpu && a.memory_budget_gib * 1024.0 * 1024.0 * 1024.0 > gpu)

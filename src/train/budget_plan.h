@@ -21,11 +21,12 @@ std::string plan_report(const plan::Plan& plan, const plan::CostModel& profile, 
 
 // --plan-check: the schedules of no and of full checkpointing (the runtime's defaults otherwise)
 // and the planner's choice for `budgets` budgets spread evenly from the predicted peak of the one
-// to the other's, and no checkpointing with each of plan::bucket_sizes_mb. Each distinct one is applied and trained for `steps` steps (`one_step` runs a
-// step; the first two are warm-up) in each of `rounds` rounds (alternately in order and reversed),
-// and rank 0 writes one JSON line each to `path`: the schedule, its predicted and its measured step
-// time (median of all rounds' steps, and each round's) and peak allocated bytes. Schedules
-// predicted above `device_bytes` (when positive) are not run.
+// to the other's, and no checkpointing with each of plan::bucket_sizes_mb. Each distinct one is
+// applied and trained for `steps` steps (`one_step` runs a step; the first two are warm-up) in
+// each of `rounds` rounds (alternately in order and reversed), and rank 0 writes one JSON line
+// each to `path`: the schedule, its predicted and its measured step time (median of all rounds'
+// steps, and each round's) and peak allocated bytes. Schedules predicted above `device_bytes`
+// (when positive) are not run.
 struct PlanCheck {
   int budgets = 8, steps = 6, rounds = 2;
   double device_bytes = 0;
