@@ -88,7 +88,7 @@ size_t count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-// One step of three groups: a forward and a backward span per group, an
+// One step of three groups: a forward, a backward and a hand-off span per group, an
 // all-gather per group in forward and per block in backward (the root stays
 // gathered), a reduce-scatter per group, an optimizer step per group (stepped in
 // backward); five tracks named (all-reduce: HSDP only).
@@ -108,6 +108,7 @@ TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   EXPECT_EQ(json.rfind("{\"traceEvents\":[", 0), 0u);
   EXPECT_EQ(count(json, "\"name\":\"forward #"), 3u);
   EXPECT_EQ(count(json, "\"name\":\"backward #"), 3u);
+  EXPECT_EQ(count(json, "\"name\":\"hand-off #"), 3u);
   EXPECT_EQ(count(json, "\"name\":\"all-gather #"), 5u);
   EXPECT_EQ(count(json, "\"name\":\"reduce-scatter #"), 3u);
   EXPECT_EQ(count(json, "\"name\":\"step #"), 3u);

@@ -103,6 +103,22 @@ TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
   EXPECT_EQ(p.timeline.back().second, 1020);
 }
 
+// A hand-off of 0.25 ms a group (the copy into the reduce-scatter input) runs on the compute
+// stream between a group's backward and its reduce-scatter: bwd B 3.5-5.5, hand-off B 5.5-5.75, RS
+// B 5.75-6.25; A's all-gather waits for the compute issued before it: 5.75-6.25, bwd A 6.25-8.25,
+// hand-off A -8.5, RS A -9, optimizer -10 (9.5 without). Passes without communication hand
+// nothing off to a reduce-scatter: with the unsynced pass first, 8 + (8.5 + 0.5) + 1.
+TEST(Simulator, HandOffsRunBetweenABackwardAndItsReduceScatter) {
+  CostModel m = two_groups();
+  for (auto& g : m.groups) g.handoff_ms = 0.25;
+  Schedule s = default_schedule(2);
+  s.prefetch_depth = 0;
+  EXPECT_DOUBLE_EQ(simulate(m, s).step_ms, 10.0);
+  m.micro_batches = 2;
+  m.reduce_every_micro_batch = false;
+  EXPECT_DOUBLE_EQ(simulate(m, s).step_ms, 18.0);
+}
+
 // Prefetch depth 1: B's all-gather (0.5-1) hides behind A's forward and A's (3-3.5) behind B's
 // backward: fwd A 0.5-1.5, fwd B 1.5-2.5, AG B 2.5-3, bwd B 3-5, bwd A 5-7, RS A 7-7.5, then the
 // optimizer: 8.5 ms. The price is memory: in B's backward A's parameters are already there, next

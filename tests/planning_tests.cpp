@@ -66,6 +66,8 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   EXPECT_EQ(profile.groups[0].name, "root");
   EXPECT_TRUE(profile.groups[0].encloses_later);
   EXPECT_EQ(profile.groups[1].name, "blocks.0");
+  for (const auto& group : profile.groups)  // each group's copy into its reduce-scatter input, timed
+    EXPECT_GT(group.handoff_ms, 0) << group.name;
   for (size_t g = 1; g < profile.groups.size(); ++g) {
     EXPECT_GT(profile.groups[g].saved_bytes, 2 * profile.groups[g].checkpoint_saved_bytes) << g;
     EXPECT_GT(profile.groups[g].checkpoint_saved_bytes, 0) << g;

@@ -47,12 +47,13 @@ class Measure {
   double device_ms(const RecordedSpan& s) const { return s.end_ms - s.start_ms; }
   double host_ms(const RecordedSpan& s) const { return s.host_end_ms - s.host_start_ms; }
 
-  // The mean time of the group's all-gathers, and of its reduce-scatter.
-  double mean_ms(const std::string& name) const {
+  // The mean device (or host) time of the spans so named: a group's all-gathers, its
+  // reduce-scatter, its hand-off; 0 without one.
+  double mean_ms(const std::string& name, bool host = false) const {
     double total = 0;
     int count = 0;
     for (const auto& span : step_.spans)
-      if (span.name == name) total += device_ms(span), ++count;
+      if (span.name == name) total += host ? host_ms(span) : device_ms(span), ++count;
     return count ? total / count : 0.0;
   }
 
@@ -161,6 +162,8 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     cost.encloses_later = shape.encloses_later;
     cost.allgather_ms = m.mean_ms("all-gather " + shape.label);
     cost.reduce_scatter_ms = m.mean_ms("reduce-scatter " + shape.label);
+    cost.handoff_ms = m.mean_ms("hand-off " + shape.label);
+    cost.handoff_cpu_ms = m.mean_ms("hand-off " + shape.label, /*host=*/true);
     if (shape.encloses_later)
       measure_root(m, groups, cost);
     else
@@ -168,7 +171,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     for (int64_t* bytes : {&cost.saved_bytes, &cost.checkpoint_saved_bytes, &cost.forward_peak_bytes,
                            &cost.backward_peak_bytes})
       *bytes = std::max<int64_t>(0, *bytes);
-    if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = 0;  // no separate host time
+    if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = cost.handoff_cpu_ms = 0;  // one clock
     model.groups.push_back(std::move(cost));
   }
   if (model.micro_batches > 1)  // the last pass began with the earlier passes' gradients
@@ -196,7 +199,8 @@ void calibrate_contention(CostModel& model, const std::vector<GroupShape>& group
     alone["all-gather " + groups[g].label] = model.groups[g].allgather_ms;
     alone["reduce-scatter " + groups[g].label] = model.groups[g].reduce_scatter_ms;
     if (groups[g].encloses_later) continue;
-    for (const char* phase : {"forward ", "recompute ", "backward "}) compute_names.insert(phase + groups[g].label);
+    for (const char* phase : {"forward ", "recompute ", "backward ", "hand-off "})
+      compute_names.insert(phase + groups[g].label);
   }
   std::vector<std::pair<double, double>> compute;
   for (const auto& span : step.spans)

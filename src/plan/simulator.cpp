@@ -141,6 +141,7 @@ class Replay {
       if (live(kUnsynced, g) == 0) allocate(kUnsynced, g, cost(g).unsynced_grad_bytes, during);
       release(kGradients, g, during);
     } else {
+      compute(cost(g).handoff_ms, cost(g).handoff_cpu_ms, 0.0);
       reduce_scatter(g, beside_compute);
     }
     reshard(g);

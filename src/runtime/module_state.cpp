@@ -228,11 +228,16 @@ void ModuleState::step_committed_gradients() {
   for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
 }
 
+// The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
+// the cost model times apart from the backward (GroupCost::handoff_ms).
 void ModuleState::hand_off_gradients() {
+  const int span = Trace::get().begin("hand-off " + group_.label(), Trace::Track::Compute, compute_stream());
   if (gradient_sync_)
-    root().reduce_scatter(group_);
+    group_.prepare_reduce_scatter();
   else
     group_.hold_unsynced_gradients();
+  Trace::get().end(span, compute_stream());
+  if (gradient_sync_) root().reduce_scatter(group_);
   reduced_ = true;
 }
 

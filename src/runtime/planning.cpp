@@ -55,7 +55,7 @@ void visit_measurements(plan::CostModel& model, Visit&& visit) {
     for (int64_t* bytes : {&g.forward_peak_bytes, &g.saved_bytes, &g.checkpoint_saved_bytes, &g.backward_peak_bytes})
       visit(*bytes);
     for (double* ms : {&g.allgather_ms, &g.reduce_scatter_ms, &g.forward_ms, &g.backward_ms, &g.forward_cpu_ms,
-                       &g.backward_cpu_ms})
+                       &g.backward_cpu_ms, &g.handoff_ms, &g.handoff_cpu_ms})
       visit(*ms);
   }
   visit(model.allgather_latency_ms);

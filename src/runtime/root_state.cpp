@@ -160,7 +160,6 @@ void RootState::after_reshard(std::shared_ptr<c10::Event> last_use) {
 // the small ones waiting with it), or once reduce_bucket_max_wait later groups joined it.
 void RootState::reduce_scatter(ParamGroup& group) {
   const RuntimeOptions options = Runtime::get().options();
-  group.prepare_reduce_scatter();
   const bool waiting = !reduce_bucket_.empty();
   reduce_bucket_.push_back(&group);
   reduce_bucket_bytes_ += group.unsharded_size_bytes();

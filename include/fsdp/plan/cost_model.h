@@ -37,6 +37,10 @@ struct GroupCost {
   double backward_ms = 0;      ///< device time of the backward
   double forward_cpu_ms = 0;   ///< host time to issue the forward (CPU-bound models)
   double backward_cpu_ms = 0;  ///< host time to issue the backward
+  /// Device time of the copy of its gradients into the reduce-scatter input (with the unsynced
+  /// sums added, when earlier passes held them), on the compute stream before the reduce-scatter.
+  double handoff_ms = 0;
+  double handoff_cpu_ms = 0;  ///< host time to issue it
   bool checkpointable = true;  ///< whether the model can recompute this group in backward
   /// The root (only the first group may be one): its forward wraps every later group's. Its
   /// parameters are gathered first; its own compute (a model's head) runs after the others'
