@@ -16,6 +16,10 @@
 #   plan-check-1b  the GPU suite and training runs, --plan-check on the 1B (10 steps a schedule) and
 #           its frontier, without FSDP2; then the same with 2 micro-batches of batch 2 a step
 #           (reduce-scattered each, or only the last with ACCUM_SYNC=last)
+#   plan-1gpu  on ONE GPU: the 1-rank suite and training runs, --plan-check on the 1B (batch 4) and with
+#           2 micro-batches of batch 2 reduce-scattered only at the last, each with its frontier; with
+#           BASE=<a git archive tar of another commit, in the tree>, that commit built beside it
+#           (/tmp/fsdp-base) and its plan checks run the same way (files *-base.*): predictions A/B
 #   plan-small  the GPU suite and training runs, --plan-check on the small model (24 blocks of 6 MB:
 #           collective latency matters), with the bucketed fixed points; 2 GPUs, or 1 if only one
 #   overlap-1b  the contention the planner calibrates (bench/trace_overlap.py: one step of the 1B
@@ -58,8 +62,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; commit=${2:-unknown}
-part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-small, plan-8b, overlap-1b, offload,
-  offload-8b, offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100,
+part=${3:?part: suite, 1b, 1b-ac, small, 8b-ac, plan-1b, plan-check-1b, plan-1gpu, plan-small, plan-8b, overlap-1b,
+  offload, offload-8b, offload-budget, offload-1gpu, device-1gpu, host-steps-1gpu, offload-1b-1gpu, offload-h100,
   guarded-8b-1gpu, hsdp, two-nodes, package}
 steps=${4:-10}; repeats=${5:-3}
 source bench/gpu_env.sh
@@ -120,6 +124,29 @@ case $part in
       --plan-check "$work/plan-check-1b-accum.jsonl" --log "$work/plan-1b-accum.jsonl"
     phase frontier-1b-accum 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b-accum.jsonl" \
       --out "$work/frontier-1b-accum" ;;
+  plan-1gpu)
+    phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_1_ranks|train_gpu_1|'\
+'train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+    plan_checks() {  # plan_checks TREE SUFFIX: the two plan checks with TREE's binaries
+      local tree=$1 suffix=$2
+      phase plan-check-1b$suffix 200 "$tree"/build/fsdp-run --gpu -n 1 "$tree"/build/fsdp-train --model 1b \
+        --seq 2048 --batch 4 --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-1b$suffix.jsonl" \
+        --plan-check-steps 10 --log "$work/plan-1b$suffix.jsonl"
+      phase frontier-1b$suffix 30 python3 bench/plan_frontier.py --check "$work/plan-check-1b$suffix.jsonl" \
+        --out "$work/frontier-1b$suffix"
+      phase plan-check-1b-accum$suffix 200 "$tree"/build/fsdp-run --gpu -n 1 "$tree"/build/fsdp-train \
+        --model 1b --seq 2048 --batch 2 --grad-accum 2 --grad-accum-sync last --param-dtype bf16 --steps 5 \
+        --plan-check "$work/plan-check-1b-accum$suffix.jsonl" --log "$work/plan-1b-accum$suffix.jsonl"
+      phase frontier-1b-accum$suffix 30 python3 bench/plan_frontier.py \
+        --check "$work/plan-check-1b-accum$suffix.jsonl" --out "$work/frontier-1b-accum$suffix"
+    }
+    plan_checks . ""
+    if [ -n "${BASE:-}" ]; then
+      rm -rf /tmp/fsdp-base && mkdir -p /tmp/fsdp-base && tar xf "$BASE" -C /tmp/fsdp-base
+      [ -d .whl ] && cp -r .whl /tmp/fsdp-base/
+      phase build-base 300 env FSDP_JOBS="$(nproc)" bash /tmp/fsdp-base/scripts/setup.sh &&
+        plan_checks /tmp/fsdp-base -base
+    fi ;;
   plan-small)  # on 2 GPUs, or on 1 where only one is lent
     gpus=$(( $(nvidia-smi -L | wc -l) > 1 ? 2 : 1 ))
     phase gpu-tests 200 ctest --test-dir build --output-on-failure -R "^(unit|gpu_${gpus}_ranks|train_gpu_${gpus}|"\
