@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """What collectives beside compute cost: a summary of fsdp-train Chrome traces (--trace).
 
-Per trace file: the blocks' compute time by phase (forward, recompute, backward; the root's spans
-enclose the others and are left out), the all-gathers' and reduce-scatters' time, and how much of
-it ran beside the blocks' compute. Comparing a run at --prefetch-depth 0 with one at depth 1 shows
-the contention the planner calibrates (docs/design.md, "The calibration step"): compute that grows
-and collectives that stretch when they share the GPU.
+Per trace file: the blocks' compute time by phase (forward, recompute, backward, hand-off; the
+root's spans are left out, its forward and backward enclose the others), the all-gathers' and
+reduce-scatters' time, and how much of it ran beside the blocks' compute. Comparing a run at
+--prefetch-depth 0 with one at depth 1 shows the contention the planner calibrates
+(docs/design.md, "The calibration step"): compute that grows and collectives that stretch when
+they share the GPU.
 
   python3 bench/trace_overlap.py run-rank0.json [more.json ...] [--json OUT]
 """
