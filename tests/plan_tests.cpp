@@ -190,6 +190,35 @@ TEST(Calibration, RecoversTheContentionOfARecordedStep) {
   EXPECT_THROW(calibrate_contention(m, shapes, step), std::invalid_argument);
 }
 
+// A root R around one block B, recorded: R's own compute is what its spans hold beyond B's, its
+// all-gather and its hand-off. Forward: R 0-10, B's all-gather 1-2, B 2-6: the embedding 2 - 0 - 1
+// and the head 10 - 6, 5 ms. Backward: R 10-30, B's all-gather 13-14, B 14-24, B's hand-off 24-25:
+// the head's 14 - 10 - 1 and the embedding's 30 - 24 - 1, 8 ms (B's hand-off is B's: 1 ms).
+TEST(Measurement, TheRootsComputeLeavesOutTheBlocksHandOff) {
+  std::vector<GroupShape> shapes(2);
+  shapes[0].name = "R", shapes[0].label = "#1 R", shapes[0].encloses_later = true;
+  shapes[1].name = "B", shapes[1].label = "#2 B";
+  for (auto& shape : shapes) shape.checkpointable = false;
+  RecordedStep step;
+  int mark = 1;  // marks[0] is the step's start; each span takes two more
+  const auto span = [&](const char* name, double start, double end) {
+    mark += 2;
+    return RecordedSpan{name, start, end, start, end, mark - 2, mark - 1};
+  };
+  step.spans = {span("forward #1 R", 0, 10),  span("all-gather #2 B", 1, 2),  span("forward #2 B", 2, 6),
+                span("backward #1 R", 10, 30), span("all-gather #2 B", 13, 14), span("backward #2 B", 14, 24),
+                span("hand-off #2 B", 24, 25), span("reduce-scatter #2 B", 25, 26), span("hand-off #1 R", 30, 31)};
+  step.marks.resize(mark + 1);
+  step.step_ms = 40;
+  const CostModel m = measure_cost_model(shapes, step);
+  EXPECT_DOUBLE_EQ(m.groups[0].forward_ms, 5);
+  EXPECT_DOUBLE_EQ(m.groups[0].backward_ms, 8);
+  EXPECT_DOUBLE_EQ(m.groups[0].handoff_ms, 1);
+  EXPECT_DOUBLE_EQ(m.groups[1].backward_ms, 10);
+  EXPECT_DOUBLE_EQ(m.groups[1].handoff_ms, 1);
+  EXPECT_DOUBLE_EQ(m.groups[1].handoff_cpu_ms, 1);
+}
+
 // Keeping B unsharded from forward to backward skips its second all-gather.
 TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
   // fwd B ends at 3 and bwd B starts at once (3-5); AG A 5-5.5, bwd A 5.5-7.5, RS A 7.5-8, +1.

@@ -86,7 +86,8 @@ void measure_group(const Measure& m, const GroupShape& shape, GroupCost& cost) {
 
 // The root: its forward span holds the others' (its own part is before the first and after the
 // last), its backward span too (its head's backward before the last group's, its embedding's
-// after the first group's). The all-gathers the compute stream waited for inside are not its own.
+// after the first group's hand-off). The all-gathers the compute stream waited for inside are not
+// its own.
 void measure_root(const Measure& m, const std::vector<GroupShape>& groups, GroupCost& cost) {
   const GroupShape& root = groups.front();
   const GroupShape& first = groups[1];
@@ -100,6 +101,7 @@ void measure_root(const Measure& m, const std::vector<GroupShape>& groups, Group
   const RecordedSpan& last_backward_start = m.find("recompute " + last.label) ? m.get("recompute " + last.label)
                                                                             : m.get("backward " + last.label);
   const RecordedSpan& first_backward = m.get("backward " + first.label);
+  const RecordedSpan* first_handoff = m.find("hand-off " + first.label);  // the first group's own
   // Marks: before the first group's all-gather allocates, after the last group's reshard, before
   // the last group's all-gather in backward.
   const int embed_end = first_gather.start_mark - 1, head_start = last_forward.end_mark + 1;
@@ -120,7 +122,8 @@ void measure_root(const Measure& m, const std::vector<GroupShape>& groups, Group
     const double embed = at(first_forward, false) - at(forward, false) - length(first_gather);
     const double head = at(forward, true) - at(last_forward, true);
     const double head_backward = at(last_backward_start, false) - at(backward, false) - length(last_gather);
-    const double embed_backward = at(backward, true) - at(first_backward, true);
+    const double embed_backward =
+        at(backward, true) - at(first_backward, true) - (first_handoff ? length(*first_handoff) : 0.0);
     (host ? cost.forward_cpu_ms : cost.forward_ms) = std::max(0.0, embed) + std::max(0.0, head);
     (host ? cost.backward_cpu_ms : cost.backward_ms) = std::max(0.0, head_backward) + std::max(0.0, embed_backward);
   }
