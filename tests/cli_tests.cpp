@@ -90,24 +90,26 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
 // The host-memory check's share for gradients waiting for the host's step: the largest group's or
 // --max-pending-host-steps blocks' (at most every block), in the reduce dtype, over the shard ranks.
 TEST(TrainArgs, HostGradientsWaitingForTheStepCountTheLargerOfRootAndPendingBlocks) {
-  using fsdp::train::host_gradient_bytes;
-  using fsdp::train::parse_train_args;
+  const auto bytes = [](const std::vector<std::string>& argv, int shard_ranks) {
+    const TrainArgs a = fsdp::train::parse_train_args(argv);
+    return fsdp::train::host_gradient_bytes(a, fsdp::train::model_config(a), shard_ranks);
+  };
   const std::vector<std::string> offloaded = {"--cpu-offload", "--optimizer-in-backward", "--clip", "0"};
   const auto with = [&](std::vector<std::string> argv) {
     argv.insert(argv.end(), offloaded.begin(), offloaded.end());
-    return parse_train_args(argv);
+    return argv;
   };
   // 8b: the root (2 x 128256 x 4096 embedding and head, 4096 norm) outweighs two blocks of 218,112,000.
   const double root_8b = 2.0 * 128256 * 4096 + 4096;
-  EXPECT_EQ(host_gradient_bytes(with({"--model", "8b"}), 1), root_8b * 4);
-  EXPECT_EQ(host_gradient_bytes(with({"--model", "8b", "--reduce-dtype", "bf16"}), 2), root_8b * 2 / 2);
+  EXPECT_EQ(bytes(with({"--model", "8b"}), 1), root_8b * 4);
+  EXPECT_EQ(bytes(with({"--model", "8b", "--reduce-dtype", "bf16"}), 2), root_8b * 2 / 2);
   // small: 24 blocks of 2 x 512 + 4 x 512^2 + 3 x 512 x 1408 = 3,212,288 outweigh the root's 32.8M from 11 on.
   const double block_small = 3212288;
-  EXPECT_EQ(host_gradient_bytes(with({"--model", "small", "--max-pending-host-steps", "20"}), 1), 20 * block_small * 4);
-  EXPECT_EQ(host_gradient_bytes(with({"--model", "small", "--max-pending-host-steps", "99"}), 4), 24 * block_small);
+  EXPECT_EQ(bytes(with({"--model", "small", "--max-pending-host-steps", "20"}), 1), 20 * block_small * 4);
+  EXPECT_EQ(bytes(with({"--model", "small", "--max-pending-host-steps", "99"}), 4), 24 * block_small);
   // Not offloaded, or stepped after backward: nothing waits.
-  EXPECT_EQ(host_gradient_bytes(parse_train_args({"--model", "8b", "--optimizer-in-backward", "--clip", "0"}), 1), 0);
-  EXPECT_EQ(host_gradient_bytes(parse_train_args({"--model", "8b", "--cpu-offload"}), 1), 0);
+  EXPECT_EQ(bytes({"--model", "8b", "--optimizer-in-backward", "--clip", "0"}, 1), 0);
+  EXPECT_EQ(bytes({"--model", "8b", "--cpu-offload"}, 1), 0);
 }
 
 TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {

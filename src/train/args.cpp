@@ -318,9 +318,8 @@ std::string gib(double bytes) {
 // Gradients reach the host a group at a time and up to --max-pending-host-steps groups' wait
 // there for the step thread: at least the largest group's (the root's embeddings and head) or
 // that many blocks', in the reduce dtype.
-double host_gradient_bytes(const TrainArgs& a, int shard_ranks) {
+double host_gradient_bytes(const TrainArgs& a, const model::LlamaConfig& config, int shard_ranks) {
   if (!a.cpu_offload || !a.optimizer_in_backward) return 0.0;
-  const auto config = model_config(a);
   const double block = static_cast<double>(config.block_parameter_count());
   const double root = static_cast<double>(config.parameter_count()) - config.n_layers * block;
   const double waiting_blocks = std::min<int64_t>(std::max(a.runtime.max_pending_host_steps, 1), config.n_layers);
@@ -356,7 +355,7 @@ void check_memory(const TrainArgs& a) {
   const double sharded_state = state_bytes * params / shard_ranks;
   // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
   const bool offloaded = a.cpu_offload && on_gpu;
-  const double host_gradients = offloaded ? host_gradient_bytes(a, shard_ranks) : 0.0;
+  const double host_gradients = offloaded ? host_gradient_bytes(a, config, shard_ranks) : 0.0;
   const double host_state = (sharded_state + host_gradients) * local;
   const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
   const double loss_chunk = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));

@@ -69,9 +69,9 @@ std::string train_help_text();
 // Throws UsageError.
 void check_train_args_on_this_machine(const TrainArgs& args);
 // With --cpu-offload and --optimizer-in-backward on GPUs: the least host memory (bytes) a rank's
-// gradients take while they wait for the host's optimizer step (0 otherwise), with the sharded
-// state over `shard_ranks` ranks. Part of the host-memory check.
-double host_gradient_bytes(const TrainArgs& args, int shard_ranks);
+// gradients take while they wait for the host's optimizer step (0 otherwise), for `config` (the
+// run's model_config) sharded over `shard_ranks` ranks. Part of the host-memory check.
+double host_gradient_bytes(const TrainArgs& args, const model::LlamaConfig& config, int shard_ranks);
 // Ranks on this host, from the launcher's variables (1 without them).
 int local_ranks();
 // "fp32", "bf16" or "auto" (bf16 on GPUs).
