@@ -8,43 +8,55 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <new>
 
 namespace fsdp {
 namespace {
 
-// Wraps the CPU allocator: each allocation carries its size in a small context, so its free is
-// counted too. Lives for the whole process (tensors it allocated may outlive anything else).
+// Wraps the CPU allocator's raw allocations and counts their bytes. c10's contract for a CPU
+// allocator (raw_allocate asserts it; oneDNN's scratch memory goes through it) is that a DataPtr's
+// context is its data and raw_deleter() frees it, so the size cannot ride in a separate context:
+// each block carries it in a header of kHeaderBytes just before the data, which keeps the inner
+// allocator's alignment (c10::gAlignment divides kHeaderBytes). Lives for the whole process
+// (tensors it allocated may outlive anything else).
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
 
   c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr inner = inner_->allocate(bytes);
-    void* data = inner.get();
-    const auto size = static_cast<int64_t>(bytes);
-    const int64_t now = now_.fetch_add(size) + size;
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    auto* owned = new Owned{std::move(inner), size, this};
-    return {data, owned, &release, c10::Device(c10::kCPU)};
+    if (bytes == 0) return {nullptr, nullptr, &release, c10::Device(c10::kCPU)};
+    auto* block = static_cast<char*>(inner_->raw_allocate(bytes + kHeaderBytes));
+    new (block) Header{static_cast<int64_t>(bytes), this};
+    add(static_cast<int64_t>(bytes));
+    void* data = block + kHeaderBytes;
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
   AllocatedBytes read() const { return {now_.load(), peak_.load()}; }
   void reset_peak() { peak_.store(now_.load()); }
 
  private:
-  struct Owned {
-    c10::DataPtr inner;  // freed with this
+  static constexpr size_t kHeaderBytes = 64;
+  struct Header {
     int64_t size;
     CountingCpuAllocator* counter;
   };
-  static void release(void* context) {
-    auto* owned = static_cast<Owned*>(context);
-    owned->counter->now_.fetch_sub(owned->size);
-    delete owned;
+  static_assert(sizeof(Header) <= kHeaderBytes && kHeaderBytes % alignof(std::max_align_t) == 0);
+
+  void add(int64_t size) {
+    const int64_t now = now_.fetch_add(size) + size;
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+  }
+  static void release(void* data) {
+    if (data == nullptr) return;
+    auto* block = static_cast<char*>(data) - kHeaderBytes;
+    const Header header = *reinterpret_cast<Header*>(block);
+    header.counter->now_.fetch_sub(header.size);
+    header.counter->inner_->raw_deallocate(block);
   }
 
   c10::Allocator* inner_;
@@ -58,7 +70,10 @@ std::once_flag g_install_once;
 
 void count_host_allocations() {
   std::call_once(g_install_once, [] {
-    g_host_counter = new CountingCpuAllocator(c10::GetCPUAllocator());
+    // The allocator in place, unless it cannot free raw blocks (then c10's default, which can).
+    c10::Allocator* inner = c10::GetCPUAllocator();
+    if (inner->raw_deleter() == nullptr) inner = c10::GetDefaultCPUAllocator();
+    g_host_counter = new CountingCpuAllocator(inner);
     // Above the default's priority 0, so it is the allocator every CPU tensor gets from now on.
     c10::SetCPUAllocator(g_host_counter, /*priority=*/1);
   });
