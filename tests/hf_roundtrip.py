@@ -9,12 +9,19 @@ For a grouped-query model and a tied-embedding one:
   2. fsdp-train starts from those weights, trains 3 steps and exports; transformers loads the
      export and its logits match fsdp.cpp's on the exported weights, which training changed.
   3. fsdp-train trains a model from scratch and exports it: the same check.
+  4. What an import carries passes through the export: every config.json field (bos/eos token ids
+     included; torch_dtype says what was written), generation_config.json and the tokenizer files.
+     An existing export is refused, or with --overwrite replaced whole. A directory with two sets
+     of weights, or an index that disagrees with its files, is refused naming both; so are --seq
+     above max_position_embeddings and --model beside a config.json.
 Tolerance: float32 logits of two implementations of this model (dim 64, 2 layers) that sum in
 different orders: each logit ends a chain of about 20 sums of at most 256 terms, so the
 relative difference stays below 2 * 10 * sqrt(20 * 256) * 2^-24 = 8.5e-5 of the logits' scale
 (tests/helpers.h's bound); checked at 1e-4 of the largest logit.
 """
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +63,79 @@ def train(work, name, *flags):
     return out
 
 
+def run_train(*flags):
+    done = subprocess.run(RUN + [f"{BUILD}/fsdp-train", *flags], capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+def expect_refused(what, code_wanted, message, *flags):
+    code, out = run_train(*flags)
+    ok = code == code_wanted and message in out
+    print(f"hf_roundtrip: {what}: exit {code}: {'ok' if ok else 'FAIL'}")
+    if not ok:
+        sys.exit(f"hf_roundtrip: FAIL: wanted exit {code_wanted} and '{message}', got:\n{out}")
+
+
+def save_tokenizer(directory):
+    import tokenizers
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, bos_token="t7", eos_token="t9").save_pretrained(
+        directory)
+
+
+WEIGHTS = (".safetensors", ".safetensors.index.json")
+
+
+def check_passes_through(original, exported):
+    want, got = (json.load(open(f"{d}/config.json")) for d in (original, exported))
+    changed = [k for k, v in want.items() if k not in ("torch_dtype", "dtype") and got.get(k) != v]
+    companions = [n for n in os.listdir(original) if n != "config.json" and not n.endswith(WEIGHTS)]
+    differ = [n for n in companions if not os.path.exists(f"{exported}/{n}")
+              or open(f"{original}/{n}", "rb").read() != open(f"{exported}/{n}", "rb").read()]
+    loaded = transformers.AutoConfig.from_pretrained(exported)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    ok = (not changed and not differ and got.get("torch_dtype") == "float32" and loaded.bos_token_id == 7
+          and loaded.eos_token_id == 9 and "generation_config.json" in companions
+          and "tokenizer.json" in companions and tokenizer("t7 t9")["input_ids"] == [7, 9])
+    print(f"hf_roundtrip: export keeps config fields {sorted(want)} and files {sorted(companions)}: "
+          f"{'ok' if ok else 'FAIL'}")
+    if not ok:
+        sys.exit(f"hf_roundtrip: FAIL: fields changed {changed}, files differ {differ}, torch_dtype "
+                 f"{got.get('torch_dtype')}, bos {loaded.bos_token_id}, eos {loaded.eos_token_id}")
+
+
+def check_refusals(work, original, tuned):
+    expect_refused("export into an existing model", 2, f"--export: '{tuned}' already holds files: pass --overwrite",
+                   "--steps", "1", "--seq", "32", "--init-from", original, "--export", tuned)
+    stale = f"{tuned}/model-00001-of-00002.safetensors"
+    shutil.copy(f"{tuned}/model.safetensors", stale)
+    code, out = run_train("--steps", "1", "--seq", "32", "--batch", "2", "--init-from", original, "--export", tuned,
+                          "--overwrite", "--log", f"{work}/overwrite.jsonl")
+    if code != 0 or os.path.exists(stale) or not os.path.exists(f"{tuned}/model.safetensors"):
+        sys.exit(f"hf_roundtrip: FAIL: --overwrite did not replace the export whole (exit {code}):\n{out}")
+    print("hf_roundtrip: --overwrite replaces the export whole: ok")
+    expect_refused("--seq above max_position_embeddings", 2,
+                   "--seq 256 is more than the " + original + " model's 128 positions (max_position_embeddings",
+                   "--seq", "256", "--init-from", original)
+    expect_refused("--model beside config.json", 2, "--model would be ignored",
+                   "--model", "small", "--init-from", original)
+    twice = f"{work}/twice"
+    shutil.copytree(original, twice)
+    shutil.copy(f"{twice}/model.safetensors", f"{twice}/model-old.safetensors")
+    expect_refused("two sets of weights", 1,
+                   f"'{twice}/model-old.safetensors' and '{twice}/model.safetensors' both hold",
+                   "--steps", "1", "--seq", "32", "--init-from", twice)
+    indexed = f"{work}/indexed"
+    shutil.copytree(original, indexed)
+    with open(f"{indexed}/model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}, f)
+    expect_refused("an index that disagrees with the files", 1,
+                   f"'{indexed}/model.safetensors.index.json' puts 'model.embed_tokens.weight' in "
+                   f"'{indexed}/model-00002-of-00002.safetensors', but '{indexed}/model.safetensors' holds it",
+                   "--steps", "1", "--seq", "32", "--init-from", indexed)
+
+
 def main():
     for tied, kv_heads in ((False, 2), (True, 4)):
         label = "tied embeddings" if tied else "grouped-query attention"
@@ -63,10 +143,11 @@ def main():
             config = transformers.LlamaConfig(
                 vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
-                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied)
+                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=7, eos_token_id=9)
             torch.manual_seed(0)
             original = f"{work}/hf"
             transformers.LlamaForCausalLM(config).save_pretrained(original, safe_serialization=True)
+            save_tokenizer(original)
             want = hf_logits(original)
             check(f"{label}: transformers' model loaded into fsdp.cpp", fsdp_logits(original, work), want)
 
@@ -75,6 +156,9 @@ def main():
             if (after - want).abs().max().item() < 1e-3:
                 sys.exit("hf_roundtrip: FAIL: the exported model equals the initial one: no training?")
             check(f"{label}: fine-tuned by fsdp.cpp, exported, loaded by transformers", fsdp_logits(tuned, work), after)
+            check_passes_through(original, tuned)
+            if not tied:
+                check_refusals(work, original, tuned)
 
             scratch = train(work, "scratch", "--model", "tiny", *(["--tie-embeddings"] if tied else []))
             check(f"{label}: trained from scratch, exported, loaded by transformers",

@@ -22,6 +22,15 @@
 #                                             and trains (also with --grad-accum 2, either sync); a budget below
 #                                             every schedule is refused
 #                                             with the smallest that fits (exit 2)
+#   launcher_tests.sh BUILD_DIR diverge       --lr 1e8: the first non-finite step stops the run (exit 1),
+#                                             nothing saved or exported after it; --max-skipped-steps
+#                                             skips such steps without touching the state, then stops
+#   launcher_tests.sh BUILD_DIR runs          checkpoints name their run: a fresh run into another run's
+#                                             --save-dir is refused, --overwrite removes the old ones;
+#                                             --resume of a checkpoint itself; a resume with nothing
+#                                             to train is refused, or only exports with --export
+#   launcher_tests.sh BUILD_DIR rank-failures a program that cannot start: one line, exit 127; a rank
+#                                             killed by a signal: one line naming rank and signal
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
 #                                             the signal to fsdp-run mid-run reaches every rank: all
 #                                             exit, fsdp-run exits 128+signal, nothing left running
@@ -71,10 +80,11 @@ resume)
   for w in $n $worlds; do
     "$run" "${launch[@]}" -n "$w" "$train" "${common[@]}" --batch $((global / w)) --resume "$work/half" \
       --save-dir "$work/resumed-$w" --log "$work/resumed-$w.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume on $w"; }
-    grep -q "resumed from .*step-000010 (step 10)" "$work/out" || fail "did not say where it resumed"
+    grep -q "resumed from .*step-000010 (step 10, run [0-9a-f]*)" "$work/out" || fail "did not say where it resumed"
     if [ "$w" = "$n" ] && [ "$kind" = cpu ]; then
       # The same ranks: the same arithmetic, so the same bits (CPU kernels are deterministic).
-      for f in "$work"/straight/step-000020/*; do
+      # Shards only: metadata.bin also names the run, which differs (the resumed run is the half run).
+      for f in "$work"/straight/step-000020/shard-*; do
         cmp "$f" "$work/resumed-$w/step-000020/$(basename "$f")" || fail "$(basename "$f") differs from the straight run"
       done
       tolerance=0
@@ -259,6 +269,82 @@ budget)
   [ "$code" = 2 ] || { cat "$work/out"; fail "exit code $code, not 2, for a budget too small"; }
   grep -q "is too small: .* the smallest budget that fits is" "$work/out" || { cat "$work/out"; fail "no refusal"; }
   echo "planned and trained; too small a budget refused: ok"
+  ;;
+diverge)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32 --steps 8 --lr 1e8 --min-lr 0 --warmup 0 --save-every 1)
+  "$run" "${common[@]}" --save-dir "$work/ck" --export "$work/model" --log "$work/log.jsonl" >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 1 ] || fail "exit code $code, not 1, for a run that diverged"
+  grep -q "fsdp-train: error: step 2: the loss is .* training diverged; nothing saved or exported after it" \
+    "$work/out" || fail "no divergence error naming the step"
+  ! grep -q "fsdp-train: done" "$work/out" || fail "claims to be done"
+  [ ! -e "$work/model" ] || fail "exported a diverged model"
+  [ "$(ls "$work/ck")" = step-000001 ] || fail "saved past the diverged step: $(ls "$work/ck")"
+  grep -q '"step":2,.*"grad_norm":null' "$work/log.jsonl" || fail "the log does not record the non-finite norm as null"
+  # Skipping: the skipped steps take no optimizer step, so the state saved after each of them is
+  # the state of step 1, bit for bit; past the allowance the run stops as above.
+  "$run" "${common[@]}" --save-dir "$work/skip" --max-skipped-steps 2 --log "$work/skip.jsonl" >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 1 ] || fail "exit code $code, not 1, past --max-skipped-steps"
+  for step in 2 3; do
+    grep -q "fsdp-train: step $step: the loss is .*: skipped, no optimizer step ($((step - 1)) of --max-skipped-steps 2)" \
+      "$work/out" || fail "step $step not reported skipped"
+    for f in "$work"/skip/step-000001/shard-*; do
+      cmp "$f" "$work/skip/step-00000$step/$(basename "$f")" || fail "skipped step $step changed $(basename "$f")"
+    done
+  done
+  grep -q "error: step 4: .*(past --max-skipped-steps 2): training diverged" "$work/out" || fail "no stop after 2 skips"
+  [ "$(grep -c '"skipped":true' "$work/skip.jsonl")" = 3 ] || fail "the log does not mark the skipped steps"
+  echo "diverge: ok"
+  ;;
+runs)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32)
+  "$run" "${common[@]}" --steps 6 --save-dir "$work/ck" --log "$work/a.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the first run"; }
+  # Another fresh run into the same directory: refused, naming the fixes.
+  expect_usage_error "--save-dir: '$work/ck' holds checkpoints of another run (newest '$work/ck/step-000006', run" \
+    "${common[@]}" --steps 4 --save-dir "$work/ck"
+  # --overwrite: the old run's checkpoints go, so a later --resume takes this run's.
+  "$run" "${common[@]}" --steps 4 --save-dir "$work/ck" --overwrite --log "$work/b.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "--overwrite"; }
+  [ "$(ls "$work/ck")" = step-000004 ] || fail "--overwrite left: $(ls "$work/ck")"
+  # The same run continued in its own directory: allowed; the checkpoint itself names the run.
+  "$run" "${common[@]}" --steps 6 --resume "$work/ck/step-000004" --save-dir "$work/ck" --log "$work/c.jsonl" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "resume from the checkpoint itself"; }
+  grep -q "resumed from $work/ck/step-000004 (step 4, run [0-9a-f]*)" "$work/out" || fail "no resume line"
+  [ "$(ls "$work/ck" | tr '\n' ' ')" = "step-000004 step-000006 " ] || fail "resumed run saved: $(ls "$work/ck")"
+  # Nothing left to train: refused, unless the resume is to export.
+  expect_usage_error "--resume: '$work/ck/step-000006' is at step 6 and --steps is 6: nothing to train" \
+    "${common[@]}" --steps 6 --resume "$work/ck"
+  "$run" "${common[@]}" --steps 6 --resume "$work/ck" --export "$work/model.safetensors" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "resume to export"; }
+  grep -q "nothing to train" "$work/out" && [ -s "$work/model.safetensors" ] || { cat "$work/out"; fail "no export"; }
+  expect_usage_error "--export: '$work/model.safetensors' already exists: pass --overwrite" \
+    "${common[@]}" --steps 6 --resume "$work/ck" --export "$work/model.safetensors"
+  echo "runs: ok"
+  ;;
+rank-failures)
+  "$run" -n 2 --cpu /nonexistent/program >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 127 ] || fail "exit code $code, not 127, for a program that does not exist"
+  [ "$(cat "$work/out")" = "fsdp-run: cannot run /nonexistent/program: no such executable file" ] || fail "message"
+  "$run" -n 2 --cpu no-such-program-on-path >"$work/out" 2>&1
+  [ $? = 127 ] && grep -q "not found on PATH" "$work/out" || fail "a name not on PATH"
+  # Rank 1 dies of SIGKILL (as the kernel's OOM killer does); rank 0 would wait for it.
+  "$run" -n 2 --cpu sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then kill -9 $$; fi; sleep 30' >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 137 ] || fail "exit code $code, not 137, for a rank killed by SIGKILL"
+  [ "$(grep -c . "$work/out")" = 1 ] || fail "not one line"
+  grep -q "^fsdp-run: rank 1 (pid [0-9]*) was killed by signal 9 (Killed)$" "$work/out" || fail "no line naming the rank"
+  "$run" -n 2 --cpu sh -c 'kill -SEGV $$' >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 139 ] && grep -q "was killed by signal 11 (Segmentation fault)" "$work/out" || fail "SIGSEGV ($code)"
+  echo "rank failures: ok"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

@@ -8,9 +8,14 @@
 // (default 60: time to save a checkpoint) later are killed; fsdp-run then exits 128 + the signal (130, 143),
 // or 0 if every rank exited 0 (a program that stops cleanly on the signal).
 // A rank's exit code 2 (a usage error, which the program has reported) is
-// passed on without a message.
+// passed on without a message. A PROGRAM that cannot be started is one line and
+// exit code 127, as in shells; a rank killed by a signal is one line naming the
+// rank and the signal (on CPU each rank runs under `fsdp-run --mpi-rank`, which
+// waits for it and says so; mpirun itself stays quiet, -q).
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -217,14 +222,87 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
   return exit_code;
 }
 
+// Whether execvp would find `program`: a path with a slash as it is, else a name on PATH.
+bool can_execute(const std::string& program) {
+  auto executable = [](const std::string& path) {
+    struct stat st{};
+    return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;
+  };
+  if (program.find('/') != std::string::npos) return executable(program);
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  for (size_t begin = 0; begin <= dirs.size();) {
+    size_t end = dirs.find(':', begin);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string dir = end > begin ? dirs.substr(begin, end - begin) : ".";
+    if (executable(dir + "/" + program)) return true;
+    begin = end + 1;
+  }
+  return false;
+}
+
+// fsdp-run --mpi-rank PROGRAM ARGS: what mpirun starts for each CPU rank. Runs PROGRAM as its
+// child and exits as it did; if it was killed by a signal nobody asked for, says which rank died
+// of which signal (mpirun -q would say nothing). A signal to this process (mpirun ending the job)
+// is passed on to PROGRAM and not reported; SIGUSR1 is not passed on, since fsdp-run sends it to
+// every process below mpirun already. PROGRAM dies with this process (PR_SET_PDEATHSIG).
+volatile sig_atomic_t g_rank_child = 0;
+volatile sig_atomic_t g_rank_signalled = 0;
+
+void pass_on(int sig) {
+  g_rank_signalled = 1;
+  if (g_rank_child > 0) kill(g_rank_child, sig);
+}
+
+int run_as_mpi_rank(char** program_argv) {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const pid_t self = getpid();
+  const pid_t child = fork();
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != self) _exit(128 + SIGKILL);  // the wrapper died before the line above
+    execvp(program_argv[0], program_argv);
+    std::fprintf(stderr, "fsdp-run: rank %s: cannot run %s: %s\n", rank ? rank : "?", program_argv[0],
+                 std::strerror(errno));
+    _exit(127);
+  }
+  if (child < 0) {
+    std::perror("fsdp-run: fork");
+    return 1;
+  }
+  g_rank_child = child;
+  struct sigaction action{};
+  action.sa_handler = pass_on;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaction(sig, &action, nullptr);
+  signal(SIGUSR1, SIG_IGN);
+  int status = 0;
+  while (waitpid(child, &status, 0) < 0)
+    if (errno != EINTR) return 1;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  const int sig = WTERMSIG(status);
+  if (!g_rank_signalled)
+    std::fprintf(stderr, "fsdp-run: rank %s (pid %d) was killed by signal %d (%s)\n", rank ? rank : "?",
+                 static_cast<int>(child), sig, strsignal(sig));
+  return 128 + sig;
+}
+
 int run_mpirun(int ranks, char** program_argv) {
-  // -q: no Open MPI notes after a rank's own error message (MPI_Abort, non-zero exits).
+  // -q: no Open MPI notes after a rank's own error message (MPI_Abort, non-zero exits); each rank
+  // runs under `fsdp-run --mpi-rank`, which reports a rank killed by a signal in one line.
   std::vector<std::string> args = {"mpirun", "-q", "-n", std::to_string(ranks), "--oversubscribe",
                                    "--bind-to", "none"};
   if (geteuid() == 0) args.push_back("--allow-run-as-root");
   // Containers often forbid the cross-memory-attach copy path; shared memory works everywhere.
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", /*overwrite=*/0);
   std::vector<char*> argv;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {  // else the ranks run bare: a death by signal is then not named
+    self[n] = '\0';
+    args.push_back(self);
+    args.push_back("--mpi-rank");
+  }
   for (auto& a : args) argv.push_back(a.data());
   for (char** p = program_argv; *p; ++p) argv.push_back(*p);
   argv.push_back(nullptr);
@@ -265,6 +343,7 @@ int integer_in(const char* text, int low, int high) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 3 && std::strcmp(argv[1], "--mpi-rank") == 0) return run_as_mpi_rank(argv + 2);
   int ranks = 0, port = 0, i = 1;
   enum { Auto, Cpu, Gpu } mode = Auto;
   for (; i < argc && argv[i][0] == '-'; ++i) {
@@ -284,6 +363,11 @@ int main(int argc, char** argv) {
     else usage(("unknown option " + a).c_str());
   }
   if (i >= argc) usage("no PROGRAM given");
+  if (!can_execute(argv[i])) {
+    std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", argv[i],
+                 std::strchr(argv[i], '/') ? "no such executable file" : "not found on PATH");
+    return 127;
+  }
   const int gpus = visible_gpus();
   if (mode == Auto) mode = gpus > 0 ? Gpu : Cpu;
   if (ranks == 0) ranks = mode == Gpu ? gpus : 2;

@@ -14,8 +14,14 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <cmath>
+#include <limits>
 #include <optional>
+#include <random>
+#include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 #include "fsdp/fsdp.h"
 #include "shard/memory_stats.h"
@@ -69,6 +75,45 @@ int launch_rank() {
     return 0;
   }
 }
+
+// Whether every rank's parameters are finite: a collective check before anything is saved or
+// exported, so that no run writes NaN weights (a divergence the loss did not show yet included).
+bool parameters_finite(torch::nn::Module& model, fsdp::Communicator& comm) {
+  at::Tensor bad = at::zeros({1}, at::TensorOptions(at::kFloat).device(comm.device()));
+  for (const auto& p : model.parameters())
+    if (p.numel() > 0) bad += p.detach().isfinite().logical_not().any().to(at::kFloat);
+  comm.all_reduce(bad, fsdp::ReduceOp::Sum);
+  return bad.item<float>() == 0;
+}
+
+// A run's identity, recorded in each checkpoint it saves: rank 0 draws it, every rank learns it.
+std::string new_run_id(fsdp::Communicator& comm) {
+  at::Tensor id = at::zeros({1}, at::TensorOptions(at::kLong));
+  if (comm.rank() == 0)
+    id.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffffu) << 16 ^ (getpid() & 0xffff));
+  id = id.to(comm.device());
+  comm.all_reduce(id, fsdp::ReduceOp::Sum);
+  char text[24];
+  std::snprintf(text, sizeof(text), "%012llx", static_cast<unsigned long long>(id.item<int64_t>()));
+  return text;
+}
+
+// --overwrite: the checkpoints another run left in the save directory go before this run saves,
+// so that a later --resume cannot take one of theirs.
+void remove_checkpoints(const std::string& dir) {
+  for (const auto& name : fsdp::io::list_directory(dir))
+    if (name.rfind("step-", 0) == 0) fsdp::io::remove_tree(dir + "/" + name);
+}
+
+// A number for the log: JSON has no NaN or infinity.
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream out;
+  out.precision(9);
+  out << v;
+  return out.str();
+}
+std::string number_text(double v) { return std::isnan(v) ? "NaN" : std::isinf(v) ? (v > 0 ? "inf" : "-inf") : std::to_string(v); }
 
 // --cpu-offload steps AdamW on the host: each rank of this host takes its share of the cores
 // (ATen's default, every core for every rank, oversubscribes them).
@@ -138,19 +183,26 @@ int train(const fsdp::train::TrainArgs& args) {
   fsdp::CheckpointState checkpoint = fsdp::model_state(*model);
   optimizer->add_to_checkpoint(checkpoint, model->named_parameters().pairs());
   int first_step = 0;
+  std::string run_id;  // a resumed run keeps its checkpoints' id
   if (!args.resume.empty()) {
     const std::string from = fsdp::newest_checkpoint(args.resume);
     const auto begin = std::chrono::steady_clock::now();
     fsdp::load_checkpoint(from, checkpoint);
     first_step = std::stoi(checkpoint.extra.at("step"));
+    if (checkpoint.extra.count("run")) run_id = checkpoint.extra.at("run");
     if (lead)
-      std::printf("fsdp-train: resumed from %s (step %d) in %.2f s\n", from.c_str(), first_step,
+      std::printf("fsdp-train: resumed from %s (step %d%s) in %.2f s\n", from.c_str(), first_step,
+                  run_id.empty() ? "" : (", run " + run_id).c_str(),
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   }
-  if (lead && !args.save_dir.empty()) fsdp::io::make_directories(args.save_dir);
+  if (run_id.empty()) run_id = new_run_id(*comm);
+  if (lead && !args.save_dir.empty()) {
+    fsdp::io::make_directories(args.save_dir);
+    if (args.overwrite) remove_checkpoints(args.save_dir);
+  }
   auto save = [&](int steps_done) {
-    checkpoint.extra = {{"step", std::to_string(steps_done)}, {"model", args.model}, {"seed", std::to_string(args.seed)},
-                        {"data", args.data}};
+    checkpoint.extra = {{"step", std::to_string(steps_done)}, {"model", fsdp::train::model_name(args)},
+                        {"seed", std::to_string(args.seed)}, {"data", args.data}, {"run", run_id}};
     const std::string dir = args.save_dir + "/" + fsdp::checkpoint_name(steps_done);
     const auto begin = std::chrono::steady_clock::now();
     fsdp::save_checkpoint(dir, checkpoint);
@@ -206,7 +258,14 @@ int train(const fsdp::train::TrainArgs& args) {
   const int calibration_step = planning ? profiled_step + 2 : -1;
   double warmup_ms = 0;  // the last warm-up step's time
   const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
-  // One optimizer step; returns the (micro-batch summed) loss and the gradient norm, on the device.
+  // --max-skipped-steps: the gradient norm is needed for the check even without clipping.
+  const bool skips = fsdp::train::skips_nonfinite_steps(args);
+  const double clip_norm = args.clip > 0 ? args.clip : skips ? std::numeric_limits<double>::infinity() : 0.0;
+  struct StepResult {
+    at::Tensor loss, grad_norm;  // on the device: the (micro-batch summed) loss, the norm if computed
+    bool skipped = false;        // --max-skipped-steps: not finite, no optimizer step taken
+  };
+  // One optimizer step.
   auto train_step = [&](int step, void (*start_recording)()) {
     optimizer->zero_grad();
     // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
@@ -223,9 +282,24 @@ int train(const fsdp::train::TrainArgs& args) {
       micro_loss.backward();
       loss += micro_loss.detach();
     }
-    const at::Tensor grad_norm_on_device = args.clip > 0 ? fsdp::clip_grad_norm_(*model, args.clip) : at::Tensor();
-    if (!args.optimizer_in_backward) optimizer->step();  // else each group stepped in backward
-    return std::make_pair(loss, grad_norm_on_device);
+    StepResult result{loss, clip_norm > 0 ? fsdp::clip_grad_norm_(*model, clip_norm) : at::Tensor()};
+    if (skips) {  // one host wait: step only where every rank's loss and the global norm are finite
+      at::Tensor bad = (loss.isfinite() & result.grad_norm.isfinite()).logical_not().to(at::kFloat).reshape({1});
+      comm->all_reduce(bad, fsdp::ReduceOp::Sum);
+      result.skipped = bad.item<float>() > 0;
+    }
+    if (!args.optimizer_in_backward && !result.skipped) optimizer->step();  // else stepped in backward
+    return result;
+  };
+  int skipped_steps = 0;
+  int last_step_done = 0;
+  // Before anything is written: no NaN or infinite weights leave the run.
+  auto state_is_finite = [&](int done, const char* action) {
+    if (parameters_finite(*model, *comm)) return true;
+    if (lead)
+      std::fprintf(stderr, "fsdp-train: error: after step %d the parameters hold NaN or infinite values: training "
+                   "diverged; not %s. Lower --lr (%g now)\n", done, action, args.lr);
+    return false;
   };
   std::optional<fsdp::plan::CostModel> profile;
   for (int step = first_step; step < args.steps; ++step) {
@@ -240,7 +314,7 @@ int train(const fsdp::train::TrainArgs& args) {
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
     if (step == profiling_warmup_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
     if (step == calibration_warmup_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
-    const auto [loss, grad_norm_on_device] =
+    const auto [loss, grad_norm_on_device, skipped] =
         train_step(step, step == profiled_step      ? fsdp::start_profiled_step
                          : step == calibration_step ? fsdp::start_calibration_step
                                                     : nullptr);
@@ -252,7 +326,9 @@ int train(const fsdp::train::TrainArgs& args) {
     const auto totals = loss_and_stop.cpu();  // also waits for the GPU
     const double loss_value = totals[0].item<double>() / comm->world_size();
     const bool stop_requested = totals[1].item<double>() > 0;
-    const double grad_norm = grad_norm_on_device.defined() ? grad_norm_on_device.item<double>() : 0.0;
+    const bool has_grad_norm = grad_norm_on_device.defined();
+    const double grad_norm = has_grad_norm ? grad_norm_on_device.item<double>() : 0.0;
+    const bool finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
     if (step == profiled_step)
       profile = fsdp::finish_profiled_step(*model, warmup_ms, args.grad_accum, args.grad_accum_sync == "every");
     if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile, warmup_ms);
@@ -273,6 +349,7 @@ int train(const fsdp::train::TrainArgs& args) {
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
     const int done = step + 1;
+    last_step_done = done;
     if (lead && step == first_step)
       std::printf("fsdp-train: start-up %.1f s (process start to the end of the first step, %.1f s of it the "
                   "step); host peak memory %.2f GiB on rank 0\n",
@@ -284,9 +361,9 @@ int train(const fsdp::train::TrainArgs& args) {
       eval = fsdp::train::evaluate(model, *comm, *eval_data, int64_t(args.eval_batches) * args.batch, args.batch,
                                    args.seq);
     if (lead) {
-      std::printf("step %4d/%d | loss %.4f | lr %.2e | grad norm %.3f | %8.0f tok/s | %7.1f ms | %s %.2f",
-                  step + 1, args.steps, loss_value, lr, grad_norm, tok_s, ms, mem_label,
-                  mem.allocated_gib);
+      std::printf("step %4d/%d | loss %.4f | lr %.2e", step + 1, args.steps, loss_value, lr);
+      if (has_grad_norm) std::printf(" | grad norm %.3f", grad_norm);  // --clip 0: none computed
+      std::printf(" | %8.0f tok/s | %7.1f ms | %s %.2f", tok_s, ms, mem_label, mem.allocated_gib);
       if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
       std::printf(" GiB | waits ag %ld rs %ld", ag_waits, rs_waits);
       if (args.optimizer_in_backward && args.cpu_offload) std::printf(" host steps %ld", host_step_waits);
@@ -295,8 +372,9 @@ int train(const fsdp::train::TrainArgs& args) {
         std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", done, eval->loss,
                     eval->perplexity, (long long)eval->tokens);
       std::fflush(stdout);
-      log << "{\"step\":" << step + 1 << ",\"loss\":" << loss_value << ",\"lr\":" << lr
-          << ",\"grad_norm\":" << grad_norm << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
+      log << "{\"step\":" << step + 1 << ",\"loss\":" << json_number(loss_value) << ",\"lr\":" << lr
+          << ",\"grad_norm\":" << (has_grad_norm ? json_number(grad_norm) : "null") << ",\"skipped\":" << (skipped ? "true" : "false")
+          << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
           << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
           << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
           << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
@@ -311,6 +389,25 @@ int train(const fsdp::train::TrainArgs& args) {
       log.flush();
       check_log();
     }
+    if (!finite) {
+      // Skipped steps took no optimizer step: the state is still the last finite one.
+      const std::string what = "step " + std::to_string(done) + ": the loss is " + number_text(loss_value) +
+                               (has_grad_norm ? " and the gradient norm " + number_text(grad_norm) : "");
+      if (skipped && ++skipped_steps <= args.max_skipped_steps) {
+        if (lead)
+          std::printf("fsdp-train: %s: skipped, no optimizer step (%d of --max-skipped-steps %d)\n", what.c_str(),
+                      skipped_steps, args.max_skipped_steps);
+      } else {
+        if (lead)
+          std::fprintf(stderr, "fsdp-train: error: %s%s: training diverged; nothing saved or exported after it. "
+                       "Lower --lr (%g now)%s\n", what.c_str(),
+                       skipped ? (" (past --max-skipped-steps " + std::to_string(args.max_skipped_steps) + ")").c_str()
+                               : "",
+                       args.lr, skipped || args.optimizer_in_backward ? "" : ", or skip such steps with --max-skipped-steps N");
+        exit_code = 1;
+        break;
+      }
+    }
     if (step == profiled_step && lead)
       std::printf("%s", fsdp::train::profile_report(*profile, fsdp::profiling_schedule(*model)).c_str());
     if (step == calibration_step) {
@@ -318,7 +415,7 @@ int train(const fsdp::train::TrainArgs& args) {
         std::printf("%s", fsdp::train::contention_report(*profile, fsdp::calibration_schedule(*model)).c_str());
       if (!args.plan_check.empty()) {
         // .item(): the device is idle after each step
-        auto one_step = [&] { train_step(step, nullptr).first.item<double>(); };
+        auto one_step = [&] { train_step(step, nullptr).loss.item<double>(); };
         const fsdp::train::PlanCheck check{args.plan_check_budgets, args.plan_check_steps, args.plan_check_rounds,
                                            fsdp::train::smallest_gpu_bytes(), args.plan_check};
         fsdp::train::check_plans(model, *profile, one_step, device, check, lead);
@@ -341,8 +438,13 @@ int train(const fsdp::train::TrainArgs& args) {
       if (args.plan_only) break;
       fsdp::train::apply_schedule(model, plan.chosen.schedule);
     }
-    if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0)))
+    if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0))) {
+      if (!state_is_finite(done, "saved")) {
+        exit_code = 1;
+        break;
+      }
       save(done);
+    }
     if (stop) {
       if (lead)
         std::printf("fsdp-train: stopped after step %d (%s)%s\n", done,
@@ -353,8 +455,13 @@ int train(const fsdp::train::TrainArgs& args) {
       break;
     }
   }
-  if (!args.export_path.empty()) {
-    fsdp::model::export_hf(*model, *comm, args.export_path);
+  if (first_step >= args.steps && lead)  // the checks let this through only with --export
+    std::printf("fsdp-train: the checkpoint is at step %d of --steps %d: nothing to train\n", first_step, args.steps);
+  const bool failed = exit_code == 1 || exit_code == 2;  // diverged, or a budget refused
+  if (!args.export_path.empty() && !failed && !state_is_finite(std::max(first_step, last_step_done), "exported"))
+    exit_code = 1;
+  else if (!args.export_path.empty() && !failed) {
+    fsdp::model::export_hf(*model, *comm, args.export_path, args.init_from);
     if (lead) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args.export_path.c_str());
   }
   if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
@@ -363,7 +470,7 @@ int train(const fsdp::train::TrainArgs& args) {
   if (lead) {
     log.close();
     check_log();
-    std::printf("fsdp-train: done, log in %s\n", log_path.c_str());
+    std::printf("fsdp-train: %s, log in %s\n", exit_code == 0 ? "done" : "stopped", log_path.c_str());
   }
   fsdp::shutdown();
   return exit_code;
@@ -392,10 +499,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (args.dry_run) {
-    if (launch_rank() == 0)
-      std::printf("fsdp-train: dry run: the flags, files and memory check out for --model %s, %lld x %lld tokens "
-                  "per rank, %d steps; nothing trained\n",
-                  args.model.c_str(), (long long)args.batch, (long long)args.seq, args.steps);
+    // What the run would be, as the run itself would take it: the model from --init-from's
+    // config.json where it has one, the checkpoint --resume would continue, the outputs it would write.
+    if (launch_rank() == 0) {
+      const auto config = fsdp::train::model_config(args);
+      std::string outputs;
+      if (!args.resume.empty()) outputs += "; resumes " + fsdp::newest_checkpoint(args.resume);
+      if (!args.save_dir.empty()) outputs += "; saves to " + args.save_dir;
+      if (!args.export_path.empty()) outputs += "; exports to " + args.export_path;
+      std::printf("fsdp-train: dry run: the flags, files and memory check out for the %s model (%.2fM parameters), "
+                  "%lld x %lld tokens per rank, %d steps%s; nothing trained\n",
+                  fsdp::train::model_name(args).c_str(), config.parameter_count() / 1e6, (long long)args.batch,
+                  (long long)args.seq, args.steps, outputs.c_str());
+    }
     return 0;
   }
   install_stop_handlers();

@@ -70,8 +70,13 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state);
 /// and the problem; the tensors are then partly overwritten.
 void load_checkpoint(const std::string& dir, CheckpointState& state);
 /// The newest complete checkpoint under `parent` (subdirectories named step-N holding
-/// metadata.bin; interrupted saves, `*.tmp`, are skipped), or "" if none.
+/// metadata.bin; interrupted saves, `*.tmp`, are skipped), `parent` itself where it is a complete
+/// checkpoint, or "" if none.
 std::string newest_checkpoint(const std::string& parent);
+/// The caller's entries (`CheckpointState::extra`) of the checkpoint in `dir`, read from its
+/// metadata alone: local, no communicator, no tensor read. Throws naming the file if it is
+/// missing or damaged.
+std::map<std::string, std::string> checkpoint_extra(const std::string& dir);
 /// "step-000120": how save directories are named for newest_checkpoint.
 std::string checkpoint_name(int64_t step);
 

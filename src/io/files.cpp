@@ -75,6 +75,26 @@ void sync_directory(const std::string& path) {
   }
 }
 
+void copy_file(const std::string& from, const std::string& to) {
+  const MappedFile in(from);
+  OutputFile out(to);
+  out.write(in.data(), in.size());
+  out.close();
+}
+
+void replace_with(const std::string& staged, const std::string& path) {
+  if (!is_directory(path) || !is_directory(staged)) {
+    rename_path(staged, path);
+  } else {
+    const std::string old = path + ".old";
+    remove_tree(old);  // an interrupted earlier replacement
+    rename_path(path, old);
+    rename_path(staged, path);
+    remove_tree(old);
+  }
+  sync_directory(parent_of(path));
+}
+
 std::string parent_of(const std::string& path) {
   std::string p = path;
   while (p.size() > 1 && p.back() == '/') p.pop_back();

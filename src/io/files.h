@@ -23,6 +23,12 @@ void remove_tree(const std::string& path);
 void rename_path(const std::string& from, const std::string& to);
 // fsync of a directory, so that a rename in it is on disk.
 void sync_directory(const std::string& path);
+// Copies a regular file's bytes to `to` (created or truncated, synced); throws naming the file.
+void copy_file(const std::string& from, const std::string& to);
+// Puts `staged` (a file or directory written in full) at `path`, replacing what was there: by one
+// rename for a file or where nothing was there, else the old directory is renamed aside, the new
+// one into place, and the old one removed. Readers see the old or the new, never a mix.
+void replace_with(const std::string& staged, const std::string& path);
 // "a/b" for "a/b/c", "." for "c".
 std::string parent_of(const std::string& path);
 

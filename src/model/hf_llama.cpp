@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <regex>
 #include <set>
@@ -63,6 +64,34 @@ std::vector<SizedPart> sized_parts(const std::string& ours, const LlamaConfig& c
     sized.push_back({part, shape});
   }
   return sized;
+}
+
+// A sharded checkpoint's index (*.safetensors.index.json, "weight_map": tensor -> file) must
+// name exactly the tensors the files hold, each in the file that holds it.
+void check_weight_index(const std::string& dir, const std::map<std::string, const io::SafetensorsFile*>& where) {
+  for (const auto& name : io::list_directory(dir)) {
+    if (!ends_with(name, ".safetensors.index.json")) continue;
+    const std::string index = dir + "/" + name;
+    std::ifstream in(index);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw std::invalid_argument("'" + index + "' has no \"weight_map\" object");
+    const auto& map = j["weight_map"];
+    for (const auto& [tensor, file] : map.items()) {
+      const std::string named = dir + "/" + (file.is_string() ? file.get<std::string>() : file.dump());
+      const auto it = where.find(tensor);
+      if (it == where.end())
+        throw std::invalid_argument("'" + index + "' puts '" + tensor + "' in '" + named +
+                                    "', but no .safetensors file in the directory holds it");
+      if (it->second->path() != named)
+        throw std::invalid_argument("'" + index + "' puts '" + tensor + "' in '" + named + "', but '" +
+                                    it->second->path() + "' holds it");
+    }
+    for (const auto& [tensor, file] : where)
+      if (!map.contains(tensor))
+        throw std::invalid_argument("'" + file->path() + "' holds '" + tensor + "', which '" + index +
+                                    "' does not list: the index and the files disagree");
+  }
 }
 
 }  // namespace
@@ -164,8 +193,15 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
   std::map<std::string, const io::SafetensorsFile*> where;
   for (const auto& file : weight_files(path)) {
     files.push_back(std::make_unique<io::SafetensorsFile>(file));
-    for (const auto& [name, entry] : files.back()->entries()) where[name] = files.back().get();
+    for (const auto& [name, entry] : files.back()->entries()) {
+      const auto [it, first] = where.emplace(name, files.back().get());
+      if (!first)
+        throw std::invalid_argument("'" + it->second->path() + "' and '" + file + "' both hold '" + name +
+                                    "': two sets of weights in one directory (an older export left beside a "
+                                    "newer one?); keep one");
+    }
   }
+  if (io::is_directory(path)) check_weight_index(path, where);
   std::set<std::string> unused;
   for (const auto& [name, file] : where) unused.insert(name);
   std::string missing;
@@ -201,14 +237,25 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
 
 bool exports_single_file(const std::string& path) { return ends_with(path, ".safetensors"); }
 
-void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
-  const bool lead = comm.rank() == 0;
-  const bool single_file = exports_single_file(path);
-  const std::string file = single_file ? path : path + "/model.safetensors";
-  const auto& c = model.config;
-  if (lead && !single_file) {
-    io::make_directories(path);
-    const nlohmann::json config = {
+namespace {
+
+// What a Hugging Face model directory holds beside its config and weights, carried from an
+// imported directory to the export unchanged: generation settings and the tokenizer.
+const char* const kCompanionFiles[] = {"generation_config.json", "tokenizer.json",   "tokenizer_config.json",
+                                       "special_tokens_map.json", "tokenizer.model", "vocab.json",
+                                       "merges.txt",              "added_tokens.json", "chat_template.jinja",
+                                       "chat_template.json"};
+
+// config.json for the export: an imported model's own config with every field passed through
+// (training changes no architecture field, and token ids, generation and tokenizer settings are
+// the user's), else one written from our config. Either way torch_dtype says what is written.
+nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from) {
+  nlohmann::json config;
+  if (has_hf_config(imported_from)) {
+    std::ifstream in(config_path(imported_from));
+    config = nlohmann::json::parse(in);
+  } else {
+    config = {
         {"architectures", {"LlamaForCausalLM"}},
         {"model_type", "llama"},
         {"vocab_size", c.vocab},
@@ -226,13 +273,34 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
         {"hidden_act", "silu"},
         {"attention_bias", false},
         {"mlp_bias", false},
-        {"torch_dtype", "float32"},
-        {"dtype", "float32"},
     };
-    std::ofstream out(config_path(path));
-    out << config.dump(2) << "\n";
-    out.close();
-    if (!out) throw std::runtime_error("cannot write '" + config_path(path) + "'");
+  }
+  config["torch_dtype"] = "float32";  // transformers 4 reads this name, 5 the next
+  config["dtype"] = "float32";
+  return config;
+}
+
+}  // namespace
+
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const std::string& imported_from) {
+  const bool lead = comm.rank() == 0;
+  const bool single_file = exports_single_file(path);
+  // Written whole beside PATH, then put in its place: an existing export is replaced, never mixed.
+  const std::string staged = path + ".tmp";
+  const std::string file = single_file ? staged : staged + "/model.safetensors";
+  const auto& c = model.config;
+  if (lead) {
+    io::remove_tree(staged);  // an interrupted earlier export
+    if (!single_file) {
+      io::make_directories(staged);
+      io::OutputFile out(config_path(staged));
+      const std::string text = export_config(c, imported_from).dump(2) + "\n";
+      out.write(text.data(), text.size());
+      out.close();
+      if (has_hf_config(imported_from))
+        for (const char* name : kCompanionFiles)
+          if (io::exists(imported_from + "/" + name)) io::copy_file(imported_from + "/" + name, staged + "/" + name);
+    }
   }
   // One spec per Hugging Face tensor; a fused parameter is gathered once for its parts.
   const auto params = model.named_parameters().pairs();
@@ -260,6 +328,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path) {
   };
   if (lead) {
     io::write_safetensors(file, specs, gathered, {{"format", "pt"}});
+    io::replace_with(staged, path);
   } else {
     for (size_t i = 0; i < specs.size(); ++i) gathered(i);
   }

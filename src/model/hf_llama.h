@@ -40,7 +40,10 @@ bool exports_single_file(const std::string& path);
 
 // Collective. Writes `model`'s weights in float32 with Hugging Face names: PATH.safetensors, or a
 // directory PATH with config.json and model.safetensors that transformers' from_pretrained reads.
-// Parameters are gathered one at a time; rank 0 writes.
-void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path);
+// A model imported from the directory `imported_from` keeps every field of its config.json
+// (torch_dtype says float32) and its generation_config.json and tokenizer files. Written whole
+// as PATH.tmp and then put in PATH's place, replacing what was there. Parameters are gathered one
+// at a time; rank 0 writes.
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const std::string& imported_from = "");
 
 }  // namespace fsdp::model

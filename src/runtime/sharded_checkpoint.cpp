@@ -267,7 +267,13 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
   });
 }
 
+std::map<std::string, std::string> checkpoint_extra(const std::string& dir) {
+  const std::string meta_path = dir + "/metadata.bin";
+  return io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path).extra;
+}
+
 std::string newest_checkpoint(const std::string& parent) {
+  if (io::exists(parent + "/metadata.bin")) return parent;  // a checkpoint itself
   std::string best;  // names of equal length (step-%06d) compare like their numbers
   for (const auto& name : io::list_directory(parent)) {
     if (name.rfind("step-", 0) != 0 || name.size() < 6 || name.find_first_not_of("0123456789", 5) != std::string::npos)

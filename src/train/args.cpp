@@ -158,6 +158,12 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                                number(a.plan_check_rounds)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
+      {"--overwrite", {"a fresh run may replace the checkpoints already in --save-dir (they are removed) and "
+                       "the model already at --export (replaced whole); without it either is refused",
+                       set_true(a.overwrite), false}},
+      {"--max-skipped-steps", {"steps whose loss or gradient norm is not finite are skipped (no optimizer step, "
+                               "one host wait a step to check) up to this many times; 0 = the first one stops "
+                               "the run with an error (default 0)", number(a.max_skipped_steps)}},
   };
 }
 
@@ -168,6 +174,35 @@ void require(bool ok, const std::string& message) {
 // A system call's result: an empty string, or why it failed (errno read right after the call,
 // before any message is built).
 std::string failure(int result) { return result == 0 ? "" : std::strerror(errno); }
+
+// A flag whose value only matters with another flag is refused without it: a run never ignores
+// what it was told.
+void check_flags_that_need_another(const TrainArgs& a) {
+  const auto given = [&a](const char* flag) { return a.given.count(flag) > 0; };
+  struct Needs {
+    const char* flag;
+    bool needed_is_there;
+    const char* what;  // "--x needs WHAT"
+  };
+  const Needs rules[] = {
+      {"--trace-steps", !a.trace.empty(), "--trace (the trace it sizes)"},
+      {"--profile-steps", !a.profile.empty(), "--profile (the profile it sizes)"},
+      {"--eval-every", !a.eval_data.empty(), "--eval-data (the set it evaluates on)"},
+      {"--eval-batches", !a.eval_data.empty(), "--eval-data (the set it evaluates on)"},
+      {"--save-every", !a.save_dir.empty(), "--save-dir (where to save)"},
+      {"--grad-accum-sync", a.grad_accum > 1, "--grad-accum 2 or more (micro-batches to sync)"},
+      {"--plan-check-budgets", !a.plan_check.empty(), "--plan-check"},
+      {"--plan-check-steps", !a.plan_check.empty(), "--plan-check"},
+      {"--plan-check-rounds", !a.plan_check.empty(), "--plan-check"},
+      {"--reduce-bucket-max-wait", a.runtime.bucket_mb > 0, "--bucket-mb (the buckets it caps)"},
+      {"--max-pending-host-steps", a.cpu_offload && a.optimizer_in_backward,
+       "--cpu-offload and --optimizer-in-backward (the host steps it caps)"},
+      {"--overwrite", !a.save_dir.empty() || !a.export_path.empty(), "--save-dir or --export (what it replaces)"},
+  };
+  for (const auto& rule : rules)
+    require(!given(rule.flag) || rule.needed_is_there,
+            std::string(rule.flag) + " needs " + rule.what + ": without it the flag would be ignored");
+}
 
 // The flags' values on their own, before anything is read from the machine.
 void check_ranges(const TrainArgs& a) {
@@ -220,6 +255,11 @@ void check_ranges(const TrainArgs& a) {
   require(a.plan_check_rounds >= 1, "--plan-check-rounds must be at least 1");
   require(!a.optimizer_in_backward || a.clip == 0,
           "--optimizer-in-backward steps each group before the global gradient norm exists: add --clip 0");
+  require(a.max_skipped_steps >= 0, "--max-skipped-steps must be 0 (stop at the first) or more");
+  require(!a.optimizer_in_backward || !skips_nonfinite_steps(a),
+          "--max-skipped-steps cannot skip a step that --optimizer-in-backward takes inside backward, before "
+          "the loss and the gradient norm exist: drop one of them");
+  check_flags_that_need_another(a);
   require(!a.optimizer_in_backward || a.grad_accum == 1 || a.grad_accum_sync == "last",
           "--optimizer-in-backward with --grad-accum steps after the last micro-batch only: "
           "use --grad-accum-sync last");
@@ -295,6 +335,69 @@ void check_data_file(const std::string& flag, const std::string& path, const Tra
           flag + ": '" + path + "' holds token id " + std::to_string(largest) + " (" + layout.format +
               ") but the " + model_name(a) + " model's vocabulary has " + std::to_string(vocab) +
               " ids: tokenise for this model or pick a model with a larger vocabulary");
+}
+
+// --export: a new name, or with --overwrite an existing model to replace whole (export_hf writes
+// beside it and renames into place): an existing directory's old files are never left mixed with
+// the new ones.
+void check_export_path(const TrainArgs& a) {
+  const bool single_file = model::exports_single_file(a.export_path);
+  require(!single_file || !io::is_directory(a.export_path),
+          "--export: '" + a.export_path + "' is a directory, not a .safetensors file");
+  require(single_file || !io::exists(a.export_path) || io::is_directory(a.export_path),
+          "--export: '" + a.export_path + "' exists and is not a directory");
+  const bool empty_directory = io::is_directory(a.export_path) && io::list_directory(a.export_path).empty();
+  require(!io::exists(a.export_path) || empty_directory || a.overwrite,
+          "--export: '" + a.export_path + "' already " + (single_file ? "exists" : "holds files") +
+              ": pass --overwrite to replace it, or export elsewhere");
+  // Written as PATH.tmp beside it, then renamed: its parent must take new names.
+  require_writable("--export", a.export_path + ".tmp");
+}
+
+// --resume: a directory of checkpoints (the newest complete one is taken) or one checkpoint. The
+// checkpoint's step must leave something to do: more steps, or an --export of what it holds.
+// Returns the checkpoint's own entries (empty without --resume).
+std::map<std::string, std::string> check_resume(const TrainArgs& a) {
+  if (a.resume.empty()) return {};
+  const std::string from = fsdp::newest_checkpoint(a.resume);
+  require(!from.empty(),
+          "--resume: '" + a.resume + "' holds no complete checkpoint (a step-N directory with metadata.bin)");
+  std::map<std::string, std::string> extra;
+  try {
+    extra = fsdp::checkpoint_extra(from);
+  } catch (const std::exception& e) {
+    throw UsageError(std::string("--resume: ") + e.what());
+  }
+  const auto step = extra.find("step");
+  require(step != extra.end(), "--resume: '" + from + "' records no step: not a checkpoint fsdp-train wrote");
+  const int done = std::atoi(step->second.c_str());
+  require(done < a.steps || !a.export_path.empty(),
+          "--resume: '" + from + "' is at step " + step->second + " and --steps is " + std::to_string(a.steps) +
+              ": nothing to train; raise --steps, or add --export to export it as it is");
+  return extra;
+}
+
+// --save-dir: a run saves where no other run's checkpoints are, unless it continues that run
+// (--resume of a checkpoint of the same run) or is told to replace them (--overwrite). Otherwise
+// a later --resume there would take the other run's newest step over this one's.
+void check_save_dir(const TrainArgs& a, const std::map<std::string, std::string>& resumed) {
+  require_writable_directory("--save-dir", a.save_dir);
+  const std::string newest = fsdp::newest_checkpoint(a.save_dir);
+  if (newest.empty() || a.overwrite) return;
+  std::map<std::string, std::string> there;
+  try {
+    there = fsdp::checkpoint_extra(newest);
+  } catch (const std::exception&) {
+  }
+  const auto run_of = [](const std::map<std::string, std::string>& extra) {
+    const auto it = extra.find("run");
+    return it == extra.end() ? std::string() : it->second;
+  };
+  require(!a.resume.empty() && run_of(resumed) == run_of(there),
+          "--save-dir: '" + a.save_dir + "' holds checkpoints of another run (newest '" + newest + "'" +
+              (run_of(there).empty() ? "" : ", run " + run_of(there)) +
+              "): --resume " + a.save_dir + " continues that run, --overwrite replaces its checkpoints; "
+              "or save elsewhere");
 }
 
 int env_int(std::initializer_list<const char*> names, int fallback) {
@@ -428,6 +531,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
     } catch (const std::exception& e) {
       throw UsageError(name + ": " + e.what());
     }
+    a.given.insert(name);
   }
   check_ranges(a);
   return a;
@@ -454,7 +558,6 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   if (!from_hf) config.tie_embeddings = a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
   config.attention = model::attention_kernel_named(a.attention);
-  config.max_seq = std::max(config.max_seq, a.seq);
   config.seed = a.seed;
   return config;
 }
@@ -470,20 +573,23 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
       } catch (const std::invalid_argument& e) {
         throw UsageError(std::string("--init-from: ") + e.what());
       }
+      for (const char* flag : {"--model", "--tie-embeddings"})
+        require(!a.given.count(flag), std::string(flag) + " would be ignored: '" + a.init_from +
+                                          "/config.json' gives the model (and whether its embeddings are tied); "
+                                          "drop " + flag);
     }
   }
-  if (!a.export_path.empty()) {
-    if (model::exports_single_file(a.export_path))
-      require_writable("--export", a.export_path);
-    else
-      require_writable_directory("--export", a.export_path);
-  }
+  const auto config = model_config(a);
+  require(a.seq <= config.max_seq,
+          "--seq " + std::to_string(a.seq) + " is more than the " + model_name(a) + " model's " +
+              std::to_string(config.max_seq) + " positions" +
+              (model::has_hf_config(a.init_from) ? " (max_position_embeddings in its config.json)" : "") +
+              ": lower --seq");
+  if (!a.export_path.empty()) check_export_path(a);
+  const auto resumed = check_resume(a);
+  if (!a.save_dir.empty()) check_save_dir(a, resumed);
   if (a.data != "synthetic") check_data_file("--data", a.data, a);
   if (!a.eval_data.empty()) check_data_file("--eval-data", a.eval_data, a);
-  if (!a.save_dir.empty()) require_writable_directory("--save-dir", a.save_dir);
-  if (!a.resume.empty())
-    require(!fsdp::newest_checkpoint(a.resume).empty(),
-            "--resume: '" + a.resume + "' holds no complete checkpoint (a step-N directory with metadata.bin)");
   if (a.log.empty())
     require_writable_directory("--log", "runs");  // the default log's parent, made by rank 0
   else

@@ -5,6 +5,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -58,7 +59,10 @@ struct TrainArgs {
   std::string plan_check;        // bench: predicted vs measured for several budgets' plans, to this file
   int plan_check_budgets = 8, plan_check_steps = 6, plan_check_rounds = 2;
   bool dry_run = false;  // check everything, print the plan, train nothing
+  bool overwrite = false;  // replace the checkpoints in --save-dir and the model at --export
+  int max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   bool help = false;
+  std::set<std::string> given;  // the flags on the command line, to refuse those another flag makes moot
 };
 
 // Reads the flags (argv without the program name). Throws UsageError naming the flag and the fix.
@@ -82,6 +86,9 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 model::LlamaConfig model_config(const TrainArgs& args);
 // How messages name that model: the --init-from directory, or the preset.
 std::string model_name(const TrainArgs& args);
+
+// Whether the run checks the gradient norm before each optimizer step (and skips a non-finite one).
+inline bool skips_nonfinite_steps(const TrainArgs& a) { return a.max_skipped_steps > 0; }
 
 // Whether the run profiles a step and plans (--memory-budget or --plan-check).
 inline bool plans_schedule(const TrainArgs& a) { return a.memory_budget_gib > 0 || !a.plan_check.empty(); }
