@@ -72,5 +72,9 @@ if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt
     -DFSDP_JSON_INCLUDE="$JSON_INCLUDE" \
     >build-configure.log 2>&1 || { cat build-configure.log; exit 1; }
 fi
+# build/python: the python3 that has torch (a venv's on a fresh CPU machine), for the README's
+# commands and the benchmark scripts: `build/python -c 'import torch'` works wherever setup ran.
+printf '#!/bin/sh\nexec %s "$@"\n' "$PYTHON_PATH" >build/python
+chmod +x build/python
 log "building (ninja -j$JOBS)"
 cmake --build build -j "$JOBS"

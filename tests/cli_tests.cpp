@@ -71,6 +71,8 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--plan-check-rounds", "3"}, "--plan-check-rounds needs --plan-check"},
       {{"--max-pending-host-steps", "3"}, "--max-pending-host-steps needs --cpu-offload and --optimizer-in-backward"},
       {{"--overwrite"}, "--overwrite needs --save-dir or --export"},
+      {{"--backend", "mpi", "--memory-snapshot", "/tmp/s"}, "--memory-snapshot records the GPU allocator's history"},
+      {{"--backend", "mpi", "--attention", "flash"}, "--attention flash chooses a GPU kernel"},
       {{"--max-skipped-steps", "-1"}, "--max-skipped-steps must be 0"},
       {{"--max-skipped-steps", "2", "--optimizer-in-backward", "--clip", "0"}, "--max-skipped-steps cannot skip"},
       {{"--resume", "/nonexistent"}, "--resume: '/nonexistent' holds no complete checkpoint"},

@@ -245,8 +245,7 @@ int train(const fsdp::train::TrainArgs& args) {
   std::unique_ptr<fsdp::train::MemorySampler> sampler;
   if (!args.memory_log.empty())
     sampler = std::make_unique<fsdp::train::MemorySampler>(device, output(args.memory_log, ".jsonl"));
-  if (!args.memory_snapshot.empty() && !fsdp::train::start_memory_history(device) && lead)
-    std::printf("fsdp-train: --memory-snapshot needs a GPU; ignored\n");
+  if (!args.memory_snapshot.empty()) fsdp::train::start_memory_history(device);  // a GPU: checked up front
   int exit_code = 0;
   // --memory-budget / --plan-check: after the first step, two under the profiling schedule (the
   // first timed untraced, the second profiled), then two at prefetch depth 1 (the first, where the

@@ -585,6 +585,12 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
               std::to_string(config.max_seq) + " positions" +
               (model::has_hf_config(a.init_from) ? " (max_position_embeddings in its config.json)" : "") +
               ": lower --seq");
+  const bool on_gpu = a.backend != "mpi" && smallest_gpu_bytes() > 0;
+  require(on_gpu || a.memory_snapshot.empty(),
+          "--memory-snapshot records the GPU allocator's history, and this run has no GPU: drop it "
+          "(--memory-log samples host memory)");
+  require(on_gpu || a.attention == "aten", "--attention " + a.attention + " chooses a GPU kernel, and this run has "
+                                           "no GPU: drop it");
   if (!a.export_path.empty()) check_export_path(a);
   const auto resumed = check_resume(a);
   if (!a.save_dir.empty()) check_save_dir(a, resumed);
