@@ -120,6 +120,10 @@ def check_refusals(work, original, tuned):
                    "--seq", "256", "--init-from", original)
     expect_refused("--model beside config.json", 2, "--model would be ignored",
                    "--model", "small", "--init-from", original)
+    code, out = run_train("--init-from", original, "--seq", "32", "--dry-run", "--export", f"{work}/dry")
+    if code != 0 or f"for the {original} model" not in out or f"exports to {work}/dry" not in out:
+        sys.exit(f"hf_roundtrip: FAIL: the dry run does not name the model it would train and export:\n{out}")
+    print("hf_roundtrip: the dry run names the imported model: ok")
     twice = f"{work}/twice"
     shutil.copytree(original, twice)
     shutil.copy(f"{twice}/model.safetensors", f"{twice}/model-old.safetensors")

@@ -22,7 +22,7 @@
 #                                             and trains (also with --grad-accum 2, either sync); a budget below
 #                                             every schedule is refused
 #                                             with the smallest that fits (exit 2)
-#   launcher_tests.sh BUILD_DIR diverge       --lr 1e8: the first non-finite step stops the run (exit 1),
+#   launcher_tests.sh BUILD_DIR diverge [cpu|gpu]  --lr 1e8: the first non-finite step stops the run (exit 1),
 #                                             nothing saved or exported after it; --max-skipped-steps
 #                                             skips such steps without touching the state, then stops
 #   launcher_tests.sh BUILD_DIR runs          checkpoints name their run: a fresh run into another run's
@@ -271,33 +271,37 @@ budget)
   echo "planned and trained; too small a budget refused: ok"
   ;;
 diverge)
-  common=(-n 2 --cpu "$train" --model tiny --seq 32 --steps 8 --lr 1e8 --min-lr 0 --warmup 0 --save-every 1)
+  if [ "${3:-cpu}" = gpu ]; then launch=(--gpu -n 1); else launch=(-n 2 --cpu); fi
+  common=("${launch[@]}" "$train" --model tiny --seq 32 --steps 8 --lr 1e8 --min-lr 0 --warmup 0 --save-every 1)
   "$run" "${common[@]}" --save-dir "$work/ck" --export "$work/model" --log "$work/log.jsonl" >"$work/out" 2>&1
   code=$?
   cat "$work/out"
   [ "$code" = 1 ] || fail "exit code $code, not 1, for a run that diverged"
-  grep -q "fsdp-train: error: step 2: the loss is .* training diverged; nothing saved or exported after it" \
-    "$work/out" || fail "no divergence error naming the step"
+  bad=$(sed -n 's/^fsdp-train: error: step \([0-9]*\): the loss is .* training diverged; nothing saved or exported after it.*/\1/p' \
+    "$work/out")
+  [ -n "$bad" ] || fail "no divergence error naming the step"
   ! grep -q "fsdp-train: done" "$work/out" || fail "claims to be done"
   [ ! -e "$work/model" ] || fail "exported a diverged model"
-  [ "$(ls "$work/ck")" = step-000001 ] || fail "saved past the diverged step: $(ls "$work/ck")"
-  grep -q '"step":2,.*"grad_norm":null' "$work/log.jsonl" || fail "the log does not record the non-finite norm as null"
-  # Skipping: the skipped steps take no optimizer step, so the state saved after each of them is
-  # the state of step 1, bit for bit; past the allowance the run stops as above.
+  [ "$(ls "$work/ck" | tail -1)" = "$(printf 'step-%06d' $((bad - 1)))" ] || fail "saved past step $bad: $(ls "$work/ck")"
+  grep -q "\"step\":$bad,.*null" "$work/log.jsonl" || fail "the log does not record the non-finite value as null"
+  # Skipping: a skipped step takes no optimizer step, so the state saved after it is the state
+  # saved before it, bit for bit; past the allowance the run stops as above.
   "$run" "${common[@]}" --save-dir "$work/skip" --max-skipped-steps 2 --log "$work/skip.jsonl" >"$work/out" 2>&1
   code=$?
   cat "$work/out"
   [ "$code" = 1 ] || fail "exit code $code, not 1, past --max-skipped-steps"
-  for step in 2 3; do
-    grep -q "fsdp-train: step $step: the loss is .*: skipped, no optimizer step ($((step - 1)) of --max-skipped-steps 2)" \
+  for n in 1 2; do
+    step=$((bad + n - 1))
+    grep -q "fsdp-train: step $step: the loss is .*: skipped, no optimizer step ($n of --max-skipped-steps 2)" \
       "$work/out" || fail "step $step not reported skipped"
-    for f in "$work"/skip/step-000001/shard-*; do
-      cmp "$f" "$work/skip/step-00000$step/$(basename "$f")" || fail "skipped step $step changed $(basename "$f")"
+    for f in "$work"/skip/$(printf 'step-%06d' $((bad - 1)))/shard-*; do
+      cmp "$f" "$work/skip/$(printf 'step-%06d' $step)/$(basename "$f")" || fail "skipped step $step changed $f"
     done
   done
-  grep -q "error: step 4: .*(past --max-skipped-steps 2): training diverged" "$work/out" || fail "no stop after 2 skips"
+  grep -q "error: step $((bad + 2)): .*(past --max-skipped-steps 2): training diverged" "$work/out" ||
+    fail "no stop after 2 skips"
   [ "$(grep -c '"skipped":true' "$work/skip.jsonl")" = 3 ] || fail "the log does not mark the skipped steps"
-  echo "diverge: ok"
+  echo "diverge: ok (first non-finite step $bad)"
   ;;
 runs)
   common=(-n 2 --cpu "$train" --model tiny --seq 32)
