@@ -52,7 +52,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--log", "/proc/x/y"}, "--log: cannot write '/proc/x/y': the directory '/proc/x' does not exist"},
       {{"--log", "/"}, "--log: '/' exists and is not a file"},
       {{"--trace", "/nonexistent/t"}, "--trace: cannot write '/nonexistent/t-rank0.json'"},
-      {{"--model", "small", "--batch", "64", "--seq", "2048"}, "lower --batch or --seq, or add --checkpoint"},
+      {{"--model", "small", "--batch", "65536", "--seq", "2048"}, "lower --batch or --seq, or add --checkpoint"},
       {{"--seq", "600"}, "--seq 600 is more than the tiny model's 512 positions: lower --seq"},
       {{"--memory-budget", "-1"}, "--memory-budget must be a positive number of GiB"},
       {{"--plan-only"}, "--plan-only needs --memory-budget"},
