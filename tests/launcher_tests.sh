@@ -277,12 +277,13 @@ diverge)
   code=$?
   cat "$work/out"
   [ "$code" = 1 ] || fail "exit code $code, not 1, for a run that diverged"
-  bad=$(sed -n 's/^fsdp-train: error: step \([0-9]*\): the loss is .* training diverged; nothing saved or exported after it.*/\1/p' \
-    "$work/out")
+  diverged='training diverged; nothing saved or exported after it'
+  bad=$(sed -n "s/^fsdp-train: error: step \([0-9]*\): the loss is .*: $diverged.*/\1/p" "$work/out")
   [ -n "$bad" ] || fail "no divergence error naming the step"
   ! grep -q "fsdp-train: done" "$work/out" || fail "claims to be done"
   [ ! -e "$work/model" ] || fail "exported a diverged model"
-  [ "$(ls "$work/ck" | tail -1)" = "$(printf 'step-%06d' $((bad - 1)))" ] || fail "saved past step $bad: $(ls "$work/ck")"
+  last=$(printf 'step-%06d' $((bad - 1)))
+  [ "$(ls "$work/ck" | tail -1)" = "$last" ] || fail "saved past step $bad: $(ls "$work/ck")"
   grep -q "\"step\":$bad,.*null" "$work/log.jsonl" || fail "the log does not record the non-finite value as null"
   # Skipping: a skipped step takes no optimizer step, so the state saved after it is the state
   # saved before it, bit for bit; past the allowance the run stops as above.
@@ -294,7 +295,7 @@ diverge)
     step=$((bad + n - 1))
     grep -q "fsdp-train: step $step: the loss is .*: skipped, no optimizer step ($n of --max-skipped-steps 2)" \
       "$work/out" || fail "step $step not reported skipped"
-    for f in "$work"/skip/$(printf 'step-%06d' $((bad - 1)))/shard-*; do
+    for f in "$work/skip/$last"/shard-*; do
       cmp "$f" "$work/skip/$(printf 'step-%06d' $step)/$(basename "$f")" || fail "skipped step $step changed $f"
     done
   done
@@ -343,7 +344,8 @@ rank-failures)
   cat "$work/out"
   [ "$code" = 137 ] || fail "exit code $code, not 137, for a rank killed by SIGKILL"
   [ "$(grep -c . "$work/out")" = 1 ] || fail "not one line"
-  grep -q "^fsdp-run: rank 1 (pid [0-9]*) was killed by signal 9 (Killed)$" "$work/out" || fail "no line naming the rank"
+  grep -q "^fsdp-run: rank 1 (pid [0-9]*) was killed by signal 9 (Killed)$" "$work/out" ||
+    fail "no line naming the rank"
   "$run" -n 2 --cpu sh -c 'kill -SEGV $$' >"$work/out" 2>&1
   code=$?
   cat "$work/out"

@@ -11,10 +11,10 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <cmath>
 #include <limits>
 #include <optional>
 #include <random>
@@ -113,7 +113,11 @@ std::string json_number(double v) {
   out << v;
   return out.str();
 }
-std::string number_text(double v) { return std::isnan(v) ? "NaN" : std::isinf(v) ? (v > 0 ? "inf" : "-inf") : std::to_string(v); }
+std::string number_text(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return std::to_string(v);
+}
 
 // --cpu-offload steps AdamW on the host: each rank of this host takes its share of the cores
 // (ATen's default, every core for every rank, oversubscribes them).
@@ -291,7 +295,7 @@ int train(const fsdp::train::TrainArgs& args) {
     return result;
   };
   int skipped_steps = 0;
-  int last_step_done = 0;
+  int steps_done = first_step;  // the state's step: the checkpoint's, then each step's
   // Before anything is written: no NaN or infinite weights leave the run.
   auto state_is_finite = [&](int done, const char* action) {
     if (parameters_finite(*model, *comm)) return true;
@@ -348,7 +352,7 @@ int train(const fsdp::train::TrainArgs& args) {
     const long prefetches = stats.prefetches - stats_before.prefetches;
     stats_before = stats;
     const int done = step + 1;
-    last_step_done = done;
+    steps_done = done;
     if (lead && step == first_step)
       std::printf("fsdp-train: start-up %.1f s (process start to the end of the first step, %.1f s of it the "
                   "step); host peak memory %.2f GiB on rank 0\n",
@@ -372,7 +376,8 @@ int train(const fsdp::train::TrainArgs& args) {
                     eval->perplexity, (long long)eval->tokens);
       std::fflush(stdout);
       log << "{\"step\":" << step + 1 << ",\"loss\":" << json_number(loss_value) << ",\"lr\":" << lr
-          << ",\"grad_norm\":" << (has_grad_norm ? json_number(grad_norm) : "null") << ",\"skipped\":" << (skipped ? "true" : "false")
+          << ",\"grad_norm\":" << (has_grad_norm ? json_number(grad_norm) : "null")
+          << ",\"skipped\":" << (skipped ? "true" : "false")
           << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
           << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
           << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
@@ -402,7 +407,8 @@ int train(const fsdp::train::TrainArgs& args) {
                        "Lower --lr (%g now)%s\n", what.c_str(),
                        skipped ? (" (past --max-skipped-steps " + std::to_string(args.max_skipped_steps) + ")").c_str()
                                : "",
-                       args.lr, skipped || args.optimizer_in_backward ? "" : ", or skip such steps with --max-skipped-steps N");
+                       args.lr,
+                       skipped || args.optimizer_in_backward ? "" : ", or skip such steps with --max-skipped-steps N");
         exit_code = 1;
         break;
       }
@@ -437,7 +443,8 @@ int train(const fsdp::train::TrainArgs& args) {
       if (args.plan_only) break;
       fsdp::train::apply_schedule(model, plan.chosen.schedule);
     }
-    if (!args.save_dir.empty() && (stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0))) {
+    const bool save_now = stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0);
+    if (!args.save_dir.empty() && save_now) {
       if (!state_is_finite(done, "saved")) {
         exit_code = 1;
         break;
@@ -457,11 +464,13 @@ int train(const fsdp::train::TrainArgs& args) {
   if (first_step >= args.steps && lead)  // the checks let this through only with --export
     std::printf("fsdp-train: the checkpoint is at step %d of --steps %d: nothing to train\n", first_step, args.steps);
   const bool failed = exit_code == 1 || exit_code == 2;  // diverged, or a budget refused
-  if (!args.export_path.empty() && !failed && !state_is_finite(std::max(first_step, last_step_done), "exported"))
-    exit_code = 1;
-  else if (!args.export_path.empty() && !failed) {
-    fsdp::model::export_hf(*model, *comm, args.export_path, args.init_from);
-    if (lead) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args.export_path.c_str());
+  if (!args.export_path.empty() && !failed) {
+    if (state_is_finite(steps_done, "exported")) {
+      fsdp::model::export_hf(*model, *comm, args.export_path, args.init_from);
+      if (lead) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args.export_path.c_str());
+    } else {
+      exit_code = 1;
+    }
   }
   if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
   if (!args.memory_snapshot.empty()) fsdp::train::write_memory_snapshot(device, output(args.memory_snapshot, ".pickle"));
