@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Every command block of the README runs as written (ctest readme_commands).
+"""Every command block of the README and docs/ runs as written (ctest readme_commands).
 
   readme_commands.py REPO BUILD_DIR
 
-Runs each ```bash block of REPO/README.md, in order, as a user who has run the two set-up
-commands would: in one scratch directory that sees the repository's files (build/ included) and
-keeps what the blocks write, with HOME there too, as on a machine without GPUs (CI's: the
+Runs each ```bash block of REPO/README.md, then of each docs/*.md, in order, as a user who has
+run the two set-up commands would: in one scratch directory that sees the repository's files
+(build/ included) and keeps what the blocks write, with HOME there too, as on a machine without GPUs (CI's: the
 launcher starts CPU ranks). A block that cannot run on such a machine says why on the line
 before it: `<!-- not run by tests: REASON -->` (the set-up commands themselves, runs that need
 GPUs or several hosts); an empty reason is an error. Fails on the first block that exits non-zero,
@@ -41,7 +41,7 @@ def blocks(readme):
 
 def main():
     repo, build = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    readme = f"{repo}/README.md"
+    pages = ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(f"{repo}/docs") if n.endswith(".md"))
     with tempfile.TemporaryDirectory(prefix="readme-") as scratch:
         for name in os.listdir(repo):
             if name != ".git":
@@ -51,11 +51,12 @@ def main():
             os.symlink(build, f"{scratch}/build")
         env = dict(os.environ, HOME=scratch, CUDA_VISIBLE_DEVICES="")
         ran = skipped = 0
-        for line, text, reason in blocks(readme):
+        found = [(f"{page}:{line}", text, reason) for page in pages for line, text, reason in blocks(f"{repo}/{page}")]
+        for where, text, reason in found:
             if reason is not None:
                 if not reason:
-                    sys.exit(f"readme_commands: FAIL: README.md:{line}: a block marked not run gives no reason")
-                print(f"readme_commands: README.md:{line}: not run: {reason}")
+                    sys.exit(f"readme_commands: FAIL: {where}: a block marked not run gives no reason")
+                print(f"readme_commands: {where}: not run: {reason}")
                 skipped += 1
                 continue
             begin = time.time()
@@ -63,8 +64,8 @@ def main():
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
             if done.returncode != 0:
                 print(done.stdout[-6000:])
-                sys.exit(f"readme_commands: FAIL: README.md:{line}: exit {done.returncode}:\n{text}")
-            print(f"readme_commands: README.md:{line}: ran in {time.time() - begin:.1f} s")
+                sys.exit(f"readme_commands: FAIL: {where}: exit {done.returncode}:\n{text}")
+            print(f"readme_commands: {where}: ran in {time.time() - begin:.1f} s")
             ran += 1
         if ran == 0:
             sys.exit("readme_commands: FAIL: no block ran")

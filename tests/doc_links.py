@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""Every link and every path the docs name exists (ctest doc_links).
+
+  doc_links.py REPO
+
+In README.md and docs/*.md: each markdown link's target (relative
+to the file) and each path in backticks that starts at a top-level folder of the repository
+(`docs/...`, `bench/results/...`, `src/...`) must exist. Paths with a placeholder (`<`, `*`, `N`,
+`...`) are patterns, not files, and are skipped. Prints `doc_links: ok`.
+"""
+import os
+import re
+import sys
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+CODE = re.compile(r"`([^`\s]+)`")
+
+
+def main():
+    repo = os.path.abspath(sys.argv[1])
+    tops = {n for n in os.listdir(repo) if os.path.isdir(f"{repo}/{n}") and not n.startswith(".")} - {"build"}
+    pages = ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(f"{repo}/docs") if n.endswith(".md"))
+    missing, checked = [], 0
+    for page in pages:
+        text = open(f"{repo}/{page}").read()
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands are run by readme_commands
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            checked += 1
+            if not os.path.exists(os.path.normpath(f"{repo}/{os.path.dirname(page)}/{target}")):
+                missing.append(f"{page}: link {target}")
+        for path in CODE.findall(text):
+            path = path.rstrip(".,;:)")
+            if path.split("/")[0] not in tops or "/" not in path or re.search(r"[<*{]|\.\.\.|/N\b|-N\b", path):
+                continue
+            checked += 1
+            if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
+                missing.append(f"{page}: `{path}`")
+    for m in missing:
+        print(f"doc_links: missing: {m}")
+    print(f"doc_links: {checked} links and paths in {len(pages)} pages, {len(missing)} missing")
+    if missing:
+        sys.exit(1)
+    print("doc_links: ok")
+
+
+if __name__ == "__main__":
+    main()
