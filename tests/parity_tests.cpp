@@ -311,8 +311,8 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
     plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
     schedule.checkpoint[1] = true;
     schedule.reshard_after_forward[2] = false;
-    schedule.prefetch_depth = 2;
-    schedule.max_inflight_allgathers = schedule.max_inflight_reduce_scatters = 1;
+    schedule.runtime.prefetch_depth = 2;
+    schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
     train::shard_with_schedule(m, schedule, {});
     EXPECT_EQ(m->config.checkpointed_blocks, std::vector<int64_t>{0});
     EXPECT_EQ(runtime_options().prefetch_depth, 2);

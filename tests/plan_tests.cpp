@@ -35,7 +35,7 @@ CostModel two_groups() {
 Prediction two_groups_with(int depth, std::vector<bool> checkpoint = {false, false},
                            std::vector<bool> reshard_after_forward = {true, true}) {
   Schedule s = default_schedule(2);
-  s.prefetch_depth = depth;
+  s.runtime.prefetch_depth = depth;
   s.checkpoint = std::move(checkpoint);
   s.reshard_after_forward = std::move(reshard_after_forward);
   return simulate(two_groups(), s);
@@ -73,7 +73,7 @@ TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld)
   for (auto& g : m.groups) g.sharded_grad_bytes = 10;
   m.micro_batches = 2;
   Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
+  s.runtime.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
   EXPECT_DOUBLE_EQ(p.step_ms, 18);
   EXPECT_EQ(p.peak_bytes, 1240);
@@ -95,7 +95,7 @@ TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
   m.micro_batches = 2;
   m.reduce_every_micro_batch = false;
   Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
+  s.runtime.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
   EXPECT_DOUBLE_EQ(p.step_ms, 8 + 8.5 + 1);
   EXPECT_EQ(p.peak_bytes, 1300);
@@ -112,7 +112,7 @@ TEST(Simulator, HandOffsRunBetweenABackwardAndItsReduceScatter) {
   CostModel m = two_groups();
   for (auto& g : m.groups) g.handoff_ms = 0.25;
   Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
+  s.runtime.prefetch_depth = 0;
   EXPECT_DOUBLE_EQ(simulate(m, s).step_ms, 10.0);
   m.micro_batches = 2;
   m.reduce_every_micro_batch = false;
@@ -180,7 +180,7 @@ TEST(Calibration, RecoversTheContentionOfARecordedStep) {
   EXPECT_DOUBLE_EQ(m.contention.reduce_scatter_stretch, 2.0);
   EXPECT_NEAR(m.contention.compute_slowdown, 0.5, 1e-3);
   EXPECT_NEAR(m.fixed_ms, 1.0, 1e-3);
-  EXPECT_EQ(calibration_schedule(shapes).prefetch_depth, 1);
+  EXPECT_EQ(calibration_schedule(shapes).runtime.prefetch_depth, 1);
 
   // A calibration step faster than even no contention explains: none is fitted.
   step.step_ms = 8;
@@ -253,7 +253,7 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
   m.groups[0].checkpointable = false;
   m.fixed_bytes = 1000;
   Schedule s = default_schedule(2);
-  s.prefetch_depth = 0;
+  s.runtime.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
   EXPECT_EQ(p.peak_bytes, 1505);
   EXPECT_EQ(p.peak_during, "reduce-scatter of R");
@@ -283,9 +283,9 @@ CostModel latency_bound(const std::vector<int64_t>& param_bytes) {
 
 Schedule buckets_of(size_t groups, int64_t bucket_bytes, int max_wait = 0) {
   Schedule s = default_schedule(groups);
-  s.prefetch_depth = 0;
-  s.bucket_mb = double(bucket_bytes) / (1024 * 1024);
-  s.reduce_bucket_max_wait = max_wait;
+  s.runtime.prefetch_depth = 0;
+  s.runtime.bucket_mb = double(bucket_bytes) / (1024 * 1024);
+  s.runtime.reduce_bucket_max_wait = max_wait;
   return s;
 }
 
@@ -333,7 +333,7 @@ TEST(Schedules, UniformCheckpointsWhatCanBeAndKeepsOnlyTheRoot) {
   EXPECT_EQ(all.checkpoint, (std::vector<bool>{false, true, false}));
   EXPECT_EQ(none.checkpoint, (std::vector<bool>{false, false, false}));
   EXPECT_EQ(all.reshard_after_forward, (std::vector<bool>{false, true, true}));
-  EXPECT_EQ(all.prefetch_depth, default_schedule(3).prefetch_depth);
+  EXPECT_EQ(all.runtime.prefetch_depth, default_schedule(3).runtime.prefetch_depth);
 }
 
 // A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
@@ -396,24 +396,24 @@ TEST(Planner, BucketsGroupsWhenTheirCollectivesAreLatency) {
   CostModel m = latency_bound(std::vector<int64_t>(12, 10));
   for (auto& g : m.groups) g.forward_ms = 0.1, g.backward_ms = 0.2;
   const Plan plan = plan_schedule(m, int64_t(1) << 40);
-  EXPECT_GT(plan.chosen.schedule.bucket_mb, 0);
+  EXPECT_GT(plan.chosen.schedule.runtime.bucket_mb, 0);
   Schedule apart = plan.chosen.schedule;
-  apart.bucket_mb = 0, apart.reduce_bucket_max_wait = 0;
+  apart.runtime.bucket_mb = 0, apart.runtime.reduce_bucket_max_wait = 0;
   EXPECT_LT(plan.chosen.prediction.step_ms, simulate(m, apart).step_ms);
   m.allgather_latency_ms = m.reduce_scatter_latency_ms = 0;
   EXPECT_EQ(bucket_sizes_mb(m), std::vector<double>{0});
-  EXPECT_EQ(plan_schedule(m, int64_t(1) << 40).chosen.schedule.bucket_mb, 0);
+  EXPECT_EQ(plan_schedule(m, int64_t(1) << 40).chosen.schedule.runtime.bucket_mb, 0);
 }
 
 TEST(Planner, DescribeNamesTheChoices) {
   Schedule s = default_schedule(8);
   s.checkpoint[0] = s.checkpoint[1] = true;
   s.reshard_after_forward[7] = false;
-  s.max_inflight_reduce_scatters = 0;
+  s.runtime.max_inflight_reduce_scatters = 0;
   EXPECT_EQ(describe(s, deep()),
             "checkpoint 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
             "all-gathers / unlimited reduce-scatters");
-  s.bucket_mb = 1.5, s.reduce_bucket_max_wait = 2;
+  s.runtime.bucket_mb = 1.5, s.runtime.reduce_bucket_max_wait = 2;
   EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"),
             std::string::npos);
 }

@@ -75,7 +75,7 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
 
   plan::Schedule none = profiling_schedule(*llama), all = none;
   std::fill(none.checkpoint.begin(), none.checkpoint.end(), false);
-  none.prefetch_depth = all.prefetch_depth = 1;
+  none.runtime.prefetch_depth = all.runtime.prefetch_depth = 1;
   const int64_t low = plan::simulate(profile, all).peak_bytes, high = plan::simulate(profile, none).peak_bytes;
   ASSERT_GT(high, low + low / 10) << "checkpointing must matter on this model";
   const plan::Plan middle = plan_for_budget(*llama, static_cast<int64_t>((low + high) / 2 / 0.95), profile);
@@ -83,7 +83,7 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   EXPECT_GT(profile.reduce_scatter_latency_ms, 0);
   ASSERT_EQ(plan::bucket_sizes_mb(profile).size(), 3u);
   plan::Schedule bucketed = none;  // about four blocks a bucket
-  bucketed.bucket_mb = plan::bucket_sizes_mb(profile).back();
+  bucketed.runtime.bucket_mb = plan::bucket_sizes_mb(profile).back();
   for (const auto& [name, schedule] : {std::pair{"none", none}, {"all", all}, {"planned", middle.chosen.schedule},
                                        {"bucketed", bucketed}}) {
     train::apply_schedule(llama, schedule);
@@ -157,9 +157,9 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
     plan::Schedule schedule = profiling_schedule(*m);
     schedule.checkpoint = {false, true, false};
     schedule.reshard_after_forward = {false, true, false};
-    schedule.prefetch_depth = 2;
-    schedule.max_inflight_allgathers = schedule.max_inflight_reduce_scatters = 1;
-    schedule.bucket_mb = 1, schedule.reduce_bucket_max_wait = 1;  // every group is small
+    schedule.runtime.prefetch_depth = 2;
+    schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
+    schedule.runtime.bucket_mb = 1, schedule.runtime.reduce_bucket_max_wait = 1;  // every group is small
     train::apply_schedule(m, schedule);
   };
   expect_same_run(train(s), want);

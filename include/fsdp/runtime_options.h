@@ -36,6 +36,13 @@ struct RuntimeOptions {
   /// many steps may be pending there (each holds the group's gradients in host memory) before
   /// backward waits for the oldest. 0: steps run on backward's thread, one group at a time.
   int max_pending_host_steps = 2;
+
+  /// The same knobs everywhere.
+  bool operator==(const RuntimeOptions& o) const {
+    return prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
+           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters && bucket_mb == o.bucket_mb &&
+           reduce_bucket_max_wait == o.reduce_bucket_max_wait && max_pending_host_steps == o.max_pending_host_steps;
+  }
 };
 
 /// Takes effect from the next collective; not thread-safe (call between steps). Throws

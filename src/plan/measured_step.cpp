@@ -11,7 +11,7 @@ namespace fsdp::plan {
 
 Schedule profiling_schedule(const std::vector<GroupShape>& groups) {
   Schedule s = uniform_schedule(groups, /*checkpointed=*/true);
-  s.prefetch_depth = 0;
+  s.runtime.prefetch_depth = 0;
   return s;
 }
 
@@ -187,7 +187,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
 
 Schedule calibration_schedule(const std::vector<GroupShape>& groups) {
   Schedule s = profiling_schedule(groups);
-  s.prefetch_depth = 1;
+  s.runtime.prefetch_depth = 1;
   return s;
 }
 

@@ -71,12 +71,12 @@ std::string describe(const Schedule& s, const CostModel& model) {
   if (checkpointed > 0) text += " (" + names(s.checkpoint, model, true) + ")";
   text += ", " + std::to_string(kept) + " kept unsharded";
   if (kept > 0) text += " (" + names(s.reshard_after_forward, model, false) + ")";
-  text += ", prefetch " + std::to_string(s.prefetch_depth) + ", in flight " + cap(s.max_inflight_allgathers) +
-          " all-gathers / " + cap(s.max_inflight_reduce_scatters) + " reduce-scatters";
-  if (s.bucket_mb > 0) {
-    text += ", buckets of " + format_bytes(s.bucket_bytes());
-    if (s.reduce_bucket_max_wait > 0)
-      text += " waiting at most " + std::to_string(s.reduce_bucket_max_wait) + " groups";
+  const RuntimeOptions& r = s.runtime;
+  text += ", prefetch " + std::to_string(r.prefetch_depth) + ", in flight " + cap(r.max_inflight_allgathers) +
+          " all-gathers / " + cap(r.max_inflight_reduce_scatters) + " reduce-scatters";
+  if (r.bucket_mb > 0) {
+    text += ", buckets of " + format_bytes(static_cast<int64_t>(r.bucket_bytes()));
+    if (r.reduce_bucket_max_wait > 0) text += " waiting at most " + std::to_string(r.reduce_bucket_max_wait) + " groups";
   }
   return text;
 }
@@ -101,11 +101,11 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
             for (double bucket_mb : buckets)
               for (int max_wait : {0, 1}) {
                 if (bucket_mb == 0 && max_wait > 0) continue;  // the wait applies to buckets only
-                s.prefetch_depth = depth;
-                s.max_inflight_allgathers = gathers;
-                s.max_inflight_reduce_scatters = reductions;
-                s.bucket_mb = bucket_mb;
-                s.reduce_bucket_max_wait = max_wait;
+                s.runtime.prefetch_depth = depth;
+                s.runtime.max_inflight_allgathers = gathers;
+                s.runtime.max_inflight_reduce_scatters = reductions;
+                s.runtime.bucket_mb = bucket_mb;
+                s.runtime.reduce_bucket_max_wait = max_wait;
                 Prediction p = simulate(model, s, /*explain=*/false);
                 smallest_peak = std::min(smallest_peak, p.peak_bytes);
                 if (p.peak_bytes <= usable) fits.push_back({s, std::move(p)});

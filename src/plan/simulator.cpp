@@ -43,7 +43,7 @@ class Replay {
  public:
   Replay(const CostModel& model, const Schedule& schedule, bool explain)
       : model_(model), schedule_(schedule), explain_(explain),
-        bucket_limit_(schedule.bucket_bytes()),
+        bucket_limit_(schedule.runtime.bucket_bytes()),
         live_((kBufferKinds - 1) * model.groups.size() + 1, 0), gathered_at_(model.groups.size(), 0.0),
         unsharded_(model.groups.size(), false) {
     const size_t n = model.groups.size();
@@ -53,8 +53,8 @@ class Replay {
                                   " reshard choices for a model of " + std::to_string(n) + " groups");
     if (model.micro_batches < 1)
       throw std::invalid_argument("cost model: " + std::to_string(model.micro_batches) + " micro-batches");
-    if (schedule.prefetch_depth < 0 || schedule.max_inflight_allgathers < 0 ||
-        schedule.max_inflight_reduce_scatters < 0 || schedule.bucket_mb < 0 || schedule.reduce_bucket_max_wait < 0)
+    if (schedule.runtime.prefetch_depth < 0 || schedule.runtime.max_inflight_allgathers < 0 ||
+        schedule.runtime.max_inflight_reduce_scatters < 0 || schedule.runtime.bucket_mb < 0 || schedule.runtime.reduce_bucket_max_wait < 0)
       throw std::invalid_argument("schedule: prefetch depth, in-flight caps, bucket size and wait must be 0 or more");
     for (size_t g = 1; g < n; ++g)
       if (model.groups[g].encloses_later)
@@ -103,7 +103,7 @@ class Replay {
   // The group's parameters, with the prefetches its start issues; its compute waits for its own.
   void gather_and_wait(int g, const std::vector<int>& order, int position) {
     const int n = static_cast<int>(order.size());
-    for (int k = 0; k <= schedule_.prefetch_depth && position + k < n; ++k)
+    for (int k = 0; k <= schedule_.runtime.prefetch_depth && position + k < n; ++k)
       if (!unsharded_[order[position + k]]) all_gather(order, position + k, /*beside_compute=*/k > 0);
     release(kGatherBuffers, g, {"start of ", g});
   }
@@ -181,7 +181,7 @@ class Replay {
     const std::vector<int> members = gather_bucket(order, position);
     // Past the cap the host waits for the oldest release of gathered memory.
     while (!releases_.empty() && releases_.front() <= cpu_) releases_.pop_front();
-    const int cap = schedule_.max_inflight_allgathers;
+    const int cap = schedule_.runtime.max_inflight_allgathers;
     while (cap > 0 && static_cast<int>(releases_.size()) >= cap) {
       cpu_ = std::max(cpu_, releases_.front());
       releases_.pop_front();
@@ -217,7 +217,7 @@ class Replay {
     const bool waiting = !reduce_bucket_.empty();
     reduce_bucket_.push_back(g);
     reduce_bucket_bytes_ += cost(g).param_bytes;
-    const int max_wait = schedule_.reduce_bucket_max_wait;
+    const int max_wait = schedule_.runtime.reduce_bucket_max_wait;
     const bool waited_enough = waiting && max_wait > 0 && ++reduce_bucket_waited_ >= max_wait;
     if (reduce_bucket_bytes_ >= bucket_limit_ || waited_enough) flush_reduce_bucket(beside_compute);
   }
@@ -234,7 +234,7 @@ class Replay {
   // stay to the end of the step.
   void issue_reduce_scatter(const std::vector<int>& members, bool beside_compute) {
     while (!reductions_.empty() && reductions_.front().first <= cpu_) finish_oldest_reduction();
-    const int cap = schedule_.max_inflight_reduce_scatters;
+    const int cap = schedule_.runtime.max_inflight_reduce_scatters;
     while (cap > 0 && static_cast<int>(reductions_.size()) >= cap) {
       cpu_ = std::max(cpu_, reductions_.front().first);
       finish_oldest_reduction();

@@ -132,12 +132,10 @@ void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule)
 }
 
 void set_runtime_choices(const plan::Schedule& schedule) {
-  RuntimeOptions runtime = runtime_options();
-  runtime.prefetch_depth = schedule.prefetch_depth;
-  runtime.max_inflight_allgathers = schedule.max_inflight_allgathers;
-  runtime.max_inflight_reduce_scatters = schedule.max_inflight_reduce_scatters;
-  runtime.bucket_mb = schedule.bucket_mb;
-  runtime.reduce_bucket_max_wait = schedule.reduce_bucket_max_wait;
+  RuntimeOptions runtime = schedule.runtime;
+  // Not a schedule's choice: the planner plans steps taken after backward, so the host worker's
+  // cap stays the user's.
+  runtime.max_pending_host_steps = runtime_options().max_pending_host_steps;
   set_runtime_options(runtime);
 }
 

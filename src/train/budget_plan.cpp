@@ -99,8 +99,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
   for (double mb : plan::bucket_sizes_mb(profile)) {
     if (mb == 0) continue;
     Candidate bucketed = none;
-    bucketed.schedule.bucket_mb = mb;
-    bucketed.name = "no checkpointing, buckets of " + format_bytes(bucketed.schedule.bucket_bytes());
+    bucketed.schedule.runtime.bucket_mb = mb;
+    bucketed.name = "no checkpointing, buckets of " + format_bytes(bucketed.schedule.runtime.bucket_bytes());
     listed.push_back(std::move(bucketed));
   }
   std::vector<Candidate> runs;

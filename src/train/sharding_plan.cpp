@@ -32,11 +32,7 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
     s.reshard_after_forward[i + 1] = reshard_after_forward;
   }
   s.reshard_after_forward[0] = false;  // the root keeps its parameters (fully_shard's rule)
-  s.prefetch_depth = runtime.prefetch_depth;
-  s.max_inflight_allgathers = runtime.max_inflight_allgathers;
-  s.max_inflight_reduce_scatters = runtime.max_inflight_reduce_scatters;
-  s.bucket_mb = runtime.bucket_mb;
-  s.reduce_bucket_max_wait = runtime.reduce_bucket_max_wait;
+  s.runtime = runtime;
   return s;
 }
 

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/runtime_options.h"
+
 namespace fsdp::plan {
 
 /// One parameter group (one fully_shard call), in forward order. Memory is in bytes of the
@@ -83,22 +85,13 @@ struct CostModel {
 struct Schedule {
   std::vector<bool> checkpoint;             ///< recompute the group's activations in backward
   std::vector<bool> reshard_after_forward;  ///< free its parameters between forward and backward
-  int prefetch_depth = 1;  ///< groups all-gathered ahead of use
-  int max_inflight_allgathers = 2;      ///< 0: unlimited
-  int max_inflight_reduce_scatters = 2;  ///< 0: unlimited
-  /// Groups below this many MB (param_bytes) share coalesced collectives (RuntimeOptions::bucket_mb):
-  /// bucket membership follows from the sizes and the order. 0: every group alone.
-  double bucket_mb = 0;
-  int reduce_bucket_max_wait = 0;  ///< RuntimeOptions::reduce_bucket_max_wait
-  /// bucket_mb in bytes.
-  int64_t bucket_bytes() const { return static_cast<int64_t>(bucket_mb * 1024.0 * 1024.0); }
+  /// The runtime's knobs under this schedule: prefetch depth, in-flight caps, buckets (groups
+  /// below bucket_mb share coalesced collectives: membership follows from the sizes and the order).
+  RuntimeOptions runtime;
 
   /// The same choices everywhere.
   bool operator==(const Schedule& o) const {
-    return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward &&
-           prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
-           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters && bucket_mb == o.bucket_mb &&
-           reduce_bucket_max_wait == o.reduce_bucket_max_wait;
+    return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward && runtime == o.runtime;
   }
 };
 
