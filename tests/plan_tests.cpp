@@ -22,7 +22,7 @@ CostModel two_groups() {
   for (const char* name : {"A", "B"}) {
     GroupCost g;
     g.name = name;
-    g.param_bytes = 100, g.reduce_input_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
+    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
     g.forward_peak_bytes = 40, g.backward_peak_bytes = 20;
     g.allgather_ms = 0.5, g.reduce_scatter_ms = 0.5, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);
@@ -70,7 +70,7 @@ TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
 // group until its end: at A's reduce-scatter 1220 + 20 = 1240. One optimizer step: 2 x 8.5 + 1.
 TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld) {
   CostModel m = two_groups();
-  for (auto& g : m.groups) g.sharded_grad_bytes = 10;
+  for (auto& g : m.groups) g.memory.sharded_grad_bytes = 10;
   m.micro_batches = 2;
   Schedule s = default_schedule(2);
   s.runtime.prefetch_depth = 0;
@@ -91,7 +91,7 @@ TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld)
 // working memory: the runtime frees the sums before it allocates the result).
 TEST(Simulator, GradientAccumulationWithoutCommunicationHoldsUnshardedSums) {
   CostModel m = two_groups();
-  for (auto& g : m.groups) g.sharded_grad_bytes = 10, g.unsynced_grad_bytes = 60;
+  for (auto& g : m.groups) g.memory.sharded_grad_bytes = 10, g.memory.unsynced_grad_bytes = 60;
   m.micro_batches = 2;
   m.reduce_every_micro_batch = false;
   Schedule s = default_schedule(2);
@@ -242,7 +242,7 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
   auto add = [&](const char* name, int64_t params, int64_t reduce_input, int64_t shard, int64_t saved, double bwd) {
     GroupCost g;
     g.name = name;
-    g.param_bytes = g.grad_bytes = params, g.reduce_input_bytes = reduce_input, g.sharded_grad_bytes = shard;
+    g.memory.param_bytes = g.memory.grad_bytes = params, g.memory.reduce_input_bytes = reduce_input, g.memory.sharded_grad_bytes = shard;
     g.saved_bytes = g.checkpoint_saved_bytes = saved;
     g.forward_ms = 1, g.backward_ms = bwd;
     m.groups.push_back(g);
@@ -271,7 +271,7 @@ CostModel latency_bound(const std::vector<int64_t>& param_bytes) {
   for (size_t i = 0; i < param_bytes.size(); ++i) {
     GroupCost g;
     g.name = std::string(1, char('A' + i));
-    g.param_bytes = param_bytes[i], g.reduce_input_bytes = param_bytes[i] / 2;
+    g.memory.param_bytes = param_bytes[i], g.memory.reduce_input_bytes = param_bytes[i] / 2;
     g.allgather_ms = g.reduce_scatter_ms = param_bytes[i] > 10 ? 0.5 : 0.3;
     g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);
@@ -343,7 +343,7 @@ CostModel deep() {
   for (int i = 0; i < 8; ++i) {
     GroupCost g;
     g.name = "blocks." + std::to_string(i);
-    g.param_bytes = 100, g.reduce_input_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
+    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
     g.forward_peak_bytes = 1200, g.backward_peak_bytes = 500;
     g.allgather_ms = 0.2, g.reduce_scatter_ms = 0.2, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);

@@ -155,12 +155,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
   for (const auto& shape : groups) {
     GroupCost cost;
     cost.name = shape.name;
-    cost.param_bytes = shape.param_bytes;
-    cost.gather_buffer_bytes = shape.gather_buffer_bytes;
-    cost.grad_bytes = shape.grad_bytes;
-    cost.reduce_input_bytes = shape.reduce_input_bytes;
-    cost.sharded_grad_bytes = shape.sharded_grad_bytes;
-    cost.unsynced_grad_bytes = shape.unsynced_grad_bytes;
+    cost.memory = shape.memory;
     cost.checkpointable = shape.checkpointable;
     cost.encloses_later = shape.encloses_later;
     cost.allgather_ms = m.mean_ms("all-gather " + shape.label);
@@ -179,7 +174,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
   }
   if (model.micro_batches > 1)  // the last pass began with the earlier passes' gradients
     for (const auto& g : model.groups)
-      model.fixed_bytes -= model.reduce_every_micro_batch ? g.sharded_grad_bytes : g.unsynced_grad_bytes;
+      model.fixed_bytes -= model.reduce_every_micro_batch ? g.memory.sharded_grad_bytes : g.memory.unsynced_grad_bytes;
   model.profiled_step_ms = step.step_ms;
   fit_fixed_ms(model, profiling_schedule(groups));
   return model;

@@ -47,7 +47,7 @@ std::vector<double> bucket_sizes_mb(const CostModel& model) {
   if (model.allgather_latency_ms <= 0 && model.reduce_scatter_latency_ms <= 0) return sizes;
   int64_t smallest = 0;
   for (const auto& g : model.groups)
-    if (g.param_bytes > 0 && (smallest == 0 || g.param_bytes < smallest)) smallest = g.param_bytes;
+    if (g.memory.param_bytes > 0 && (smallest == 0 || g.memory.param_bytes < smallest)) smallest = g.memory.param_bytes;
   // Half a group above a multiple, so that equal groups fill a bucket whatever their rounding.
   for (double groups : {2.5, 4.5})
     if (smallest > 0) sizes.push_back(double(smallest) * groups / (1024.0 * 1024.0));

@@ -129,7 +129,7 @@ class Replay {
     touch(cost(g).backward_peak_bytes, during);
     release(kActivations, g, during);
     release(kRecomputed, g, during);
-    allocate(kGradients, g, cost(g).grad_bytes, during);
+    allocate(kGradients, g, cost(g).memory.grad_bytes, during);
     // Compute follows a group's reduce-scatter unless it is the last to run backward.
     if (!cost(g).encloses_later) reduce_and_reshard(g, position + 1 < static_cast<int>(backward_order_.size()));
   }
@@ -138,7 +138,7 @@ class Replay {
   void reduce_and_reshard(int g, bool beside_compute) {
     if (!model_.reduce_every_micro_batch && pass_ + 1 < model_.micro_batches) {
       const Phase during{"backward of ", g};
-      if (live(kUnsynced, g) == 0) allocate(kUnsynced, g, cost(g).unsynced_grad_bytes, during);
+      if (live(kUnsynced, g) == 0) allocate(kUnsynced, g, cost(g).memory.unsynced_grad_bytes, during);
       release(kGradients, g, during);
     } else {
       compute(cost(g).handoff_ms, cost(g).handoff_cpu_ms, 0.0);
@@ -147,20 +147,20 @@ class Replay {
     reshard(g);
   }
 
-  bool small(int g) const { return bucket_limit_ > 0 && cost(g).param_bytes < bucket_limit_; }
+  bool small(int g) const { return bucket_limit_ > 0 && cost(g).memory.param_bytes < bucket_limit_; }
 
   // order[position]'s group and, when it is small, the small groups after it in the pass that are
   // still sharded (past large ones), while they fit in the bucket: the runtime's membership.
   std::vector<int> gather_bucket(const std::vector<int>& order, int position) const {
     std::vector<int> members{order[position]};
     if (!small(members[0])) return members;
-    int64_t bytes = cost(members[0]).param_bytes;
+    int64_t bytes = cost(members[0]).memory.param_bytes;
     for (size_t i = position + 1; i < order.size(); ++i) {
       const int next = order[i];
       if (!small(next) || unsharded_[next]) continue;
-      if (bytes + cost(next).param_bytes > bucket_limit_) break;
+      if (bytes + cost(next).memory.param_bytes > bucket_limit_) break;
       members.push_back(next);
-      bytes += cost(next).param_bytes;
+      bytes += cost(next).memory.param_bytes;
     }
     return members;
   }
@@ -188,8 +188,8 @@ class Replay {
     }
     const Phase during{"all-gather of ", -1, &members};
     for (int g : members) {
-      allocate(kParameters, g, cost(g).param_bytes, during);
-      allocate(kGatherBuffers, g, cost(g).gather_buffer_bytes, during);
+      allocate(kParameters, g, cost(g).memory.param_bytes, during);
+      allocate(kGatherBuffers, g, cost(g).memory.gather_buffer_bytes, during);
     }
     const double start = std::max({gather_end_, compute_end_, cpu_});
     gather_end_ = start + coalesced_ms(members, &GroupCost::allgather_ms, model_.allgather_latency_ms) *
@@ -211,12 +211,12 @@ class Replay {
   // it holds bucket_mb (at once without bucketing) or reduce_bucket_max_wait groups joined it late.
   void reduce_scatter(int g, bool beside_compute) {
     const Phase during{"reduce-scatter of ", g};
-    allocate(kReduceInput, g, cost(g).reduce_input_bytes, during);
+    allocate(kReduceInput, g, cost(g).memory.reduce_input_bytes, during);
     release(kGradients, g, during);
     release(kUnsynced, g, during);  // summed into the input
     const bool waiting = !reduce_bucket_.empty();
     reduce_bucket_.push_back(g);
-    reduce_bucket_bytes_ += cost(g).param_bytes;
+    reduce_bucket_bytes_ += cost(g).memory.param_bytes;
     const int max_wait = schedule_.runtime.reduce_bucket_max_wait;
     const bool waited_enough = waiting && max_wait > 0 && ++reduce_bucket_waited_ >= max_wait;
     if (reduce_bucket_bytes_ >= bucket_limit_ || waited_enough) flush_reduce_bucket(beside_compute);
@@ -240,7 +240,7 @@ class Replay {
       finish_oldest_reduction();
     }
     for (int g : members)
-      allocate(reduce_output(), g, cost(g).sharded_grad_bytes, {"reduce-scatter of ", -1, &members});
+      allocate(reduce_output(), g, cost(g).memory.sharded_grad_bytes, {"reduce-scatter of ", -1, &members});
     const double start = std::max({reduce_end_, compute_end_, cpu_});
     reduce_end_ = start + coalesced_ms(members, &GroupCost::reduce_scatter_ms, model_.reduce_scatter_latency_ms) *
                               (beside_compute ? model_.contention.reduce_scatter_stretch : 1.0);

@@ -93,16 +93,10 @@ std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const 
     if (group.state->group().replicate())
       throw std::invalid_argument("fsdp::group_shapes: '" + group.path + "' is sharded with replicas (HSDP): the "
                                   "planner's cost model has no all-reduce across replicas; plan plain FSDP");
-    const auto memory = group.state->group().memory_shape();
     plan::GroupShape shape;
     shape.name = group.path;
     shape.label = group.state->group().label();
-    shape.param_bytes = memory.unsharded;
-    shape.gather_buffer_bytes = memory.gather_buffers;
-    shape.grad_bytes = memory.unsharded_grads;
-    shape.reduce_input_bytes = memory.reduce_input;
-    shape.sharded_grad_bytes = memory.sharded_grads;
-    shape.unsynced_grad_bytes = memory.unsynced_grads;
+    shape.memory = group.state->group().memory();
     shape.encloses_later = group.state == root_state && groups.size() > 1 && shapes.empty();
     shape.checkpointable = !shape.encloses_later;
     shapes.push_back(std::move(shape));

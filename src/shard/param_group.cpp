@@ -265,24 +265,24 @@ size_t ParamGroup::unsharded_size_bytes() const {
   return static_cast<size_t>(shard_numel_) * comm_->world_size() * c10::elementSize(compute_dtype_);
 }
 
-ParamGroup::MemoryShape ParamGroup::memory_shape() const {
+GroupMemory ParamGroup::memory() const {
   const int64_t world = comm_->world_size(), compute = c10::elementSize(compute_dtype_);
   const int64_t reduce = c10::elementSize(reduce_dtype_), count = static_cast<int64_t>(params_.size());
   int64_t trainable_numel = 0;
   for (const auto& p : params_)
     if (p.param.requires_grad()) trainable_numel += c10::multiply_integers(p.full_shape);
-  MemoryShape shape;
-  shape.unsharded = world * shard_numel_ * compute;
-  shape.gather_buffers = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
+  GroupMemory memory;
+  memory.param_bytes = world * shard_numel_ * compute;
+  memory.gather_buffer_bytes = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
   if (needs_staging())
-    shape.gather_buffers += shard_numel_ * host_shards_.element_size();  // the staging copy
-  shape.unsharded_grads = trainable_numel * compute;
-  shape.unsynced_grads = trainable_numel * reduce;
+    memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
+  memory.grad_bytes = trainable_numel * compute;
+  memory.unsynced_grad_bytes = trainable_numel * reduce;
   const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
   // Offloaded: the sharded result leaves the device with its reduce-scatter input.
-  shape.sharded_grads = offloaded() ? 0 : sharded_grads;
-  shape.reduce_input = world * sharded_grads + (offloaded() ? sharded_grads : 0);
-  return shape;
+  memory.sharded_grad_bytes = offloaded() ? 0 : sharded_grads;
+  memory.reduce_input_bytes = world * sharded_grads + (offloaded() ? sharded_grads : 0);
+  return memory;
 }
 
 void ParamGroup::wait_for_unshard() {

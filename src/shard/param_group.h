@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fsdp/communicator.h"
+#include "fsdp/group_memory.h"
 #include "fsdp/options.h"
 #include "shard/shard_layout.h"
 #include "shard/streams.h"
@@ -84,15 +85,9 @@ class ParamGroup {
   size_t unsharded_bytes() const { return unsharded_storage_.nbytes(); }
   // Bytes the group takes when unsharded (what bucketing compares).
   size_t unsharded_size_bytes() const;
-  // The bytes of each buffer above (the planner's cost model).
-  struct MemoryShape {
-    int64_t unsharded = 0;        // unsharded storage
-    int64_t gather_buffers = 0;   // all-gather input and (2+ parameters) output
-    int64_t unsharded_grads = 0;  // what autograd leaves in backward, compute dtype
-    int64_t reduce_input = 0, sharded_grads = 0;  // on the device (offloaded: none held after the step)
-    int64_t unsynced_grads = 0;  // gradients summed unsharded over backward passes, reduce dtype
-  };
-  MemoryShape memory_shape() const;
+  // The bytes of each buffer above, with the lifetimes the runtime gives them (the planner's
+  // cost model).
+  GroupMemory memory() const;
   const std::vector<ShardedParam>& params() const { return params_; }
   Communicator& comm() const { return *comm_; }
   Communicator* replicate() const { return replicate_.get(); }  // HSDP's replicas; null: none

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/group_memory.h"
 #include "fsdp/runtime_options.h"
 
 namespace fsdp::plan {
@@ -15,18 +16,7 @@ namespace fsdp::plan {
 /// caching allocator's "allocated" count; times in milliseconds.
 struct GroupCost {
   std::string name;  ///< the group's module path ("blocks.3")
-  /// Parameters unsharded in the compute dtype, from the all-gather's issue to the reshard.
-  int64_t param_bytes = 0;
-  /// The all-gather's input and output buffers, from its issue until the compute waits for it.
-  int64_t gather_buffer_bytes = 0;
-  /// The unsharded gradients autograd leaves, from the group's backward until its reduce-scatter
-  /// copies them out.
-  int64_t grad_bytes = 0;
-  int64_t reduce_input_bytes = 0;  ///< the reduce-scatter's input, until the reduce-scatter is done
-  int64_t sharded_grad_bytes = 0;  ///< the reduce-scatter's result, to the end of the step
-  /// Gradient accumulation without communication: the unsharded sums in the reduce dtype, from
-  /// the first pass's backward to the last pass's reduce-scatter.
-  int64_t unsynced_grad_bytes = 0;
+  GroupMemory memory;  ///< its buffers (ParamGroup's sizes)
   double allgather_ms = 0;         ///< the all-gather's time alone
   double reduce_scatter_ms = 0;    ///< the reduce-scatter's time alone
   /// Above the level at the start of its forward: the most in use during the forward.

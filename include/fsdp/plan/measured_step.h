@@ -53,12 +53,7 @@ struct RecordedStep {
 struct GroupShape {
   std::string name;   ///< "blocks.3"
   std::string label;  ///< its trace label, "#4 blocks.3"
-  int64_t param_bytes = 0;          ///< GroupCost::param_bytes
-  int64_t gather_buffer_bytes = 0;  ///< GroupCost::gather_buffer_bytes
-  int64_t grad_bytes = 0;           ///< GroupCost::grad_bytes
-  int64_t reduce_input_bytes = 0;   ///< GroupCost::reduce_input_bytes
-  int64_t sharded_grad_bytes = 0;   ///< GroupCost::sharded_grad_bytes
-  int64_t unsynced_grad_bytes = 0;  ///< GroupCost::unsynced_grad_bytes
+  GroupMemory memory;  ///< its buffers, as the parameter group sizes them
   bool checkpointable = true;       ///< whether the model can recompute it
   bool encloses_later = false;  ///< the root
 };
