@@ -4,7 +4,7 @@ it, trained with FSDP2 (eager, or torch.compile on each block) or DDP.
 The model: one fused QKV and one fused gate/up projection, F.rms_norm, rotary embeddings on
 (i, i + d/2) pairs as transformers writes them (x * cos + rotate_half(x) * sin), causal
 scaled_dot_product_attention, SwiGLU, no biases; logits then F.cross_entropy in float32. The
-same synthetic batches as fsdp-train (src/train/data.cpp, same generator seeds), the same initial
+same synthetic batches as fsdp-train (trainer/train/data.cpp, same generator seeds), the same initial
 weights (read from fsdp-train --save-init: the same parameter names; without --init, weights of
 the same distribution made after sharding, as for the 8B), fused AdamW, warmup +
 cosine schedule and clipping. Writes one JSON line per step in fsdp-train's format.
@@ -130,7 +130,7 @@ class Llama(nn.Module):
 
 
 def synthetic_rows(vocab, seed, step, first, rows, seq):
-    """src/train/data.cpp's SyntheticTokens, row for row."""
+    """trainer/train/data.cpp's SyntheticTokens, row for row."""
     out = torch.empty(rows, seq + 1, dtype=torch.long)
     positions = torch.arange(seq + 1)
     for r in range(rows):

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 
 namespace {
 

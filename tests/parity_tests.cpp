@@ -8,7 +8,7 @@
 #include <unordered_set>
 
 #include "helpers.h"
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 #include "train/fused_adamw.h"
 #include "train/sharding_plan.h"
 

@@ -5,7 +5,7 @@
 
 #include "fsdp/planning.h"
 #include "helpers.h"
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 #include "train/sharding_plan.h"
 
 namespace fsdp::testing {

@@ -3,7 +3,7 @@
 // two models stepping alternately or one inside the other's step, an EMA copy, and roots on
 // different communicators each train exactly as their single-process references do.
 #include "helpers.h"
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 
 namespace fsdp::testing {
 namespace {

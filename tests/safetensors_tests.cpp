@@ -7,7 +7,7 @@
 #include <fstream>
 #include <random>
 
-#include "io/safetensors.h"
+#include "model/safetensors.h"
 
 namespace {
 

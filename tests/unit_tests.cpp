@@ -9,6 +9,7 @@
 #include <regex>
 #include <thread>
 
+#include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
@@ -19,7 +20,7 @@
 #include "shard/shard_layout.h"
 #include "train/data.h"
 #include "train/fused_adamw.h"
-#include "train/schedule.h"
+#include "train/lr_schedule.h"
 
 namespace {
 
@@ -427,6 +428,31 @@ TEST(FusedAdamW, StateOlderThanShardingIsRefused) {
     FAIL() << "step() accepted moments of the parameter's old shape";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("create the state after sharding"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// fsdp::recompute on a module that is not sharded: the same output as a plain call, and backward
+// through the recomputation gives the same gradients. The deprecated old name does the same.
+TEST(Recompute, GivesThePlainCallsResultsAndTheOldNameStillWorks) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(4, 3);
+  const at::Tensor x = torch::randn({2, 4});
+  const at::Tensor plain = linear(x);
+  plain.sum().backward();
+  const at::Tensor plain_grad = linear->weight.grad().clone();
+  for (bool old_name : {false, true}) {
+    linear->zero_grad();
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    const at::Tensor y = old_name ? fsdp::checkpoint(linear, x) : fsdp::recompute(linear, x);
+#pragma GCC diagnostic pop
+    EXPECT_TRUE(torch::equal(y, plain)) << (old_name ? "fsdp::checkpoint" : "fsdp::recompute");
+    y.sum().backward();
+    EXPECT_TRUE(torch::equal(linear->weight.grad(), plain_grad)) << (old_name ? "fsdp::checkpoint" : "fsdp::recompute");
   }
 }
 

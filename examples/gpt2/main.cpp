@@ -1,6 +1,6 @@
 // A GPT-2-style language model trained with fsdp.cpp: learned position embeddings, pre-LayerNorm
 // blocks with a fused QKV projection, causal SDPA and a GELU MLP. Each block is its own sharded
-// group and is recomputed in backward (fsdp::checkpoint); the root (embeddings, final LayerNorm,
+// group and is recomputed in backward (fsdp::recompute); the root (embeddings, final LayerNorm,
 // head) is sharded last. On GPUs the blocks run in bf16 with fp32 gradient reduction.
 // Synthetic data: each sequence follows a fixed random successor table from a random start, so
 // the next token is predictable and the loss falls from ln(vocab).
@@ -53,7 +53,7 @@ struct GptImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor idx) {
     auto where = torch::arange(idx.size(1), idx.options());
     auto x = tokens(idx) + positions(where);
-    for (auto& block : blocks) x = fsdp::checkpoint(block, x);  // activations recomputed in backward
+    for (auto& block : blocks) x = fsdp::recompute(block, x);  // activations recomputed in backward
     return head(ln_f(x));
   }
   torch::nn::Embedding tokens{nullptr}, positions{nullptr};

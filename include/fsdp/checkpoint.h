@@ -1,46 +1,17 @@
-// Activation checkpointing for (sharded or plain) modules.
-//
-//   h = fsdp::checkpoint(block, h, cos, sin);   // instead of fsdp::forward(block, h, cos, sin)
-//
-// The forward runs without keeping activations; backward runs it again with
-// gradients and back-propagates through the recomputation. For a sharded
-// module the recompute counts as the start of its backward: it is not a new
-// step, leaves the recorded forward order alone, is prefetched in backward
-// order like any other group and keeps its parameters until its gradients
-// are reduce-scattered. Arguments: tensors; result: one tensor.
+// Deprecated since 0.5.0: activation recomputation is fsdp::recompute in fsdp/recompute.h (the
+// old name read like saving state, which is fsdp/sharded_checkpoint.h). This header and
+// fsdp::checkpoint stay for one version.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
-#include <functional>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include "fsdp/fully_shard.h"
+#include "fsdp/recompute.h"
 
 namespace fsdp {
-namespace detail {
 
-at::Tensor checkpoint_impl(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
-                           std::vector<at::Tensor> inputs);
-
-template <class M, size_t... I>
-at::Tensor call_with(M& module, const std::vector<at::Tensor>& in, std::index_sequence<I...>) {
-  return fsdp::forward(module, in[I]...);
-}
-
-}  // namespace detail
-
+/// Deprecated: fsdp::recompute (fsdp/recompute.h), under its old name.
 template <class M, class... Ts>
-at::Tensor checkpoint(M& module, const Ts&... args) {
-  static_assert((std::is_same_v<Ts, at::Tensor> && ...), "fsdp::checkpoint takes tensor arguments");
-  M held = module;  // a ModuleHolder or shared_ptr: shares the module
-  return detail::checkpoint_impl(
-      [held](const std::vector<at::Tensor>& in) mutable {
-        return detail::call_with(held, in, std::index_sequence_for<Ts...>{});
-      },
-      {args...});
+[[deprecated("fsdp::checkpoint is fsdp::recompute (fsdp/recompute.h) since fsdp.cpp 0.5.0")]] at::Tensor checkpoint(
+    M& module, const Ts&... args) {
+  return recompute(module, args...);
 }
 
 }  // namespace fsdp

@@ -16,7 +16,7 @@
 //   fsdp::set_schedule(model, plan.chosen.schedule);  // the model checkpoints the groups it names
 //
 // The runtime applies the per-group and runtime choices of a schedule; which groups are
-// recomputed in backward is the model's to do (fsdp::checkpoint), as the schedule's checkpoint
+// recomputed in backward is the model's to do (fsdp::recompute), as the schedule's checkpoint
 // vector says.
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 
 namespace fsdp {
 

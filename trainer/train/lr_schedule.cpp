@@ -1,4 +1,4 @@
-#include "train/schedule.h"
+#include "train/lr_schedule.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "fsdp/checkpoint.h"
+#include "fsdp/recompute.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -13,9 +13,9 @@ using torch::autograd::variable_list;
 
 // The output's gradient function: recompute, then back-propagate through the
 // recomputed graph (a nested backward), and hand the inputs' gradients on.
-class CheckpointBackward : public torch::autograd::Node {
+class RecomputeBackward : public torch::autograd::Node {
  public:
-  CheckpointBackward(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
+  RecomputeBackward(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
                      std::vector<at::Tensor> inputs)
       : run_(std::move(run)), inputs_(std::move(inputs)) {}
 
@@ -38,7 +38,7 @@ class CheckpointBackward : public torch::autograd::Node {
     inputs_.clear();  // a second backward through a checkpoint is not supported
     return input_grads;
   }
-  std::string name() const override { return "fsdp::CheckpointBackward"; }
+  std::string name() const override { return "fsdp::RecomputeBackward"; }
 
  private:
   std::function<at::Tensor(const std::vector<at::Tensor>&)> run_;
@@ -47,7 +47,7 @@ class CheckpointBackward : public torch::autograd::Node {
 
 }  // namespace
 
-at::Tensor checkpoint_impl(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
+at::Tensor recompute_impl(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
                            std::vector<at::Tensor> inputs) {
   if (!c10::GradMode::is_enabled()) return run(inputs);
   at::Tensor output;
@@ -56,7 +56,7 @@ at::Tensor checkpoint_impl(std::function<at::Tensor(const std::vector<at::Tensor
     Runtime::CheckpointedForwardScope checkpointed;
     output = run(inputs);
   }
-  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(run, inputs),
+  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(run, inputs),
                                                   torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   torch::autograd::create_gradient_edge(output, std::move(node));

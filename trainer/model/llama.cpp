@@ -8,7 +8,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "fsdp/checkpoint.h"
+#include "fsdp/recompute.h"
 #include "fsdp/fully_shard.h"
 #include "model/linear_cross_entropy.h"
 
@@ -172,7 +172,7 @@ torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
   auto h = tok_emb(tokens);
   for (size_t i = 0; i < blocks.size(); ++i)
-    h = config.checkpoints(static_cast<int64_t>(i)) ? fsdp::checkpoint(blocks[i], h, cos, sin)
+    h = config.checkpoints(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin)
                                                     : fsdp::forward(blocks[i], h, cos, sin);
   return norm(h);
 }

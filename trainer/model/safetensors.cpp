@@ -1,4 +1,4 @@
-#include "io/safetensors.h"
+#include "model/safetensors.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -24,7 +24,7 @@
 #include <unistd.h>
 
 #include "fsdp/fsdp.h"
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 #include "io/files.h"
 #include "model/hf_llama.h"
 #include "model/llama.h"
@@ -35,8 +35,9 @@
 #include "train/fused_adamw.h"
 #include "train/memory.h"
 #include "train/memory_sampler.h"
+#include "train/planned_run.h"
 #include "train/profile.h"
-#include "train/schedule.h"
+#include "train/lr_schedule.h"
 #include "train/sharding_plan.h"
 
 namespace {
@@ -251,16 +252,10 @@ int train(const fsdp::train::TrainArgs& args) {
     sampler = std::make_unique<fsdp::train::MemorySampler>(device, output(args.memory_log, ".jsonl"));
   if (!args.memory_snapshot.empty()) fsdp::train::start_memory_history(device);  // a GPU: checked up front
   int exit_code = 0;
-  // --memory-budget / --plan-check: after the first step, two under the profiling schedule (the
-  // first timed untraced, the second profiled), then two at prefetch depth 1 (the first, where the
-  // allocator grows its pool, timed untraced; the second calibrates the contention); then the plan
-  // is made. The fits take the untraced times: recording costs host time (fsdp::finish_profiled_step).
-  const int profiling_warmup_step = planning ? first_step + 1 : -1;
-  const int profiled_step = planning ? first_step + 2 : -1;
-  const int calibration_warmup_step = planning ? profiled_step + 1 : -1;
-  const int calibration_step = planning ? profiled_step + 2 : -1;
-  double warmup_ms = 0;  // the last warm-up step's time
-  const int trace_step = planning ? calibration_step + 1 : std::min(1, args.steps - 1);
+  // --memory-budget / --plan-check: the planner's steps (train/planned_run.h).
+  std::optional<fsdp::train::PlannedRun> planned;
+  if (planning) planned.emplace(args, model, device, first_step);
+  const int trace_step = planned ? planned->first_step_after() : std::min(1, args.steps - 1);
   // --max-skipped-steps: the gradient norm is needed for the check even without clipping.
   const bool skips = fsdp::train::skips_nonfinite_steps(args);
   const double clip_norm = args.clip > 0 ? args.clip : skips ? std::numeric_limits<double>::infinity() : 0.0;
@@ -304,7 +299,6 @@ int train(const fsdp::train::TrainArgs& args) {
                    "diverged; not %s. Lower --lr (%g now)\n", done, action, args.lr);
     return false;
   };
-  std::optional<fsdp::plan::CostModel> profile;
   for (int step = first_step; step < args.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const double lr = schedule.at(step);
@@ -315,12 +309,7 @@ int train(const fsdp::train::TrainArgs& args) {
       fsdp::train::start_profile(device);
     at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
     if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
-    if (step == profiling_warmup_step) fsdp::train::apply_schedule(model, fsdp::profiling_schedule(*model));
-    if (step == calibration_warmup_step) fsdp::train::apply_schedule(model, fsdp::calibration_schedule(*model));
-    const auto [loss, grad_norm_on_device, skipped] =
-        train_step(step, step == profiled_step      ? fsdp::start_profiled_step
-                         : step == calibration_step ? fsdp::start_calibration_step
-                                                    : nullptr);
+    const auto [loss, grad_norm_on_device, skipped] = train_step(step, planned ? planned->before_step(step) : nullptr);
 
     // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
     auto loss_and_stop = at::stack({loss,
@@ -332,19 +321,15 @@ int train(const fsdp::train::TrainArgs& args) {
     const bool has_grad_norm = grad_norm_on_device.defined();
     const double grad_norm = has_grad_norm ? grad_norm_on_device.item<double>() : 0.0;
     const bool finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
-    if (step == profiled_step)
-      profile = fsdp::finish_profiled_step(*model, warmup_ms, args.grad_accum, args.grad_accum_sync == "every");
-    if (step == calibration_step) fsdp::finish_calibration_step(*model, *profile, warmup_ms);
-    if (sampler) sampler->mark_step(step + 1, loss_value);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (step == profiling_warmup_step || step == calibration_warmup_step) warmup_ms = ms;
+    if (planned) planned->after_step(step, ms);
+    if (sampler) sampler->mark_step(step + 1, loss_value);
     const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
     const double tok_s = tokens_per_step / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
       fsdp::write_trace(output(args.trace, ".json"));
     auto mem = fsdp::train::take_memory_peaks(device);
-    if (step == profiled_step)  // its marks restarted the allocator's peak: the profile has the step's
-      mem.allocated_gib = std::max(mem.allocated_gib, profile->profiled_peak_bytes / double(int64_t(1) << 30));
+    if (planned) mem.allocated_gib = planned->peak_allocated_gib(step, mem.allocated_gib);
     const auto stats = fsdp::runtime_stats();
     const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
     const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
@@ -413,35 +398,11 @@ int train(const fsdp::train::TrainArgs& args) {
         break;
       }
     }
-    if (step == profiled_step && lead)
-      std::printf("%s", fsdp::train::profile_report(*profile, fsdp::profiling_schedule(*model)).c_str());
-    if (step == calibration_step) {
-      if (lead)
-        std::printf("%s", fsdp::train::contention_report(*profile, fsdp::calibration_schedule(*model)).c_str());
-      if (!args.plan_check.empty()) {
-        // .item(): the device is idle after each step
-        auto one_step = [&] { train_step(step, nullptr).loss.item<double>(); };
-        const fsdp::train::PlanCheck check{args.plan_check_budgets, args.plan_check_steps, args.plan_check_rounds,
-                                           fsdp::train::smallest_gpu_bytes(), args.plan_check};
-        fsdp::train::check_plans(model, *profile, one_step, device, check, lead);
-        if (lead) std::printf("fsdp-train: plan check written to %s\n", args.plan_check.c_str());
-        break;
-      }
-      const auto budget = static_cast<int64_t>(args.memory_budget_gib * double(int64_t(1) << 30));
-      fsdp::plan::Plan plan;
-      try {
-        plan = fsdp::plan_for_budget(*model, budget, *profile);
-      } catch (const fsdp::plan::BudgetTooSmall& e) {
-        if (lead)
-          std::fprintf(stderr, "fsdp-train: error: --memory-budget: %s%s\n", e.what(),
-                       args.cpu_offload || !device.is_cuda() ? ""
-                                                             : " (--cpu-offload moves the sharded state to the host)");
-        exit_code = 2;
-        break;
-      }
-      if (lead) std::printf("%s", fsdp::train::plan_report(plan, *profile, budget).c_str());
-      if (args.plan_only) break;
-      fsdp::train::apply_schedule(model, plan.chosen.schedule);
+    if (planned) {
+      // .item(): the device is idle after each step the plan check trains
+      const auto next = planned->report_and_plan(step, [&] { train_step(step, nullptr).loss.item<double>(); }, lead);
+      if (next == fsdp::train::PlannedRun::Next::BudgetRefused) exit_code = 2;
+      if (next != fsdp::train::PlannedRun::Next::Train) break;
     }
     const bool save_now = stop || done == args.steps || (args.save_every > 0 && done % args.save_every == 0);
     if (!args.save_dir.empty() && save_now) {

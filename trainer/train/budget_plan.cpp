@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "fsdp/planning.h"
-#include "shard/memory_stats.h"
+#include "fsdp/memory_stats.h"
 #include "train/memory.h"
 #include "train/sharding_plan.h"
 
@@ -80,8 +80,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     std::vector<std::vector<double>> times;  // per round, the measured steps
     int64_t peak = 0;
   };
-  const Candidate none{"no checkpointing", plan::uniform_schedule(profile.groups, false)};
-  std::vector<Candidate> listed{{"full checkpointing", plan::uniform_schedule(profile.groups, true)}};
+  const Candidate none{"no checkpointing", plan::uniform_schedule(profile.groups, false), 0, {}, 0};
+  std::vector<Candidate> listed{{"full checkpointing", plan::uniform_schedule(profile.groups, true), 0, {}, 0}};
   const int64_t low = plan::simulate(profile, listed[0].schedule).peak_bytes;
   const int64_t high = plan::simulate(profile, none.schedule).peak_bytes;
   for (int i = 0; i < check.budgets; ++i) {
@@ -90,7 +90,7 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     const auto budget = static_cast<int64_t>(usable / 0.95) + 1;
     try {
       const plan::Schedule chosen = plan::plan_schedule(profile, budget).chosen.schedule;
-      listed.push_back({"planned for " + format_bytes(budget), chosen, budget});
+      listed.push_back({"planned for " + format_bytes(budget), chosen, budget, {}, 0});
     } catch (const plan::BudgetTooSmall&) {
     }
   }

@@ -16,7 +16,7 @@
 
 #include "fsdp/fully_shard.h"
 #include "io/files.h"
-#include "io/safetensors.h"
+#include "model/safetensors.h"
 
 namespace fsdp::model {
 namespace {
