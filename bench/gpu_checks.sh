@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine: builds and runs the whole test suite (the GPU tests are
-# registered there), writing logs to OUT_DIR. bench/run_bench.py measures.
+# On a GPU machine, in one device call: builds, runs the GPU tests one at a time (they share the
+# GPUs, and launcher_sigterm_gpu checks that no process is left on one), then every other test
+# six at a time, then fsdp-train's 1B on one GPU for 30 steps (its step time) and with a memory
+# budget (the planner's steps on the GPU). Logs and JSON to OUT_DIR.
 #   bash bench/gpu_checks.sh OUT_DIR COMMIT
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +10,28 @@ out=${1:?output folder}
 commit=${2:-unknown}
 mkdir -p "$out"
 source bench/gpu_env.sh
-export FSDP_JOBS=${FSDP_JOBS:-16}
 record_env "$out/env.txt" "$commit"
 cat "$out/env.txt"
-bash scripts/test.sh 2>&1 | tee "$out/tests.log"
+FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+status=0
+(cd build && ctest --output-on-failure -R gpu) > "$out/gpu-tests.log" 2>&1 || status=1
+grep -E "Test +#|tests passed" "$out/gpu-tests.log"
+(cd build && ctest --output-on-failure -j6 -E gpu) > "$out/other-tests.log" 2>&1 || status=1
+grep -E "tests passed|\*\*\*Failed|Total Test" "$out/other-tests.log"
+one_gpu=(build/fsdp-run --gpu -n 1 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16)
+"${one_gpu[@]}" --steps 30 --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
+"${one_gpu[@]}" --steps 10 --memory-budget 16 --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
+python3 - "$out" <<'PY' || status=1
+import json, statistics, sys
+out = sys.argv[1]
+rows = [json.loads(line) for line in open(f"{out}/train-1b.jsonl")][5:]
+print(f"1b on one GPU: median step {statistics.median(r['step_ms'] for r in rows):.1f} ms over steps 6-30, "
+      f"peak allocated/reserved {rows[-1]['peak_alloc_gib']:.2f}/{rows[-1]['peak_reserved_gib']:.2f} GiB")
+budget = [json.loads(line) for line in open(f"{out}/budget-1b.jsonl")]
+planned = budget[5:]
+print(f"1b with --memory-budget 16: planned steps 6-10 median {statistics.median(r['step_ms'] for r in planned):.1f} ms, "
+      f"peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
+sys.exit(0 if max(r['peak_alloc_gib'] for r in planned) <= 16 else 1)
+PY
+grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
+exit $status

@@ -13,12 +13,10 @@
 #include <cstdio>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <thread>
 
 #include <unistd.h>
@@ -36,6 +34,7 @@
 #include "train/memory.h"
 #include "train/memory_sampler.h"
 #include "train/planned_run.h"
+#include "train/step_log.h"
 #include "train/profile.h"
 #include "train/lr_schedule.h"
 #include "train/sharding_plan.h"
@@ -106,14 +105,7 @@ void remove_checkpoints(const std::string& dir) {
     if (name.rfind("step-", 0) == 0) fsdp::io::remove_tree(dir + "/" + name);
 }
 
-// A number for the log: JSON has no NaN or infinity.
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream out;
-  out.precision(9);
-  out << v;
-  return out.str();
-}
+// How a message writes a number that may not be finite.
 std::string number_text(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
@@ -218,16 +210,9 @@ int train(const fsdp::train::TrainArgs& args) {
   fsdp::train::LrSchedule schedule{args.lr, args.min_lr, args.warmup, args.steps};
   fsdp::train::release_cached_memory(device);  // measure what the model holds, not set-up leftovers
 
-  std::ofstream log;
-  const std::string log_path = args.log.empty() ? fsdp::train::default_log_path() : args.log;
-  auto check_log = [&] {
-    if (!log) throw std::runtime_error("cannot write the log '" + log_path + "'");
-  };
+  std::optional<fsdp::train::StepLog> step_log;  // rank 0's
   if (lead) {
-    if (args.log.empty()) fsdp::io::make_directories(fsdp::io::parent_of(log_path));
-    log.open(log_path);
-    log.precision(9);  // enough to compare runs (resume, resharding) step by step
-    check_log();
+    step_log.emplace(args.log.empty() ? fsdp::train::default_log_path() : args.log);
     std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %d x %lld x %lld "
                 "tokens per rank | param %s, reduce %s",
                 comm->world_size(), comm->backend(), device.str().c_str(), fsdp::train::model_name(args).c_str(),
@@ -241,7 +226,6 @@ int train(const fsdp::train::TrainArgs& args) {
       std::printf(" | attention %s | allocator '%s'", args.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
     std::printf("\n");
   }
-  const auto mem_label = device.is_cuda() ? "peak alloc/reserved" : "peak rss";
   fsdp::train::take_memory_peaks(device);
   auto stats_before = fsdp::runtime_stats();
   auto output = [&](const std::string& prefix, const char* extension) {
@@ -324,17 +308,12 @@ int train(const fsdp::train::TrainArgs& args) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (planned) planned->after_step(step, ms);
     if (sampler) sampler->mark_step(step + 1, loss_value);
-    const int64_t tokens_per_step = args.grad_accum * args.batch * args.seq * comm->world_size();
-    const double tok_s = tokens_per_step / (ms / 1000.0);
     if (!args.trace.empty() && (step == args.trace_steps || step == args.steps - 1))
       fsdp::write_trace(output(args.trace, ".json"));
     auto mem = fsdp::train::take_memory_peaks(device);
     if (planned) mem.allocated_gib = planned->peak_allocated_gib(step, mem.allocated_gib);
     const auto stats = fsdp::runtime_stats();
-    const long ag_waits = stats.allgather_waits - stats_before.allgather_waits;
-    const long rs_waits = stats.reduce_scatter_waits - stats_before.reduce_scatter_waits;
-    const long host_step_waits = stats.host_step_waits - stats_before.host_step_waits;
-    const long prefetches = stats.prefetches - stats_before.prefetches;
+    const fsdp::RuntimeStats waits = fsdp::train::counted_between(stats_before, stats);
     stats_before = stats;
     const int done = step + 1;
     steps_done = done;
@@ -348,36 +327,11 @@ int train(const fsdp::train::TrainArgs& args) {
     if (eval_data && (done == args.steps || stop || (args.eval_every > 0 && done % args.eval_every == 0)))
       eval = fsdp::train::evaluate(model, *comm, *eval_data, int64_t(args.eval_batches) * args.batch, args.batch,
                                    args.seq);
-    if (lead) {
-      std::printf("step %4d/%d | loss %.4f | lr %.2e", step + 1, args.steps, loss_value, lr);
-      if (has_grad_norm) std::printf(" | grad norm %.3f", grad_norm);  // --clip 0: none computed
-      std::printf(" | %8.0f tok/s | %7.1f ms | %s %.2f", tok_s, ms, mem_label, mem.allocated_gib);
-      if (device.is_cuda()) std::printf("/%.2f", mem.reserved_gib);
-      std::printf(" GiB | waits ag %ld rs %ld", ag_waits, rs_waits);
-      if (args.optimizer_in_backward && args.cpu_offload) std::printf(" host steps %ld", host_step_waits);
-      std::printf("\n");
-      if (eval)
-        std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", done, eval->loss,
-                    eval->perplexity, (long long)eval->tokens);
-      std::fflush(stdout);
-      log << "{\"step\":" << step + 1 << ",\"loss\":" << json_number(loss_value) << ",\"lr\":" << lr
-          << ",\"grad_norm\":" << (has_grad_norm ? json_number(grad_norm) : "null")
-          << ",\"skipped\":" << (skipped ? "true" : "false")
-          << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << ms
-          << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
-          << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
-          << ",\"allgather_waits\":" << ag_waits << ",\"reduce_scatter_waits\":" << rs_waits
-          << ",\"host_step_waits\":" << host_step_waits
-          << ",\"prefetches\":" << prefetches << ",\"tokens_per_step\":" << tokens_per_step
-          << ",\"flops_per_token\":" << config.flops_per_token(args.seq)
-          << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
-          << ",\"rss_gib\":" << mem.rss_now_gib
-          << ",\"world\":" << comm->world_size() << ",\"model\":\"" << args.model << "\"";
-      if (eval) log << ",\"eval_loss\":" << eval->loss << ",\"eval_ppl\":" << eval->perplexity;
-      log << "}\n";
-      log.flush();
-      check_log();
-    }
+    if (step_log)
+      step_log->write({done, args.steps, loss_value, lr, has_grad_norm ? std::optional<double>(grad_norm) : std::nullopt,
+                       skipped, ms, args.grad_accum * args.batch * args.seq * comm->world_size(),
+                       config.flops_per_token(args.seq), mem, waits, device.is_cuda(),
+                       args.optimizer_in_backward && args.cpu_offload, comm->world_size(), args.model, eval});
     if (!finite) {
       // Skipped steps took no optimizer step: the state is still the last finite one.
       const std::string what = "step " + std::to_string(done) + ": the loss is " + number_text(loss_value) +
@@ -436,10 +390,9 @@ int train(const fsdp::train::TrainArgs& args) {
   if (!args.profile.empty()) fsdp::train::save_profile(output(args.profile, ".json"));
   if (!args.memory_snapshot.empty()) fsdp::train::write_memory_snapshot(device, output(args.memory_snapshot, ".pickle"));
   if (sampler) sampler->close();
-  if (lead) {
-    log.close();
-    check_log();
-    std::printf("fsdp-train: %s, log in %s\n", exit_code == 0 ? "done" : "stopped", log_path.c_str());
+  if (step_log) {
+    step_log->close();
+    std::printf("fsdp-train: %s, log in %s\n", exit_code == 0 ? "done" : "stopped", step_log->path().c_str());
   }
   fsdp::shutdown();
   return exit_code;

@@ -1,0 +1,50 @@
+// What fsdp-train reports of each step: the line rank 0 prints and the JSON line it appends to the
+// log (tests/check_train_log.py, bench/run_bench.py and bench/memreport.py read those fields).
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "fsdp/runtime_options.h"
+#include "train/evaluate.h"
+#include "train/memory.h"
+
+namespace fsdp::train {
+
+struct StepRecord {
+  int step = 0, steps = 0;  // the step done (from 1) and the run's --steps
+  double loss = 0, lr = 0;
+  std::optional<double> grad_norm;  // none with --clip 0
+  bool skipped = false;             // --max-skipped-steps: no optimizer step
+  double ms = 0;
+  int64_t tokens_per_step = 0;
+  double flops_per_token = 0;
+  MemoryPeaks memory;
+  RuntimeStats waits;          // the step's counts (the difference of two readings)
+  bool on_gpu = false;         // the line shows reserved memory and the allocator's peaks
+  bool shows_host_steps = false;  // --cpu-offload --optimizer-in-backward: the host worker's waits
+  int world = 1;
+  std::string model;
+  std::optional<EvalResult> eval;
+};
+
+// What the runtime counted between two readings of fsdp::runtime_stats().
+RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& after);
+
+// The JSONL log (rank 0). Throws naming the file when it cannot be written.
+class StepLog {
+ public:
+  explicit StepLog(std::string path);
+  void write(const StepRecord& record);  // prints the step's line and appends its JSON line
+  void close();
+  const std::string& path() const { return path_; }
+
+ private:
+  void check() const;
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace fsdp::train
