@@ -10,7 +10,7 @@
 #include "helpers.h"
 #include "fsdp/memory_stats.h"
 #include "train/fused_adamw.h"
-#include "train/sharding_plan.h"
+#include "train/llama_schedule.h"
 
 namespace fsdp::testing {
 namespace {

@@ -6,7 +6,7 @@
 #include "fsdp/planning.h"
 #include "helpers.h"
 #include "fsdp/memory_stats.h"
-#include "train/sharding_plan.h"
+#include "train/llama_schedule.h"
 
 namespace fsdp::testing {
 namespace {

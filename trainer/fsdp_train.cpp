@@ -27,17 +27,16 @@
 #include "model/hf_llama.h"
 #include "model/llama.h"
 #include "train/args.h"
-#include "train/budget_plan.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 #include "train/fused_adamw.h"
+#include "train/llama_schedule.h"
+#include "train/lr_schedule.h"
 #include "train/memory.h"
 #include "train/memory_sampler.h"
 #include "train/planned_run.h"
-#include "train/step_log.h"
 #include "train/profile.h"
-#include "train/lr_schedule.h"
-#include "train/sharding_plan.h"
+#include "train/step_log.h"
 
 namespace {
 

@@ -4,9 +4,9 @@
 #include <cstdio>
 
 #include "fsdp/planning.h"
-#include "train/budget_plan.h"
+#include "train/plan_reports.h"
 #include "train/memory.h"
-#include "train/sharding_plan.h"
+#include "train/llama_schedule.h"
 
 namespace fsdp::train {
 

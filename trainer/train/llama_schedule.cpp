@@ -1,4 +1,4 @@
-#include "train/sharding_plan.h"
+#include "train/llama_schedule.h"
 
 #include <stdexcept>
 

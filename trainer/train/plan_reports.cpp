@@ -1,4 +1,4 @@
-#include "train/budget_plan.h"
+#include "train/plan_reports.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,7 +9,7 @@
 #include "fsdp/planning.h"
 #include "fsdp/memory_stats.h"
 #include "train/memory.h"
-#include "train/sharding_plan.h"
+#include "train/llama_schedule.h"
 
 namespace fsdp::train {
 namespace {
