@@ -310,7 +310,7 @@ void require_writable_directory(const std::string& flag, const std::string& dir)
 
 // A data file: readable, in a layout we know, long enough for one row, and no token id beyond
 // the model's vocabulary (one pass over the mapped file, before any rank starts).
-void check_data_file(const std::string& flag, const std::string& path, const TrainArgs& a) {
+void check_data_file(const std::string& flag, const std::string& path, const TrainArgs& a, int64_t vocab) {
   struct stat st{};
   const std::string missing = failure(stat(path.c_str(), &st));
   require(missing.empty(), flag + ": cannot read '" + path + "': " + missing);
@@ -329,7 +329,6 @@ void check_data_file(const std::string& flag, const std::string& path, const Tra
           flag + ": '" + path + "' has " + std::to_string(layout.tokens) + " tokens (" + layout.format + "); --seq " +
               std::to_string(a.seq) + " needs at least " + std::to_string(a.seq + 2) +
               " (lower --seq or use a longer file)");
-  const int64_t vocab = model_config(a).vocab;
   const uint64_t largest = layout.tokens ? largest_token(file.data(), layout) : 0;
   require(largest < static_cast<uint64_t>(vocab),
           flag + ": '" + path + "' holds token id " + std::to_string(largest) + " (" + layout.format +
@@ -432,12 +431,11 @@ double host_gradient_bytes(const TrainArgs& a, const model::LlamaConfig& config,
 namespace {
 
 // Lower bounds, not estimates: a run below them cannot fit, a run above them still may not.
-void check_memory(const TrainArgs& a) {
-  const auto config = model_config(a);
+// `config` is the run's model (model_config), `gpu` the smallest GPU's bytes (-1: none, or CPU ranks).
+void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double gpu) {
   const double params = static_cast<double>(config.parameter_count());
   const int local = local_ranks();
   const double host = available_host_bytes();
-  const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();
   const bool on_gpu = gpu > 0;
   const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
   const int world = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"}, 1);
@@ -579,13 +577,14 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
                                           "drop " + flag);
     }
   }
-  const auto config = model_config(a);
+  const auto config = model_config(a);  // read once: --init-from's config.json is a file
   require(a.seq <= config.max_seq,
           "--seq " + std::to_string(a.seq) + " is more than the " + model_name(a) + " model's " +
               std::to_string(config.max_seq) + " positions" +
               (model::has_hf_config(a.init_from) ? " (max_position_embeddings in its config.json)" : "") +
               ": lower --seq");
-  const bool on_gpu = a.backend != "mpi" && smallest_gpu_bytes() > 0;
+  const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();  // CPU ranks: no GPU
+  const bool on_gpu = gpu > 0;
   require(on_gpu || a.memory_snapshot.empty(),
           "--memory-snapshot records the GPU allocator's history, and this run has no GPU: drop it "
           "(--memory-log samples host memory)");
@@ -594,8 +593,8 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
   if (!a.export_path.empty()) check_export_path(a);
   const auto resumed = check_resume(a);
   if (!a.save_dir.empty()) check_save_dir(a, resumed);
-  if (a.data != "synthetic") check_data_file("--data", a.data, a);
-  if (!a.eval_data.empty()) check_data_file("--eval-data", a.eval_data, a);
+  if (a.data != "synthetic") check_data_file("--data", a.data, a, config.vocab);
+  if (!a.eval_data.empty()) check_data_file("--eval-data", a.eval_data, a, config.vocab);
   if (a.log.empty())
     require_writable_directory("--log", "runs");  // the default log's parent, made by rank 0
   else
@@ -610,7 +609,7 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
                           PerRankOutput{"--memory-log", a.memory_log, ".jsonl"},
                           PerRankOutput{"--memory-snapshot", a.memory_snapshot, ".pickle"}})
     if (!out.prefix.empty()) require_writable(out.flag, rank_path(out.prefix, 0, out.extension));
-  check_memory(a);
+  check_memory(a, config, gpu);
 }
 
 std::string default_log_path() {
