@@ -1,0 +1,392 @@
+#include "train/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/serialize.h>
+
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/stack.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <thread>
+
+#include <unistd.h>
+
+#include "fsdp/memory_stats.h"
+#include "io/files.h"
+#include "model/hf_llama.h"
+#include "train/evaluate.h"
+#include "train/llama_schedule.h"
+#include "train/memory.h"
+#include "train/profile.h"
+
+namespace fsdp::train {
+namespace {
+
+volatile sig_atomic_t g_stop_signal = 0;
+const auto g_process_start = std::chrono::steady_clock::now();
+
+void stop_at_next_step(int sig) { g_stop_signal = sig; }
+
+double seconds_since(std::chrono::steady_clock::time_point begin) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+}
+
+std::shared_ptr<Communicator> init_communicator(const TrainArgs& args) {
+  InitOptions init;
+  init.backend = args.backend == "mpi" ? Backend::Mpi : args.backend == "nccl" ? Backend::Nccl : Backend::Auto;
+  if (args.timeout_s > 0) init.timeout = std::chrono::milliseconds(static_cast<long long>(args.timeout_s * 1000));
+  return fsdp::init(init);
+}
+
+// Full weights by name, as a dict torch.load() reads (the PyTorch reference benchmark starts from
+// the same weights). Collective; rank 0 writes.
+void save_weights(torch::nn::Module& model, const std::string& path, bool lead) {
+  const auto parameters = model.named_parameters();
+  c10::Dict<std::string, at::Tensor> weights;
+  for (auto& [name, tensor] : full_state_dict(model))
+    if (parameters.contains(name)) weights.insert(name, tensor.cpu());  // parameters only, no buffers
+  if (!lead) return;
+  const auto bytes = torch::pickle_save(c10::IValue(weights));
+  write_file(path, std::string(bytes.begin(), bytes.end()));
+}
+
+// Whether every rank's parameters are finite: a collective check before anything is saved or
+// exported, so that no run writes NaN weights (a divergence the loss did not show yet included).
+bool parameters_finite(torch::nn::Module& model, Communicator& comm) {
+  at::Tensor bad = at::zeros({1}, at::TensorOptions(at::kFloat).device(comm.device()));
+  for (const auto& p : model.parameters())
+    if (p.numel() > 0) bad += p.detach().isfinite().logical_not().any().to(at::kFloat);
+  comm.all_reduce(bad, ReduceOp::Sum);
+  return bad.item<float>() == 0;
+}
+
+// A run's identity, recorded in each checkpoint it saves: rank 0 draws it, every rank learns it.
+std::string new_run_id(Communicator& comm) {
+  at::Tensor id = at::zeros({1}, at::TensorOptions(at::kLong));
+  if (comm.rank() == 0)
+    id.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffffu) << 16 ^ (getpid() & 0xffff));
+  id = id.to(comm.device());
+  comm.all_reduce(id, ReduceOp::Sum);
+  char text[24];
+  std::snprintf(text, sizeof(text), "%012llx", static_cast<unsigned long long>(id.item<int64_t>()));
+  return text;
+}
+
+// --overwrite: the checkpoints another run left in the save directory go before this run saves,
+// so that a later --resume cannot take one of theirs.
+void remove_checkpoints(const std::string& dir) {
+  for (const auto& name : io::list_directory(dir))
+    if (name.rfind("step-", 0) == 0) io::remove_tree(dir + "/" + name);
+}
+
+// How a message writes a number that may not be finite.
+std::string number_text(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return std::to_string(v);
+}
+
+// --cpu-offload steps AdamW on the host: each rank of this host takes its share of the cores
+// (ATen's default, every core for every rank, oversubscribes them).
+void share_host_cores() {
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_ranks()));
+}
+
+}  // namespace
+
+void install_stop_handlers() {
+  struct sigaction action{};
+  action.sa_handler = stop_at_next_step;
+  sigemptyset(&action.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &action, nullptr);
+}
+
+Trainer::Trainer(const TrainArgs& args)
+    : args_(args),
+      comm_(init_communicator(args)),
+      lead_(comm_->rank() == 0),
+      device_(comm_->device()),
+      config_(model_config(args)),
+      lr_schedule_{args.lr, args.min_lr, args.warmup, args.steps} {
+  data_ = args.data == "synthetic" ? synthetic_tokens(config_.vocab, args.seed) : file_tokens(args.data, args.seed);
+  if (!args.eval_data.empty()) eval_data_ = file_tokens(args.eval_data, args.seed);
+  set_runtime_options(args.runtime);
+  if (plans_schedule(args) && device_.is_cpu()) count_host_allocations();  // the profile's memory, on CPU
+  shard_model();
+  resume();
+  if (lead_ && !args.save_dir.empty()) {
+    io::make_directories(args.save_dir);
+    if (args.overwrite) remove_checkpoints(args.save_dir);
+  }
+  release_cached_memory(device_);  // measure what the model holds, not set-up leftovers
+  if (lead_) {
+    step_log_.emplace(args.log.empty() ? default_log_path() : args.log);
+    print_banner();
+  }
+  take_memory_peaks(device_);
+  stats_before_ = runtime_stats();
+  if (!args.memory_log.empty())
+    sampler_ = std::make_unique<MemorySampler>(device_, rank_path(args.memory_log, comm_->rank(), ".jsonl"));
+  if (!args.memory_snapshot.empty()) start_memory_history(device_);  // a GPU: checked up front
+  if (plans_schedule(args)) planned_.emplace(args, model_, device_, first_step_);
+  trace_step_ = planned_ ? planned_->first_step_after() : std::min(1, args.steps - 1);
+  // --max-skipped-steps: the gradient norm is needed for the check even without clipping.
+  clip_norm_ = args.clip > 0 ? args.clip : skips_nonfinite_steps(args) ? std::numeric_limits<double>::infinity() : 0.0;
+}
+
+Trainer::~Trainer() = default;
+
+// The model with deferred parameters (each rank allocates only its shards, which reset_parameters
+// or the imported weights fill after sharding, with values that do not depend on the number of
+// ranks), sharded under the schedule's groups; then the optimizer and its state.
+void Trainer::shard_model() {
+  model_ = model::Llama(config_, model::Placement{device_, /*deferred=*/true});
+  if (args_.replicas > 1) {  // HSDP
+    const Mesh mesh = make_mesh(args_.replicas, comm_);
+    shard_.comm = mesh.shard;
+    shard_.replicate = mesh.replicate;
+  }
+  shard_.reshard_after_forward = args_.reshard_after_forward;
+  shard_.cpu_offload = args_.cpu_offload;
+  if (args_.cpu_offload && device_.is_cuda()) share_host_cores();  // for the host optimizer
+  shard_.mixed_precision.param_dtype = dtype_named(args_.param_dtype, device_.is_cuda());
+  shard_.mixed_precision.reduce_dtype = dtype_named(args_.reduce_dtype, device_.is_cuda());
+  auto make_optimizer = [&] {
+    return std::make_unique<FusedAdamW>(
+        model_->parameters(), torch::optim::AdamWOptions(args_.lr).betas({0.9, 0.95}).weight_decay(args_.weight_decay));
+  };
+  if (args_.optimizer_before_shard) optimizer_ = make_optimizer();
+  auto first_schedule = llama_schedule(config_, args_.reshard_after_forward, args_.runtime);
+  if (plans_schedule(args_))  // the step before the profile runs with the least memory too: every block recomputed
+    std::fill(first_schedule.checkpoint.begin() + 1, first_schedule.checkpoint.end(), true);
+  shard_with_schedule(model_, first_schedule, shard_);
+  if (args_.init_from.empty()) {
+    model_->reset_parameters();
+  } else {
+    model::load_hf_weights(*model_, args_.init_from);
+    if (lead_) std::printf("fsdp-train: weights from %s\n", args_.init_from.c_str());
+  }
+  if (!args_.save_init.empty()) save_weights(*model_, args_.save_init, lead_);
+  if (!optimizer_) optimizer_ = make_optimizer();
+  // Long-lived buffers first, next to the sharded parameters, before activations split the pool.
+  optimizer_->init_state();
+  if (args_.optimizer_in_backward)
+    set_step_in_backward(model_, [this](const std::vector<at::Tensor>& params) { optimizer_->step_params(params); });
+  allocate_library_workspaces(device_);
+  checkpoint_ = model_state(*model_);
+  optimizer_->add_to_checkpoint(checkpoint_, model_->named_parameters().pairs());
+}
+
+// --resume: the newest checkpoint's state and step; a resumed run keeps its checkpoints' run id.
+void Trainer::resume() {
+  if (!args_.resume.empty()) {
+    const std::string from = newest_checkpoint(args_.resume);
+    const auto begin = std::chrono::steady_clock::now();
+    load_checkpoint(from, checkpoint_);
+    first_step_ = std::stoi(checkpoint_.extra.at("step"));
+    if (checkpoint_.extra.count("run")) run_id_ = checkpoint_.extra.at("run");
+    if (lead_)
+      std::printf("fsdp-train: resumed from %s (step %d%s) in %.2f s\n", from.c_str(), first_step_,
+                  run_id_.empty() ? "" : (", run " + run_id_).c_str(), seconds_since(begin));
+  }
+  if (run_id_.empty()) run_id_ = new_run_id(*comm_);
+  steps_done_ = first_step_;
+}
+
+void Trainer::print_banner() const {
+  std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %d x %lld x %lld "
+              "tokens per rank | param %s, reduce %s",
+              comm_->world_size(), comm_->backend(), device_.str().c_str(), model_name(args_).c_str(),
+              config_.parameter_count() / 1e6, args_.grad_accum, (long long)args_.batch, (long long)args_.seq,
+              c10::toString(*shard_.mixed_precision.param_dtype), c10::toString(*shard_.mixed_precision.reduce_dtype));
+  if (args_.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args_.replicas, comm_->world_size() / args_.replicas);
+  if (args_.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
+  if (args_.optimizer_in_backward) std::printf(" | optimizer in backward");
+  if (device_.is_cuda())
+    std::printf(" | attention %s | allocator '%s'", args_.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
+  std::printf("\n");
+}
+
+int Trainer::train() {
+  for (int step = first_step_; step < args_.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    const double lr = lr_schedule_.at(step);
+    for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    if (!args_.trace.empty() && step == trace_step_) start_trace();
+    if (!args_.profile.empty() && step == std::max(0, args_.steps - args_.profile_steps)) start_profile(device_);
+    at::RecordFunction step_scope(at::RecordScope::USER_SCOPE);  // the step's span in a profile
+    if (step_scope.isActive()) step_scope.before("ProfilerStep#" + std::to_string(step + 1));
+
+    const StepOutcome outcome = read_step(train_step(step, planned_ ? planned_->before_step(step) : nullptr), start);
+    const int done = steps_done_ = step + 1;
+    const bool stop = outcome.stop_requested || done == args_.stop_at_step;
+    if (planned_) planned_->after_step(step, outcome.ms);
+    report(step, outcome, lr, stop);
+    if (!goes_on_after_nonfinite(done, outcome)) break;
+    if (planned_) {
+      // .item(): the device is idle after each step the plan check trains
+      const auto next = planned_->report_and_plan(step, [&] { train_step(step, nullptr).loss.item<double>(); }, lead_);
+      if (next == PlannedRun::Next::BudgetRefused) exit_code_ = 2;
+      if (next != PlannedRun::Next::Train) break;
+    }
+    const bool save_now = stop || done == args_.steps || (args_.save_every > 0 && done % args_.save_every == 0);
+    if (!args_.save_dir.empty() && save_now) {
+      if (!state_is_finite(done, "saved")) {
+        exit_code_ = 1;
+        break;
+      }
+      save(done);
+    }
+    if (stop) {
+      if (lead_)
+        std::printf("fsdp-train: stopped after step %d (%s)%s\n", done,
+                    outcome.stop_requested ? "a signal" : "--stop-at-step",
+                    args_.save_dir.empty() ? "; nothing saved: no --save-dir" : "");
+      // Stopped by a signal with nothing saved: the signal's exit code, as if it had ended us.
+      exit_code_ = outcome.stop_requested && args_.save_dir.empty() ? 128 + (g_stop_signal ? g_stop_signal : SIGTERM) : 0;
+      break;
+    }
+  }
+  if (first_step_ >= args_.steps && lead_)  // the checks let this through only with --export
+    std::printf("fsdp-train: the checkpoint is at step %d of --steps %d: nothing to train\n", first_step_, args_.steps);
+  return finish();
+}
+
+Trainer::StepResult Trainer::train_step(int step, PlannedRun::StartRecording start_recording) {
+  optimizer_->zero_grad();
+  // --grad-accum K: rank r's rows of the step's global batch are K micro-batches of --batch
+  // rows, the same rows one step of K x --batch rows would take.
+  at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (int micro = 0; micro < args_.grad_accum; ++micro) {
+    if (args_.grad_accum > 1 && args_.grad_accum_sync == "last")
+      set_requires_gradient_sync(model_, micro == args_.grad_accum - 1);
+    if (start_recording && micro == args_.grad_accum - 1) start_recording();  // the planner records one pass
+    const int64_t first_row = (int64_t(comm_->rank()) * args_.grad_accum + micro) * args_.batch;
+    auto tokens = data_->rows(step, first_row, args_.batch, args_.seq).to(device_);
+    auto inputs = tokens.narrow(1, 0, args_.seq), targets = tokens.narrow(1, 1, args_.seq);
+    auto micro_loss = forward(model_, inputs, targets) / args_.grad_accum;  // fused head + loss
+    micro_loss.backward();
+    loss += micro_loss.detach();
+  }
+  StepResult result{loss, clip_norm_ > 0 ? clip_grad_norm_(*model_, clip_norm_) : at::Tensor()};
+  if (skips_nonfinite_steps(args_)) {  // one host wait: step only where every rank's loss and the global norm are finite
+    at::Tensor bad = (loss.isfinite() & result.grad_norm.isfinite()).logical_not().to(at::kFloat).reshape({1});
+    comm_->all_reduce(bad, ReduceOp::Sum);
+    result.skipped = bad.item<float>() > 0;
+  }
+  if (!args_.optimizer_in_backward && !result.skipped) optimizer_->step();  // else stepped in backward
+  return result;
+}
+
+// The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
+// `start`: when the step began; its time runs to the end of this wait.
+Trainer::StepOutcome Trainer::read_step(const StepResult& result, std::chrono::steady_clock::time_point start) {
+  auto loss_and_stop = at::stack(
+      {result.loss, at::scalar_tensor(static_cast<double>(g_stop_signal), result.loss.options().dtype(at::kFloat))});
+  comm_->all_reduce(loss_and_stop, ReduceOp::Sum);
+  const auto totals = loss_and_stop.cpu();  // also waits for the GPU
+  StepOutcome outcome;
+  outcome.loss = totals[0].item<double>() / comm_->world_size();
+  outcome.stop_requested = totals[1].item<double>() > 0;
+  if (result.grad_norm.defined()) outcome.grad_norm = result.grad_norm.item<double>();
+  outcome.skipped = result.skipped;
+  outcome.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return outcome;
+}
+
+void Trainer::report(int step, const StepOutcome& outcome, double lr, bool stop) {
+  const int done = step + 1;
+  if (sampler_) sampler_->mark_step(done, outcome.loss);
+  if (!args_.trace.empty() && (step == args_.trace_steps || step == args_.steps - 1))
+    write_trace(rank_path(args_.trace, comm_->rank(), ".json"));
+  auto mem = take_memory_peaks(device_);
+  if (planned_) mem.allocated_gib = planned_->peak_allocated_gib(step, mem.allocated_gib);
+  const auto stats = runtime_stats();
+  const RuntimeStats waits = counted_between(stats_before_, stats);
+  stats_before_ = stats;
+  if (lead_ && step == first_step_)
+    std::printf("fsdp-train: start-up %.1f s (process start to the end of the first step, %.1f s of it the "
+                "step); host peak memory %.2f GiB on rank 0\n",
+                seconds_since(g_process_start), outcome.ms / 1000, peak_resident_gib());
+  std::optional<EvalResult> eval;
+  if (eval_data_ && (done == args_.steps || stop || (args_.eval_every > 0 && done % args_.eval_every == 0)))
+    eval = evaluate(model_, *comm_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch, args_.seq);
+  if (step_log_)
+    step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
+                      args_.grad_accum * args_.batch * args_.seq * comm_->world_size(),
+                      config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
+                      args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), args_.model, eval});
+}
+
+// A step whose loss or gradient norm is not finite stops the run, unless --max-skipped-steps let
+// it skip its optimizer step (the state is then still the last finite one).
+bool Trainer::goes_on_after_nonfinite(int done, const StepOutcome& outcome) {
+  const double grad_norm = outcome.grad_norm.value_or(0.0);
+  if (std::isfinite(outcome.loss) && std::isfinite(grad_norm)) return true;
+  const std::string what = "step " + std::to_string(done) + ": the loss is " + number_text(outcome.loss) +
+                           (outcome.grad_norm ? " and the gradient norm " + number_text(grad_norm) : "");
+  if (outcome.skipped && ++skipped_steps_ <= args_.max_skipped_steps) {
+    if (lead_)
+      std::printf("fsdp-train: %s: skipped, no optimizer step (%d of --max-skipped-steps %d)\n", what.c_str(),
+                  skipped_steps_, args_.max_skipped_steps);
+    return true;
+  }
+  if (lead_)
+    std::fprintf(stderr, "fsdp-train: error: %s%s: training diverged; nothing saved or exported after it. "
+                 "Lower --lr (%g now)%s\n", what.c_str(),
+                 outcome.skipped ? (" (past --max-skipped-steps " + std::to_string(args_.max_skipped_steps) + ")").c_str()
+                                 : "",
+                 args_.lr,
+                 outcome.skipped || args_.optimizer_in_backward ? "" : ", or skip such steps with --max-skipped-steps N");
+  exit_code_ = 1;
+  return false;
+}
+
+// Before anything is written: no NaN or infinite weights leave the run.
+bool Trainer::state_is_finite(int done, const char* action) {
+  if (parameters_finite(*model_, *comm_)) return true;
+  if (lead_)
+    std::fprintf(stderr, "fsdp-train: error: after step %d the parameters hold NaN or infinite values: training "
+                 "diverged; not %s. Lower --lr (%g now)\n", done, action, args_.lr);
+  return false;
+}
+
+void Trainer::save(int steps_done) {
+  checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
+                       {"seed", std::to_string(args_.seed)}, {"data", args_.data}, {"run", run_id_}};
+  const std::string dir = args_.save_dir + "/" + checkpoint_name(steps_done);
+  const auto begin = std::chrono::steady_clock::now();
+  save_checkpoint(dir, checkpoint_);
+  if (lead_) std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(), seconds_since(begin));
+}
+
+int Trainer::finish() {
+  const bool failed = exit_code_ == 1 || exit_code_ == 2;  // diverged, or a budget refused
+  if (!args_.export_path.empty() && !failed) {
+    if (state_is_finite(steps_done_, "exported")) {
+      model::export_hf(*model_, *comm_, args_.export_path, args_.init_from);
+      if (lead_) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args_.export_path.c_str());
+    } else {
+      exit_code_ = 1;
+    }
+  }
+  if (!args_.profile.empty()) save_profile(rank_path(args_.profile, comm_->rank(), ".json"));
+  if (!args_.memory_snapshot.empty()) write_memory_snapshot(device_, rank_path(args_.memory_snapshot, comm_->rank(), ".pickle"));
+  if (sampler_) sampler_->close();
+  if (step_log_) {
+    step_log_->close();
+    std::printf("fsdp-train: %s, log in %s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str());
+  }
+  shutdown();
+  return exit_code_;
+}
+
+}  // namespace fsdp::train

@@ -1,0 +1,80 @@
+// fsdp-train's run, as a story: the constructor sets up (communicator, data, the sharded model,
+// the optimizer, a resumed checkpoint), train() runs each step as train_step() followed by its
+// report, the planner's phases (PlannedRun), the checks and the saves, then finish() writes the
+// run's outputs. fsdp_train.cpp parses the command line and calls it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fsdp/fsdp.h"
+#include "model/llama.h"
+#include "train/args.h"
+#include "train/data.h"
+#include "train/fused_adamw.h"
+#include "train/lr_schedule.h"
+#include "train/memory_sampler.h"
+#include "train/planned_run.h"
+#include "train/step_log.h"
+
+namespace fsdp::train {
+
+// SIGTERM, SIGINT or SIGUSR1 (a job scheduler's notice) make the run finish its step, save and stop.
+void install_stop_handlers();
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainArgs& args);  // set-up; collective
+  ~Trainer();
+  // Trains from the first step (a resumed run's next) to --steps, or until a signal, --stop-at-step,
+  // a divergence or the planner stops it; exports; returns the process's exit code.
+  int train();
+
+ private:
+  struct StepResult {
+    at::Tensor loss, grad_norm;  // on the device: the (micro-batch summed) loss, the norm if computed
+    bool skipped = false;        // --max-skipped-steps: not finite, no optimizer step taken
+  };
+  struct StepOutcome {  // a step as read on the host, every rank agreeing
+    double loss = 0, ms = 0;
+    std::optional<double> grad_norm;
+    bool skipped = false, stop_requested = false;
+  };
+  void shard_model();
+  void resume();
+  void print_banner() const;
+  StepResult train_step(int step, PlannedRun::StartRecording start_recording);  // one optimizer step
+  StepOutcome read_step(const StepResult& result, std::chrono::steady_clock::time_point start);
+  void report(int step, const StepOutcome& outcome, double lr, bool stop);  // the line, the log, evaluation
+  bool goes_on_after_nonfinite(int done, const StepOutcome& outcome);       // false: diverged
+  bool state_is_finite(int done, const char* action);
+  void save(int steps_done);
+  int finish();  // export, profile, snapshot, logs closed
+
+  const TrainArgs& args_;
+  std::shared_ptr<Communicator> comm_;
+  bool lead_ = false;  // rank 0: prints and writes the log
+  c10::Device device_;
+  model::LlamaConfig config_;
+  std::unique_ptr<TokenSource> data_, eval_data_;
+  model::Llama model_{nullptr};
+  ShardOptions shard_;
+  std::unique_ptr<FusedAdamW> optimizer_;
+  CheckpointState checkpoint_;
+  std::string run_id_;
+  int first_step_ = 0, steps_done_ = 0, skipped_steps_ = 0, exit_code_ = 0;
+  LrSchedule lr_schedule_;
+  double clip_norm_ = 0;  // 0: no norm computed
+  std::optional<StepLog> step_log_;
+  std::unique_ptr<MemorySampler> sampler_;
+  std::optional<PlannedRun> planned_;  // --memory-budget / --plan-check
+  int trace_step_ = 0;
+  RuntimeStats stats_before_;
+};
+
+}  // namespace fsdp::train
