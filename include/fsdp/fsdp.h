@@ -11,4 +11,5 @@
 #include "fsdp/options.h"
 #include "fsdp/planning.h"
 #include "fsdp/runtime_options.h"
+#include "fsdp/unit.h"
 #include "fsdp/version.h"

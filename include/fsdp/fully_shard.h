@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fsdp/options.h"
+#include "fsdp/runtime_options.h"
 
 namespace torch::nn {
 class Module;
@@ -70,6 +71,16 @@ void set_requires_gradient_sync(torch::nn::Module& root, bool sync);
 template <class M>
 void set_requires_gradient_sync(M& root, bool sync) {
   set_requires_gradient_sync(detail::as_module(root), sync);
+}
+
+/// The scheduling options (prefetch depth, caps, bucketing) of the root `root` alone, in place of
+/// the process-wide default of set_runtime_options(options); takes effect from its next step.
+/// `root` must be sharded (fully_shard on it). Not collective, but every rank must make the same
+/// calls.
+void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options);
+template <class M>
+void set_runtime_options(M& root, const RuntimeOptions& options) {
+  set_runtime_options(detail::as_module(root), options);
 }
 
 /// An optimizer step over some parameters, each holding its sharded gradient (set_step_in_backward).

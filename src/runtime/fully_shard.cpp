@@ -9,6 +9,7 @@
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
+#include "fsdp/unit.h"
 #include "runtime/module_state.h"
 #include "runtime/runtime.h"
 
@@ -28,13 +29,12 @@ bool is_under(const std::string& name, const std::string& prefix) {
 // The parameters this call shards: those not managed by an inner
 // fully_shard, each tensor once (a weight tied within the module is one
 // parameter under two names).
-NamedParams collect_params(torch::nn::Module& module, const std::string& module_name,
-                           const Communicator& comm) {
+NamedParams collect_params(torch::nn::Module& module, const std::string& module_name) {
   // Where inner sharded modules sit, so that their parameters can be told
   // apart from the same tensors reached through another path (tied weights).
   std::unordered_map<const ModuleState*, std::vector<std::string>> inner_prefixes;
   for (const auto& item : module.named_modules("", /*include_self=*/false))
-    if (ModuleState* inner = Runtime::get().state_of(*item.value()))
+    if (ModuleState* inner = unit_of_owner(item.value().get()))
       inner_prefixes[inner].push_back(item.key());
 
   NamedParams params;
@@ -58,79 +58,9 @@ NamedParams collect_params(torch::nn::Module& module, const std::string& module_
       continue;
     }
     if (!seen.emplace(t.unsafeGetTensorImpl(), name).second) continue;
-    if (t.device().type() != comm.device().type() ||
-        (comm.device().has_index() && t.device() != comm.device()))
-      throw shard_error(module_name, "parameter '" + name + "' is on " + t.device().str() +
-                                         " but the communicator (" + comm.backend() +
-                                         ") works on " + comm.device().str() +
-                                         ": move the model there before sharding");
     params.emplace_back(name, t);
   }
   return params;
-}
-
-uint64_t structure_hash(const NamedParams& params) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  auto mix = [&h](const void* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
-  };
-  for (const auto& [name, t] : params) {
-    mix(name.data(), name.size());
-    int64_t dtype = static_cast<int64_t>(t.scalar_type());
-    mix(&dtype, sizeof(dtype));
-    for (int64_t d : t.sizes()) mix(&d, sizeof(d));
-  }
-  return h;
-}
-
-std::invalid_argument structure_error(const std::string& module_name, int64_t first_hash, int64_t other_hash,
-                                      int other_rank, const Communicator& comm, size_t params) {
-  std::ostringstream s;
-  s << "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " << std::hex << first_hash
-    << " on rank 0 but " << other_hash << " on rank " << std::dec << other_rank << " of '" << comm.group_name()
-    << "' (this is rank " << comm.rank() << ", " << params << " parameters here). Build the same model on every "
-    << "rank before sharding.";
-  return shard_error(module_name, s.str());
-}
-
-// Every rank must shard the same parameters in the same order, or the
-// collectives would exchange mismatched buffers.
-void check_same_structure(Communicator& comm, const NamedParams& params,
-                          const std::string& module_name) {
-  const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
-  at::Tensor mine = at::full({1}, static_cast<int64_t>(structure_hash(params)), opts);
-  at::Tensor all = at::empty({comm.world_size()}, opts);
-  comm.all_gather(all, mine);
-  all = all.cpu();
-  const int64_t* h = all.data_ptr<int64_t>();
-  for (int r = 1; r < comm.world_size(); ++r)
-    if (h[r] != h[0]) throw structure_error(module_name, h[0], h[r], r, comm, params.size());
-}
-
-// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups,
-// with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
-void check_replicas(const Communicator& comm, Communicator& replicate, const NamedParams& params,
-                    const std::string& module_name) {
-  const std::string fix = ": make both communicators with fsdp::make_mesh";
-  if (replicate.device() != comm.device())
-    throw shard_error(module_name, "the replicate communicator works on " + replicate.device().str() +
-                                       " but the shard communicator on " + comm.device().str() + fix);
-  const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
-  at::Tensor all = at::empty({3 * replicate.world_size()}, opts);
-  const auto hash = static_cast<int64_t>(structure_hash(params));
-  replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size()), hash}, opts));
-  all = all.cpu();
-  const int64_t* row = all.data_ptr<int64_t>();
-  const int64_t first_hash = row[2];
-  for (int r = 0; r < replicate.world_size(); ++r, row += 3) {
-    if (row[0] != comm.rank() || row[1] != comm.world_size())
-      throw shard_error(module_name, "rank " + std::to_string(r) + " of the replicate group '" +
-                                         replicate.group_name() + "' holds shard " + std::to_string(row[0]) +
-                                         " of " + std::to_string(row[1]) + ", this rank shard " +
-                                         std::to_string(comm.rank()) + " of " + std::to_string(comm.world_size()) +
-                                         "; a replicate group joins the ranks holding the same shard" + fix);
-    if (row[2] != first_hash) throw structure_error(module_name, first_hash, row[2], r, replicate, params.size());
-  }
 }
 
 }  // namespace
@@ -144,19 +74,16 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
     throw shard_error(module_name, "the module must be owned by a shared_ptr (a ModuleHolder "
                                    "such as torch::nn::Linear, or std::make_shared)");
   }
-  if (Runtime::get().state_of(module))
+  if (unit_of_owner(&module))
     throw shard_error(module_name, "this module is already sharded: call fully_shard once per module");
-  ShardOptions resolved = options;
-  if (!resolved.comm) resolved.comm = default_communicator();
-  NamedParams params = collect_params(module, module_name, *resolved.comm);
-  check_same_structure(*resolved.comm, params, module_name);
-  if (resolved.replicate) check_replicas(*resolved.comm, *resolved.replicate, params, module_name);
-  auto state = std::make_shared<ModuleState>(module_name, std::move(params), resolved);
-  Runtime::get().add(owned, state);
-  return state;
+  UnitSpec spec{module_name, collect_params(module, module_name), {}, &module, owned};
+  // The units inside it: those of its submodules at every depth.
+  for (const auto& sub : module.modules(/*include_self=*/false))
+    if (ModuleState* inner = unit_of_owner(sub.get())) spec.inner.push_back(inner->shared_from_this());
+  return shard_unit(std::move(spec), options);
 }
 
-ModuleState* state_of(const torch::nn::Module& module) { return Runtime::get().state_of(module); }
+ModuleState* state_of(const torch::nn::Module& module) { return unit_of_owner(&module); }
 
 namespace {
 
@@ -165,7 +92,7 @@ template <class Set>
 void for_each_state(torch::nn::Module& root, const char* caller, Set&& set) {
   bool any = false;
   for (const auto& module : root.modules(/*include_self=*/true))
-    if (ModuleState* state = Runtime::get().state_of(*module)) {
+    if (ModuleState* state = unit_of_owner(module.get())) {
       set(*state);
       any = true;
     }
@@ -178,6 +105,14 @@ void for_each_state(torch::nn::Module& root, const char* caller, Set&& set) {
 
 void set_requires_gradient_sync(torch::nn::Module& root, bool sync) {
   for_each_state(root, "set_requires_gradient_sync", [sync](ModuleState& state) { state.set_gradient_sync(sync); });
+}
+
+void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options) {
+  ModuleState* state = unit_of_owner(&root);
+  if (!state)
+    throw std::invalid_argument("fsdp::set_runtime_options(" + root.name() +
+                                "): the module is not sharded; call fully_shard on it first (the root)");
+  set_runtime_options(*state, options);
 }
 
 void set_step_in_backward(torch::nn::Module& root, GroupStep step) {

@@ -46,9 +46,10 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 ModuleState::ModuleState(std::string module_name,
                          std::vector<std::pair<std::string, at::Tensor>> params,
-                         const ShardOptions& options)
+                         std::vector<std::shared_ptr<ModuleState>> inner, const ShardOptions& options)
     : module_name_(std::move(module_name)),
       group_(std::move(params), options),
+      inner_(inner.begin(), inner.end()),
       reshard_after_forward_(options.reshard_after_forward) {
   for (const auto& p : group_.params()) {
     if (p.param.requires_grad())
@@ -57,6 +58,13 @@ ModuleState::ModuleState(std::string module_name,
       has_frozen_params_ = true;
   }
   accumulators_.resize(group_.params().size());
+}
+
+std::vector<std::shared_ptr<ModuleState>> ModuleState::units_under() {
+  std::vector<std::shared_ptr<ModuleState>> under{shared_from_this()};
+  for (const auto& weak : inner_)
+    if (auto unit = weak.lock()) under.push_back(std::move(unit));
+  return under;
 }
 
 void ModuleState::start_step(uint64_t step, bool is_root) {
@@ -77,7 +85,7 @@ void ModuleState::pre_forward() {
   trace("pre_forward", runtime.recomputing() ? "(recompute)" : is_root_ ? "(root)" : "");
   try {
     if (runtime.recomputing()) {
-      start_backward();  // a recompute is where this group's backward begins
+      start_backward(/*recompute=*/true);  // a recompute is where this group's backward begins
       group_.wait_for_unshard();
     } else {
       unshard();
@@ -168,18 +176,17 @@ void ModuleState::trace(const char* event, const char* detail) const {
 
 void ModuleState::pre_backward() {
   trace("pre_backward", backward_started_ ? "(again)" : "");
-  start_backward();
+  start_backward(/*recompute=*/false);
 }
 
-void ModuleState::start_backward() {
+void ModuleState::start_backward(bool recompute) {
   if (backward_started_) return;
   backward_started_ = true;
-  const Runtime& runtime = Runtime::get();
   root().enter_backward(*this);
   unshard();
   for (ModuleState* next : root().backward_prefetch_targets(*this)) next->prefetch();
   group_.wait_for_unshard();
-  const char* phase = runtime.recomputing() ? "recompute " : "backward ";
+  const char* phase = recompute ? "recompute " : "backward ";
   compute_span_ = Trace::get().begin(phase + group_.label(), Trace::Track::Compute, compute_stream());
 }
 

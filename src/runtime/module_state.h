@@ -16,11 +16,13 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/options.h"
+#include "fsdp/runtime_options.h"
 #include "shard/param_group.h"
 
 namespace fsdp {
@@ -29,14 +31,22 @@ class RootState;
 
 class ModuleState : public std::enable_shared_from_this<ModuleState> {
  public:
+  // `inner`: the units sharded inside this one, at every depth (each fully_shard call is made
+  // bottom-up, so they exist already).
   ModuleState(std::string module_name, std::vector<std::pair<std::string, at::Tensor>> params,
-              const ShardOptions& options);
+              std::vector<std::shared_ptr<ModuleState>> inner, const ShardOptions& options);
 
   const std::string& module_name() const { return module_name_; }
   int id() const { return id_; }
   bool reshard_after_forward() const { return reshard_after_forward_; }
   void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
   ParamGroup& group() { return group_; }
+  // This unit and those sharded inside it (that still exist).
+  std::vector<std::shared_ptr<ModuleState>> units_under();
+  // This unit's scheduling options when it runs as a root (set_runtime_options); none: the
+  // process-wide default.
+  const std::optional<RuntimeOptions>& runtime_options() const { return runtime_options_; }
+  void set_runtime_options(const RuntimeOptions& options) { runtime_options_ = options; }
   // The root it runs under; nullptr before its first forward.
   const RootState* root_state() const { return root_.get(); }
   const ParamGroup& group() const { return group_; }
@@ -72,7 +82,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
   // Issues the all-gather within the run-ahead limit.
   void unshard();
   // Once per backward: record it, unshard, prefetch the next groups in backward order.
-  void start_backward();
+  // `recompute`: it starts with a recomputed forward (activation checkpointing).
+  void start_backward(bool recompute);
   void post_backward();
   // This backward's gradients leave the unsharded parameters: reduce-scatter, or held unsynced.
   void hand_off_gradients();
@@ -87,6 +98,8 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
 
   std::string module_name_;
   ParamGroup group_;
+  std::vector<std::weak_ptr<ModuleState>> inner_;
+  std::optional<RuntimeOptions> runtime_options_;
   bool reshard_after_forward_;
   bool has_frozen_params_ = false;
   bool gradient_sync_ = true;

@@ -11,6 +11,7 @@
 #include "fsdp/communicator.h"
 #include "fsdp/launch.h"
 #include "fsdp/runtime_options.h"
+#include "fsdp/unit.h"
 #include "runtime/module_state.h"
 #include "runtime/root_state.h"
 #include "runtime/runtime.h"
@@ -30,7 +31,7 @@ std::vector<Group> groups_in_order(const torch::nn::Module& root, const char* ca
   std::unordered_map<int, Group> under_root;
   auto& mutable_root = const_cast<torch::nn::Module&>(root);  // named_modules() is not const
   for (const auto& item : mutable_root.named_modules("", /*include_self=*/true))
-    if (ModuleState* state = Runtime::get().state_of(*item.value()))
+    if (ModuleState* state = unit_of_owner(item.value().get()))
       under_root.emplace(state->id(), Group{item.key().empty() ? "root" : item.key(), state});
   if (under_root.empty())
     throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
@@ -87,7 +88,7 @@ void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
 
 // What the planner needs of `groups` (groups_in_order(root)).
 std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const torch::nn::Module& root) {
-  const ModuleState* root_state = Runtime::get().state_of(root);
+  const ModuleState* root_state = unit_of_owner(&root);
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
     if (group.state->group().replicate())

@@ -28,8 +28,7 @@ class RecomputeBackward : public torch::autograd::Node {
     }
     at::Tensor output;
     {
-      c10::AutoGradMode grad_on(true);
-      Runtime::RecomputeScope recompute;
+      c10::AutoGradMode grad_on(true);  // inside backward: Runtime::recomputing() is true
       output = run_(detached);
     }
     if (output.requires_grad()) torch::autograd::backward({output}, {grads.at(0)});

@@ -11,6 +11,15 @@
 
 namespace fsdp {
 
+RootState::RootState(std::weak_ptr<ModuleState> top, RuntimeStats& stats)
+    : top_unit_(std::move(top)), top_name_(top_unit_.lock()->module_name()), stats_(stats) {}
+
+RuntimeOptions RootState::options() const {
+  const auto top = top_unit_.lock();
+  if (top && top->runtime_options()) return *top->runtime_options();
+  return Runtime::get().options();
+}
+
 void RootState::add_member(const std::shared_ptr<ModuleState>& state) { members_.push_back(state); }
 
 void RootState::adopt(RootState& other) {
@@ -86,7 +95,7 @@ bool RootState::ran_in_pass(const ModuleState& state, bool backward) const {
 std::vector<ModuleState*> RootState::prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
                                                       bool backward) {
   std::vector<ModuleState*> targets;
-  const auto ids = order.next(state.id_, Runtime::get().options().prefetch_depth);
+  const auto ids = order.next(state.id_, options().prefetch_depth);
   if (ids.empty()) return targets;
   const auto states = members();
   // In execution order, never the registry's (ordered by address, which
@@ -123,7 +132,7 @@ void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& wai
 }
 
 void RootState::all_gather(ModuleState& state) {
-  const RuntimeOptions options = Runtime::get().options();
+  const RuntimeOptions options = this->options();
   std::vector<ParamGroup*> groups{&state.group()};
   const size_t limit = options.bucket_bytes();
   size_t bytes = state.group().unsharded_size_bytes();
@@ -159,7 +168,7 @@ void RootState::after_reshard(std::shared_ptr<c10::Event> last_use) {
 // The bucket goes out once it holds bucket_mb (at once when bucketing is off; a large group takes
 // the small ones waiting with it), or once reduce_bucket_max_wait later groups joined it.
 void RootState::reduce_scatter(ParamGroup& group) {
-  const RuntimeOptions options = Runtime::get().options();
+  const RuntimeOptions options = this->options();
   const bool waiting = !reduce_bucket_.empty();
   reduce_bucket_.push_back(&group);
   reduce_bucket_bytes_ += group.unsharded_size_bytes();
@@ -170,7 +179,7 @@ void RootState::reduce_scatter(ParamGroup& group) {
 
 void RootState::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
-  make_room(reduce_scatters_, Runtime::get().options().max_inflight_reduce_scatters,
+  make_room(reduce_scatters_, options().max_inflight_reduce_scatters,
             stats_.reduce_scatter_waits);
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
@@ -180,7 +189,7 @@ void RootState::flush_reduce_scatters() {
 }
 
 void RootState::step_in_backward(ModuleState& state) {
-  const int limit = Runtime::get().options().max_pending_host_steps;
+  const int limit = options().max_pending_host_steps;
   if (state.group().offloaded() && limit > 0) {
     const bool waited = host_steps_.submit(
         [keep = state.shared_from_this()] {

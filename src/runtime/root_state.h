@@ -21,10 +21,6 @@
 #include "sched/inflight_queue.h"
 #include "shard/streams.h"
 
-namespace torch::nn {
-class Module;
-}
-
 namespace fsdp {
 
 class ModuleState;
@@ -32,12 +28,15 @@ class ParamGroup;
 
 class RootState : public std::enable_shared_from_this<RootState> {
  public:
-  // `top`: the outermost sharded module, named so in errors; `stats`: the Runtime's counters.
-  RootState(std::string top, std::weak_ptr<const torch::nn::Module> top_module, RuntimeStats& stats)
-      : top_(std::move(top)), top_module_(std::move(top_module)), stats_(stats) {}
+  // `top`: the outermost sharded unit (the root's errors name it, its options are the root's);
+  // `stats`: the Runtime's counters.
+  RootState(std::weak_ptr<ModuleState> top, RuntimeStats& stats);
 
-  const std::string& top() const { return top_; }
-  const std::weak_ptr<const torch::nn::Module>& top_module() const { return top_module_; }
+  const std::string& top() const { return top_name_; }
+  const std::weak_ptr<ModuleState>& top_unit() const { return top_unit_; }
+  // The scheduling options of this root: its top unit's (set_runtime_options on it), else the
+  // process-wide default.
+  RuntimeOptions options() const;
   void add_member(const std::shared_ptr<ModuleState>& state);
   // Moves every group of `other` (an idle root under this one) here.
   void adopt(RootState& other);
@@ -82,8 +81,8 @@ class RootState : public std::enable_shared_from_this<RootState> {
   bool ran_in_pass(const ModuleState& state, bool backward) const;
   static void make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits);
 
-  std::string top_;
-  std::weak_ptr<const torch::nn::Module> top_module_;
+  std::weak_ptr<ModuleState> top_unit_;
+  std::string top_name_;
   RuntimeStats& stats_;
   std::vector<std::weak_ptr<ModuleState>> members_;
   int depth_ = 0;

@@ -1,6 +1,6 @@
 #include "runtime/runtime.h"
 
-#include <torch/nn/module.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -20,7 +20,7 @@ Runtime& Runtime::get() {
 
 void Runtime::drop_stale_locked() {
   for (auto it = states_.begin(); it != states_.end();) {
-    if (!it->second.module.expired()) {
+    if (!it->second.lifetime.expired()) {
       ++it;
       continue;
     }
@@ -48,8 +48,7 @@ void Runtime::keep_states_at_exit() {
   });
 }
 
-void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
-                  std::shared_ptr<ModuleState> state) {
+void Runtime::add(const void* key, std::weak_ptr<const void> lifetime, std::shared_ptr<ModuleState> state) {
   if (state->group().offloaded() && state->group().device().type() != at::kCPU) keep_states_at_exit();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
@@ -58,13 +57,13 @@ void Runtime::add(const std::shared_ptr<const torch::nn::Module>& module,
   const auto& params = state->group().params();
   for (size_t i = 0; i < params.size(); ++i)
     owners_[params[i].param.unsafeGetTensorImpl()] = ParamOwner{state, i};
-  states_[module.get()] = Entry{module, std::move(state)};
+  states_[key] = Entry{std::move(lifetime), std::move(state)};
 }
 
-ModuleState* Runtime::state_of(const torch::nn::Module& module) const {
+ModuleState* Runtime::state_of(const void* key) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = states_.find(&module);
-  if (it == states_.end() || it->second.module.expired()) return nullptr;
+  auto it = states_.find(key);
+  if (it == states_.end() || it->second.lifetime.expired()) return nullptr;
   return it->second.state.get();
 }
 
@@ -75,39 +74,28 @@ std::optional<ParamOwner> Runtime::owner_of(const at::Tensor& param) const {
   return it->second;
 }
 
-std::shared_ptr<const torch::nn::Module> Runtime::module_of(const ModuleState& state) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [address, entry] : states_)
-    if (entry.state.get() == &state) return entry.module.lock();
-  return nullptr;
-}
+bool Runtime::recomputing() { return torch::autograd::get_current_graph_task_id() != -1; }
 
 RootState& Runtime::root_of(ModuleState& state) {
   if (state.root_) return *state.root_;
-  const auto module = module_of(state);
-  if (!module) throw std::logic_error("fsdp: the state of " + state.module_name() + " outlived its module");
-  auto root = std::make_shared<RootState>(state.module_name(), module, stats_);
-  auto& walked = const_cast<torch::nn::Module&>(*module);  // named_modules() is not const
-  const auto under = walked.named_modules("", /*include_self=*/true);
-  for (const auto& item : under) {
-    ModuleState* sub = state_of(*item.value());
-    if (!sub || sub->root_ == root) continue;
+  auto root = std::make_shared<RootState>(state.weak_from_this(), stats_);
+  const auto under = state.units_under();
+  for (const auto& sub : under) {
+    if (sub->root_ == root) continue;
     if (!sub->root_) {
       sub->root_ = root;
-      root->add_member(sub->shared_from_this());
+      root->add_member(sub);
       continue;
     }
-    // A root of its own before (it ran forward alone): if it lies under this one and is idle,
+    // A root of its own before (it ran forward alone): if it lies inside this one and is idle,
     // its groups join this root.
     RootState& other = *sub->root_;
-    const auto other_top = other.top_module().lock();
-    const bool other_under = std::any_of(under.begin(), under.end(),
-                                         [&](const auto& m) { return m.value().get() == other_top.get(); });
+    const auto other_top = other.top_unit().lock();
+    const bool other_under = std::find(under.begin(), under.end(), other_top) != under.end();
     if (!other_under || other.busy())
       throw std::invalid_argument(
-          "fsdp::forward(" + state.module_name() + "): the sharded module '" +
-          (item.key().empty() ? state.module_name() : item.key()) + "' (" + sub->module_name() +
-          ") already runs under another root, " + other.top() +
+          "fsdp::forward(" + state.module_name() + "): the sharded module '" + sub->module_name() +
+          "' already runs under another root, " + other.top() +
           (other_under ? ", whose forward or backward is under way"
                        : "; a sharded module belongs to one root: give each model its own copy of it, or "
                          "shard a module holding both models and run them under it"));
@@ -120,13 +108,17 @@ RuntimeOptions Runtime::options() const { return options_; }
 void Runtime::set_options(const RuntimeOptions& options) { options_ = options; }
 RuntimeStats Runtime::stats() const { return stats_; }
 
-void set_runtime_options(const RuntimeOptions& options) {
+void check_runtime_options(const RuntimeOptions& options) {
   if (options.prefetch_depth < 0 || options.max_inflight_allgathers < 0 ||
       options.max_inflight_reduce_scatters < 0 || options.bucket_mb < 0 || options.reduce_bucket_max_wait < 0 ||
       options.max_pending_host_steps < 0)
     throw std::invalid_argument(
         "fsdp::set_runtime_options: prefetch depth, caps, bucket size, bucket wait and pending host steps must "
         "be >= 0");
+}
+
+void set_runtime_options(const RuntimeOptions& options) {
+  check_runtime_options(options);
   Runtime::get().set_options(options);
 }
 RuntimeOptions runtime_options() { return Runtime::get().options(); }

@@ -1,6 +1,7 @@
-// Process-wide bookkeeping shared by all fully_shard states: which module owns which state and
-// parameter, which root each state belongs to (a RootState, made at the root's first forward),
-// the scheduling options and counters, and the scopes of activation checkpointing. Everything
+// Process-wide bookkeeping shared by all sharded units: which owner (a C++ or Python module) has
+// which unit, which unit each parameter belongs to, which root each unit runs under (a RootState,
+// made at the root's first forward), the default scheduling options and counters, and the scope
+// of a checkpointed forward. Everything
 // of one step (orders, queues, the end-of-backward callback) is the root's: root_state.h.
 #pragma once
 
@@ -14,10 +15,6 @@
 #include <vector>
 
 #include "fsdp/runtime_options.h"
-
-namespace torch::nn {
-class Module;
-}
 
 namespace fsdp {
 
@@ -33,31 +30,25 @@ class Runtime {
  public:
   static Runtime& get();
 
-  // Modules are remembered weakly: a state whose module was destroyed is
-  // dropped, so a new module at the same address starts unsharded.
-  void add(const std::shared_ptr<const torch::nn::Module>& module,
-           std::shared_ptr<ModuleState> state);
-  ModuleState* state_of(const torch::nn::Module& module) const;
+  // Owners are remembered weakly: a unit whose owner (`lifetime`) was destroyed is dropped, so a
+  // new owner at the same address starts unsharded. `key`: the owner's address.
+  void add(const void* key, std::weak_ptr<const void> lifetime, std::shared_ptr<ModuleState> state);
+  ModuleState* state_of(const void* key) const;
   // The state managing this parameter (by tensor identity), if any.
   std::optional<ParamOwner> owner_of(const at::Tensor& param) const;
 
-  // The root `state` runs under: given at its first forward to every sharded module under it
-  // (`state` being the outermost one running then), or moved there from an idle root of a module
-  // under it. Throws std::invalid_argument where a module under it already runs under another
+  // The root `state` runs under: given at its first forward to `state` and every unit inside it
+  // (`state` being the outermost one running then), or moved there from an idle root of a unit
+  // inside it. Throws std::invalid_argument where a unit inside it already runs under another
   // root (one sharded module shared by two models).
   RootState& root_of(ModuleState& state);
   // A new step's number, unique across roots.
   uint64_t new_step() { return ++steps_; }
   void count_prefetch() { ++stats_.prefetches; }
 
-  // While alive, forwards are activation-checkpoint recomputations inside
-  // backward: not a new step, not part of the forward order.
-  class RecomputeScope {
-   public:
-    RecomputeScope() { ++get().recomputing_; }
-    ~RecomputeScope() { --get().recomputing_; }
-  };
-  bool recomputing() const { return recomputing_ > 0; }
+  // A forward run while autograd executes a backward is an activation-checkpoint recomputation
+  // (fsdp::recompute, torch.utils.checkpoint): not a new step, not part of the forward order.
+  static bool recomputing();
   // While alive, forwards run without autograd under activation checkpointing: their backward
   // (the recompute) still comes, so reshard_after_forward = false keeps their parameters.
   class CheckpointedForwardScope {
@@ -67,28 +58,30 @@ class Runtime {
   };
   bool in_checkpointed_forward() const { return checkpointed_forward_ > 0; }
 
+  // The default options, for roots that set none of their own (RootState::options).
   RuntimeOptions options() const;
   void set_options(const RuntimeOptions& options);
   RuntimeStats stats() const;
 
  private:
   struct Entry {
-    std::weak_ptr<const torch::nn::Module> module;
+    std::weak_ptr<const void> lifetime;
     std::shared_ptr<ModuleState> state;
   };
   void drop_stale_locked();
   static void keep_states_at_exit();
-  std::shared_ptr<const torch::nn::Module> module_of(const ModuleState& state) const;
 
   mutable std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, Entry> states_;
+  std::unordered_map<const void*, Entry> states_;
   std::unordered_map<const void*, ParamOwner> owners_;  // key: TensorImpl*
   uint64_t steps_ = 0;
-  int recomputing_ = 0;
   int checkpointed_forward_ = 0;
   int next_id_ = 0;
   RuntimeOptions options_;
   RuntimeStats stats_;
 };
+
+// Throws std::invalid_argument for negative values (set_runtime_options).
+void check_runtime_options(const RuntimeOptions& options);
 
 }  // namespace fsdp

@@ -1,0 +1,82 @@
+// The module-agnostic core under fully_shard. A sharded unit is a named list of parameter tensors
+// plus the units sharded inside it; the runtime (parameter groups, roots, scheduling, profiling
+// for the planner, checkpoints) needs nothing else. Front ends find those in their module trees
+// and call these: fsdp::fully_shard (fully_shard.h) for torch::nn modules, the Python package
+// fsdpcpp (python/) for nn.Module. A program uses a front end; a new front end uses this.
+//
+//   auto unit = fsdp::shard_unit({"block", params, inner_units, &module, lifetime}, options);
+//   fsdp::unit_pre_forward(*unit);              // the module's forward pre-hook
+//   ... the module's forward ...
+//   fsdp::unit_post_forward(*unit, outputs);    // its forward hook (unit_abort_forward on an error)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "fsdp/runtime_options.h"
+
+namespace fsdp {
+
+class ModuleState;  ///< a sharded unit (runtime/module_state.h)
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// What a front end knows of a unit when it shards it.
+struct UnitSpec {
+  std::string name;  ///< how errors and traces name the unit (its module's name)
+  /// Its own parameters: not those of units inside it, each tensor once (a tied weight under one
+  /// name). They become this rank's shards in place: the same tensor objects.
+  NamedTensors params;
+  /// The units sharded inside it, at every depth (sharding goes bottom-up, so they exist).
+  std::vector<std::shared_ptr<ModuleState>> inner;
+  const void* owner = nullptr;         ///< its module's address: unit_of_owner finds the unit by it
+  std::weak_ptr<const void> lifetime;  ///< the unit is forgotten once this expires (its module's)
+  std::string api = "fsdp::fully_shard";  ///< the call errors name: "fsdp::fully_shard(NAME): ..."
+};
+
+/// Collective: checks that every rank shards the same parameters (names, shapes, dtypes) on the
+/// communicator's device (and, with HSDP, that the replicate group matches), shards them in place
+/// into one parameter group and registers the unit. Throws std::invalid_argument naming the
+/// problem and the fix (an owner already sharded, a parameter on the wrong device, ranks that
+/// differ).
+std::shared_ptr<ModuleState> shard_unit(UnitSpec spec, const ShardOptions& options = {});
+/// The unit registered for `owner`, or nullptr.
+ModuleState* unit_of_owner(const void* owner);
+/// The unit a parameter tensor belongs to, or nullptr.
+std::shared_ptr<ModuleState> unit_of_parameter(const at::Tensor& param);
+/// The unit's name (UnitSpec::name).
+const std::string& unit_name(const ModuleState& unit);
+
+/// A unit's forward, bracketed: before it, the all-gather (and prefetches of the next units);
+/// after it, the backward hooks on `outputs` and the reshard. unit_abort_forward undoes the
+/// bookkeeping of a forward that threw. A forward run while autograd runs backward is a
+/// recomputation (activation checkpointing): the start of the unit's backward.
+void unit_pre_forward(ModuleState& unit);
+void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs);
+void unit_abort_forward(ModuleState& unit);
+
+/// Gradient sync (set_requires_gradient_sync) for `unit` and every unit inside it.
+void set_requires_gradient_sync(ModuleState& unit, bool sync);
+/// Whether the unit frees its unsharded parameters after forward (ShardOptions).
+void set_reshard_after_forward(ModuleState& unit, bool reshard);
+/// Frees the unit's unsharded parameters now, if it holds them (FSDP2's FSDPModule.reshard).
+void reshard(ModuleState& unit);
+/// The scheduling options of the root whose top unit is `unit`, instead of the process-wide
+/// default (set_runtime_options(options)) for that root alone; takes effect from its next step.
+/// Throws std::invalid_argument for negative values.
+void set_runtime_options(ModuleState& unit, const RuntimeOptions& options);
+
+/// Collective over the parameter's unit. A full (unsharded) copy of `param`: its unit's
+/// parameter all-gathered, or a copy of it when it belongs to no unit.
+at::Tensor full_parameter(const at::Tensor& param);
+/// Collective. Scales the sharded gradients of `params` (each tensor once, all sharded) so that
+/// their global L2 norm is at most max_norm; returns the norm before clipping (float32 scalar on
+/// the device) without waiting for the device. Errors name the parameters by their names here.
+at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm);
+
+}  // namespace fsdp

@@ -1,0 +1,81 @@
+"""Sharded checkpoints: each rank writes its rows; loading works on any number of ranks
+(fsdp/sharded_checkpoint.h's format, the one fsdp-train writes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from . import _C
+
+newest_checkpoint = _C.newest_checkpoint
+checkpoint_name = _C.checkpoint_name
+
+
+def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    # An optimizer that has not stepped has no state to load into: one step with zero gradients
+    # and a learning rate of 0 makes it (no parameter changes; weight decay is scaled by the rate).
+    if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
+        return
+    saved_grads, saved_lrs = {}, []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group["lr"])
+        group["lr"] = 0.0
+        for p in group["params"]:
+            saved_grads[p] = p.grad
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs):
+        group["lr"] = lr
+        for p in group["params"]:
+            p.grad = saved_grads[p]
+
+
+def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, loading: bool):
+    sharded, replicated = [], []
+    names = {}
+    for name, p in model.named_parameters():
+        if not _C.is_sharded_parameter(p):
+            raise ValueError(f"fsdpcpp checkpoint: parameter '{name}' is not sharded: apply fully_shard to the root "
+                             "module too")
+        sharded.append((name, p.data, p))
+        names[p] = name
+    for name, b in model.named_buffers():
+        replicated.append((f"buffer/{name}", b.data))
+    if optimizer is not None:
+        if loading:
+            _initialise_optimizer_state(optimizer)
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p not in names:
+                    raise ValueError("fsdpcpp checkpoint: the optimizer holds a parameter the model does not")
+                for key, value in optimizer.state[p].items():
+                    entry = f"optimizer/{names[p]}/{key}"
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                        sharded.append((entry, value, p))
+                    elif isinstance(value, torch.Tensor):
+                        replicated.append((entry, value))
+                    else:
+                        raise ValueError(f"fsdpcpp checkpoint: optimizer state '{entry}' is a {type(value).__name__}, "
+                                         "not a tensor")
+    return sharded, replicated
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict[str, str] | None = None) -> None:
+    """Saves the sharded model (and optimizer state) to the directory `path`: each rank writes its
+    rows, rank 0 the metadata; written to `path`.tmp and renamed once complete, replacing an
+    existing `path`. `extra`: your own entries (step, data position), strings. Collective."""
+    sharded, replicated = _entries(model, optimizer, loading=False)
+    _C.save_checkpoint(os.fspath(path), sharded, replicated, {str(k): str(v) for k, v in (extra or {}).items()})
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
+    """Fills the sharded model (and optimizer state) in place from a checkpoint saved on any
+    number of ranks; returns its `extra` entries. Raises on every rank, naming the file and the
+    problem, when the checkpoint does not fit (another model, missing or damaged files).
+    Collective."""
+    sharded, replicated = _entries(model, optimizer, loading=True)
+    return dict(_C.load_checkpoint(os.fspath(path), sharded, replicated))

@@ -1,0 +1,180 @@
+"""fully_shard for nn.Module: finds the unit's parameters and inner units in the module tree,
+registers it with the C++ core (fsdp/unit.h), and hooks the module's forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import _C
+from ._runtime import _ensure_init
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """As FSDP2's: parameters are all-gathered and used in param_dtype, gradients reduce-scattered
+    in reduce_dtype (default: param_dtype); the sharded parameters, their gradients and the
+    optimizer state keep the parameters' dtype. output_dtype casts the module's floating outputs;
+    cast_forward_inputs casts its floating inputs to param_dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (FSDP2's default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """As FSDP2's: the sharded parameters live in pinned host memory and are copied in inside each
+    all-gather; the sharded gradients go back to the host, where an optimizer made after sharding
+    steps. pin_memory=False is not supported (the copies overlap compute only from pinned memory)."""
+
+    pin_memory: bool = True
+
+
+class FSDPModule:
+    """Mixed into the class of every module fully_shard shards (as FSDP2 does), for its methods."""
+
+    def reshard(self) -> None:
+        """Frees the module's unsharded parameters now, if it holds them."""
+        self._fsdpcpp.unit.reshard()
+
+    def unshard(self, async_op: bool = False):
+        raise NotImplementedError(
+            "fsdpcpp: FSDPModule.unshard is not supported: the runtime all-gathers a module before its forward "
+            "and prefetches from the recorded order; run the forward instead")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps the gradients unsharded and summed (gradient accumulation without
+        communication); the first backward after True reduce-scatters the sums. Applies to this
+        module and (recurse=True) every sharded module inside it."""
+        if not recurse:
+            raise NotImplementedError("fsdpcpp: set_requires_gradient_sync(recurse=False) is not supported")
+        self._fsdpcpp.unit.set_requires_gradient_sync(bool(requires_gradient_sync))
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the modules free their unsharded parameters after forward (ZeRO-3) or keep them
+        until backward."""
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            if isinstance(module, FSDPModule):
+                module._fsdpcpp.unit.set_reshard_after_forward(bool(reshard_after_forward))
+
+    def set_runtime_options(self, **options) -> None:
+        """This root's scheduling options (names as fsdpcpp.runtime_options()), instead of the
+        process-wide defaults: prefetch depth, the caps on in-flight collectives, bucketing."""
+        current = _C.runtime_options()
+        unknown = set(options) - set(current)
+        if unknown:
+            raise ValueError(f"fsdpcpp: unknown runtime options {sorted(unknown)}; known: {sorted(current)}")
+        self._fsdpcpp.unit.set_runtime_options({**current, **options})
+
+
+class _UnitState:
+    __slots__ = ("unit", "mp_policy")
+
+    def __init__(self, unit, mp_policy):
+        self.unit = unit
+        self.mp_policy = mp_policy
+
+
+def _cast_floating(dtype, tree):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+@torch._dynamo.disable
+def _pre_forward(module, args, kwargs):
+    state = module._fsdpcpp
+    state.unit.pre_forward()
+    mp = state.mp_policy
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        args, kwargs = _cast_floating(mp.param_dtype, (args, kwargs))
+    return args, kwargs
+
+
+@torch._dynamo.disable
+def _post_forward(module, args, kwargs, output):
+    # Called with output None when the forward raised (always_call): the unit's bookkeeping ends
+    # either way.
+    state = module._fsdpcpp
+    leaves, _ = tree_flatten(output)
+    state.unit.post_forward([t for t in leaves if isinstance(t, torch.Tensor)])
+    if state.mp_policy.output_dtype is not None:
+        output = _cast_floating(state.mp_policy.output_dtype, output)
+    return output
+
+
+def _unit_parameters(module: nn.Module, name: str):
+    """The parameters this call shards: those no inner fully_shard took, each tensor once (a weight
+    tied within the module is one parameter under its first name)."""
+    inner_prefixes = [prefix for prefix, sub in module.named_modules() if prefix and isinstance(sub, FSDPModule)]
+    params, seen = [], set()
+    for param_name, param in module.named_parameters(remove_duplicate=False):
+        owner = _C.unit_name_of_parameter(param)
+        if owner is not None:
+            if not any(param_name.startswith(prefix + ".") for prefix in inner_prefixes):
+                raise ValueError(
+                    f"fsdpcpp.fully_shard({name}): parameter '{param_name}' is already managed by "
+                    f"fully_shard({owner}). Apply fully_shard bottom-up (inner modules first, the root last), and "
+                    "shard modules that share a weight (e.g. a tied embedding and output head) in one fully_shard "
+                    "call that contains both.")
+            continue
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        params.append((param_name, param))
+    return params
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> nn.Module:
+    """Shards the parameters of `module` not already sharded by an inner fully_shard call into one
+    group: all-gathered before its forward, reduce-scattered after its backward. Apply bottom-up
+    (each block, then the root). Collective: every rank shards the same model in the same order.
+    The parameters stay the same Python objects, now holding this rank's rows (dim 0, zero-padded
+    where rows do not divide evenly), so an optimizer made before or after trains the same way.
+    Returns `module`, whose class now also derives from FSDPModule (as FSDP2)."""
+    name = type(module).__name__
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module, got {type(module).__name__} (a list of "
+                        "modules sharded as one group is not supported: shard their parent)")
+    for unsupported, value in (("mesh", mesh), ("shard_placement_fn", shard_placement_fn),
+                               ("ignored_params", ignored_params)):
+        if value is not None:
+            raise NotImplementedError(f"fsdpcpp.fully_shard({name}): {unsupported}= is not supported (docs/python.md)")
+    if isinstance(offload_policy, CPUOffloadPolicy) and not offload_policy.pin_memory:
+        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): CPUOffloadPolicy(pin_memory=False) is not supported")
+    if not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): reshard_after_forward must be True or False "
+                                  "(resharding to a smaller world is not supported)")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fsdpcpp.fully_shard({name}): this module is already sharded: call fully_shard once per module")
+    _ensure_init()
+    inner = [sub._fsdpcpp.unit for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
+    unit = _C.shard_unit(name, _unit_parameters(module, name), inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                         reshard_after_forward, isinstance(offload_policy, CPUOffloadPolicy))
+    module._fsdpcpp = _UnitState(unit, mp_policy)
+    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
+    # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
+    cls = type(module)
+    module.__class__ = _fsdp_class(cls)
+    return module
+
+
+_classes: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _classes:
+        _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _classes[cls]

@@ -1,0 +1,105 @@
+"""The process's communicator and the runtime's process-wide settings."""
+
+import ctypes
+import ctypes.util
+import os
+
+import torch
+
+
+def _load_mpi_globally():
+    # Open MPI loads its transports as plugins that look for libmpi's symbols in the global
+    # namespace; Python loads extensions with RTLD_LOCAL, so libmpi goes in first, globally.
+    name = ctypes.util.find_library("mpi")
+    if name:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass
+
+
+_load_mpi_globally()
+from . import _C  # noqa: E402  (after torch and libmpi)
+
+version = _C.version
+_info = None  # (rank, world size, device, backend) once init() ran
+
+
+def init(backend: str = "auto", timeout_s: float | None = None) -> None:
+    """Joins the job's ranks: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), mpirun's (OMPI_COMM_WORLD_*), or none (one process). backend "auto" takes NCCL
+    where CUDA is available (and selects cuda:LOCAL_RANK), else MPI. Works beside a process group
+    the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
+    communicator). A collective that waits longer than timeout_s (default: FSDP_TIMEOUT_S, else
+    the library's) raises, naming the rank, the group and the operation. A second call does
+    nothing."""
+    global _info
+    if _info is not None:
+        return
+    if backend not in ("auto", "mpi", "nccl"):
+        raise ValueError(f"fsdpcpp.init: backend must be 'auto', 'mpi' or 'nccl', not {backend!r}")
+    rank_, world, device_, backend_name = _C.init(backend, timeout_s)
+    _info = (rank_, world, torch.device(device_), backend_name)
+    if _info[2].type == "cuda":
+        torch.cuda.set_device(_info[2])
+
+
+def _ensure_init():
+    if _info is None:
+        init()
+
+
+def is_initialized() -> bool:
+    return _info is not None
+
+
+def rank() -> int:
+    _ensure_init()
+    return _info[0]
+
+
+def world_size() -> int:
+    _ensure_init()
+    return _info[1]
+
+
+def device() -> torch.device:
+    """The device this rank computes on (where the model must be before fully_shard)."""
+    _ensure_init()
+    return _info[2]
+
+
+def shutdown() -> None:
+    """Forgets the communicator (collectives end with it)."""
+    global _info
+    _C.shutdown()
+    _info = None
+
+
+def runtime_options() -> dict:
+    """The process-wide default scheduling options: prefetch_depth, max_inflight_allgathers,
+    max_inflight_reduce_scatters, bucket_mb, reduce_bucket_max_wait, max_pending_host_steps
+    (docs/guide.md). A root may have its own: FSDPModule.set_runtime_options."""
+    return _C.runtime_options()
+
+
+def set_runtime_options(**options) -> None:
+    """Changes the process-wide defaults named (see runtime_options), for roots without their own."""
+    _C.set_runtime_options(options)
+
+
+def runtime_stats() -> dict:
+    """What the runtime counted since the process started: all_gathers, reduce_scatters,
+    prefetches, allgather_waits, reduce_scatter_waits, host_step_waits, order_departures."""
+    return _C.runtime_stats()
+
+
+def start_trace() -> None:
+    """Records a Chrome trace (Perfetto) of this rank's compute and collectives until write_trace."""
+    _ensure_init()
+    _C.start_trace()
+
+
+def write_trace(path: str) -> None:
+    """Waits for the device, writes the trace started by start_trace to `path`, stops recording."""
+    _C.write_trace(os.fspath(path))

@@ -1,0 +1,77 @@
+"""Whole-model views of sharded state: the global gradient norm, full state dicts out and in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from . import _C
+
+
+def _named(parameters) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [(f"parameter {i}", p) for i, p in enumerate(parameters)]
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scales the sharded gradients of `parameters` (every one sharded by fully_shard) so that
+    their global L2 norm is at most max_norm, and returns the norm before clipping (a float32
+    scalar on the device) without waiting for the device: torch.nn.utils.clip_grad_norm_ over all
+    ranks. Collective."""
+    if norm_type != 2.0:
+        raise NotImplementedError("fsdpcpp.clip_grad_norm_: only the L2 norm (norm_type=2) is supported")
+    return _C.clip_grad_norm_(_named(parameters), float(max_norm))
+
+
+def full_parameter(param: torch.Tensor) -> torch.Tensor:
+    """A full (unsharded) copy of a sharded parameter, on the device. Collective over its group."""
+    return _C.full_parameter(param)
+
+
+def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of `model` on every rank, by the names model.state_dict()
+    uses (so transformers' save_pretrained(state_dict=...) and load_state_dict on an unsharded copy
+    take it), on the host unless cpu_offload=False. As torch.distributed.checkpoint's
+    get_model_state_dict with StateDictOptions(full_state_dict=True). Collective: every rank calls
+    it."""
+    full = {}
+    sharded = {id(p): p for p in model.parameters()}
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():
+            if id(value) in sharded and _C.is_sharded_parameter(value):
+                value = _C.full_parameter(value)
+            else:
+                value = value.detach().clone()
+            full[name] = value.cpu() if cpu_offload else value
+    return full
+
+
+def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Loads a full (unsharded) state dict into the sharded `model`: each rank copies its rows of
+    every sharded parameter, and whole tensors into the rest. Not collective. strict=True raises
+    naming missing and unexpected keys and shapes that differ, as load_state_dict does."""
+    own = model.state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if strict and (missing or unexpected):
+        raise KeyError(f"fsdpcpp.set_model_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in state_dict:
+                continue
+            source = state_dict[name]
+            if _C.is_sharded_parameter(target):
+                first_row, rows, full_shape = _C.shard_rows(target)
+                if list(source.shape) != list(full_shape):
+                    raise ValueError(f"fsdpcpp.set_model_state_dict: '{name}' has shape {list(source.shape)} in the "
+                                     f"state dict but {list(full_shape)} in the model")
+                if rows > 0:
+                    target.narrow(0, 0, rows).copy_(source.narrow(0, first_row, rows))
+            else:
+                if source.shape != target.shape:
+                    raise ValueError(f"fsdpcpp.set_model_state_dict: '{name}' has shape {list(source.shape)} in the "
+                                     f"state dict but {list(target.shape)} in the model")
+                target.copy_(source)

@@ -1,0 +1,190 @@
+// The module-agnostic core (fsdp/unit.h): sharding a unit, its forward hooks, and the per-unit
+// and per-parameter operations every front end shares.
+#include "fsdp/unit.h"
+
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "fsdp/launch.h"
+#include "runtime/module_state.h"
+#include "runtime/runtime.h"
+
+namespace fsdp {
+namespace {
+
+std::invalid_argument shard_error(const UnitSpec& spec, const std::string& why) {
+  return std::invalid_argument(spec.api + "(" + spec.name + "): " + why);
+}
+
+uint64_t structure_hash(const NamedTensors& params) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&h](const void* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 1099511628211ull;
+  };
+  for (const auto& [name, t] : params) {
+    mix(name.data(), name.size());
+    int64_t dtype = static_cast<int64_t>(t.scalar_type());
+    mix(&dtype, sizeof(dtype));
+    for (int64_t d : t.sizes()) mix(&d, sizeof(d));
+  }
+  return h;
+}
+
+std::invalid_argument structure_error(const UnitSpec& spec, int64_t first_hash, int64_t other_hash, int other_rank,
+                                      const Communicator& comm) {
+  std::ostringstream s;
+  s << "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " << std::hex << first_hash
+    << " on rank 0 but " << other_hash << " on rank " << std::dec << other_rank << " of '" << comm.group_name()
+    << "' (this is rank " << comm.rank() << ", " << spec.params.size() << " parameters here). Build the same model "
+    << "on every rank before sharding.";
+  return shard_error(spec, s.str());
+}
+
+// Every rank must shard the same parameters in the same order, or the collectives would exchange
+// mismatched buffers.
+void check_same_structure(Communicator& comm, const UnitSpec& spec) {
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  at::Tensor mine = at::full({1}, static_cast<int64_t>(structure_hash(spec.params)), opts);
+  at::Tensor all = at::empty({comm.world_size()}, opts);
+  comm.all_gather(all, mine);
+  all = all.cpu();
+  const int64_t* h = all.data_ptr<int64_t>();
+  for (int r = 1; r < comm.world_size(); ++r)
+    if (h[r] != h[0]) throw structure_error(spec, h[0], h[r], r, comm);
+}
+
+// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups,
+// with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
+void check_replicas(const Communicator& comm, Communicator& replicate, const UnitSpec& spec) {
+  const std::string fix = ": make both communicators with fsdp::make_mesh";
+  if (replicate.device() != comm.device())
+    throw shard_error(spec, "the replicate communicator works on " + replicate.device().str() +
+                                " but the shard communicator on " + comm.device().str() + fix);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  at::Tensor all = at::empty({3 * replicate.world_size()}, opts);
+  const auto hash = static_cast<int64_t>(structure_hash(spec.params));
+  replicate.all_gather(all, at::tensor({int64_t(comm.rank()), int64_t(comm.world_size()), hash}, opts));
+  all = all.cpu();
+  const int64_t* row = all.data_ptr<int64_t>();
+  const int64_t first_hash = row[2];
+  for (int r = 0; r < replicate.world_size(); ++r, row += 3) {
+    if (row[0] != comm.rank() || row[1] != comm.world_size())
+      throw shard_error(spec, "rank " + std::to_string(r) + " of the replicate group '" + replicate.group_name() +
+                                  "' holds shard " + std::to_string(row[0]) + " of " + std::to_string(row[1]) +
+                                  ", this rank shard " + std::to_string(comm.rank()) + " of " +
+                                  std::to_string(comm.world_size()) +
+                                  "; a replicate group joins the ranks holding the same shard" + fix);
+    if (row[2] != first_hash) throw structure_error(spec, first_hash, row[2], r, replicate);
+  }
+}
+
+void check_devices(const UnitSpec& spec, const Communicator& comm) {
+  for (const auto& [name, t] : spec.params)
+    if (t.device().type() != comm.device().type() || (comm.device().has_index() && t.device() != comm.device()))
+      throw shard_error(spec, "parameter '" + name + "' is on " + t.device().str() + " but the communicator (" +
+                                  comm.backend() + ") works on " + comm.device().str() +
+                                  ": move the model there before sharding");
+}
+
+}  // namespace
+
+std::shared_ptr<ModuleState> shard_unit(UnitSpec spec, const ShardOptions& options) {
+  if (spec.owner && Runtime::get().state_of(spec.owner))
+    throw shard_error(spec, "this module is already sharded: call fully_shard once per module");
+  for (const auto& [name, t] : spec.params)
+    if (auto owner = Runtime::get().owner_of(t))
+      throw shard_error(spec, "parameter '" + name + "' is already managed by fully_shard(" +
+                                  owner->state->module_name() + "); shard each parameter in one unit");
+  ShardOptions resolved = options;
+  if (!resolved.comm) resolved.comm = default_communicator();
+  check_devices(spec, *resolved.comm);
+  check_same_structure(*resolved.comm, spec);
+  if (resolved.replicate) check_replicas(*resolved.comm, *resolved.replicate, spec);
+  auto state = std::make_shared<ModuleState>(spec.name, std::move(spec.params), std::move(spec.inner), resolved);
+  Runtime::get().add(spec.owner ? spec.owner : state.get(), std::move(spec.lifetime), state);
+  return state;
+}
+
+ModuleState* unit_of_owner(const void* owner) { return Runtime::get().state_of(owner); }
+
+std::shared_ptr<ModuleState> unit_of_parameter(const at::Tensor& param) {
+  auto owner = Runtime::get().owner_of(param);
+  return owner ? owner->state : nullptr;
+}
+
+const std::string& unit_name(const ModuleState& unit) { return unit.module_name(); }
+
+void unit_pre_forward(ModuleState& unit) { unit.pre_forward(); }
+void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs) { unit.post_forward(outputs); }
+void unit_abort_forward(ModuleState& unit) { unit.abort_forward(); }
+
+void set_requires_gradient_sync(ModuleState& unit, bool sync) {
+  for (const auto& under : unit.units_under()) under->set_gradient_sync(sync);
+}
+void set_reshard_after_forward(ModuleState& unit, bool reshard) { unit.set_reshard_after_forward(reshard); }
+void reshard(ModuleState& unit) {
+  if (unit.group().is_unsharded()) unit.reshard();
+}
+
+void set_runtime_options(ModuleState& unit, const RuntimeOptions& options) {
+  check_runtime_options(options);
+  unit.set_runtime_options(options);
+}
+
+at::Tensor full_parameter(const at::Tensor& param) {
+  c10::NoGradGuard no_grad;
+  if (auto owner = Runtime::get().owner_of(param)) return owner->state->group().gather_full(owner->index);
+  return param.detach().clone();
+}
+
+at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> grads;  // by device: offloaded ones on the host
+  Communicator* comm = nullptr;
+  std::unordered_set<const void*> seen;
+  for (const auto& [name, p] : params) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    auto owner = Runtime::get().owner_of(p);
+    if (!owner)
+      throw std::invalid_argument("fsdp::clip_grad_norm_: parameter '" + name +
+                                  "' is not sharded: apply fully_shard to the root module too");
+    if (owner->state->group().is_unsharded())
+      throw std::logic_error("fsdp::clip_grad_norm_: call it after backward, not between "
+                             "forward and backward ('" + name + "' is unsharded)");
+    if (owner->state->steps_in_backward())
+      throw std::logic_error("fsdp::clip_grad_norm_: the optimizer steps in backward (set_step_in_backward), so the "
+                             "gradients are applied and gone before the norm could be taken; clip without it");
+    comm = &owner->state->group().comm();
+    if (!p.grad().defined()) continue;
+    auto it = std::find_if(grads.begin(), grads.end(), [&](const auto& g) { return g.first == p.grad().device(); });
+    if (it == grads.end()) it = grads.insert(grads.end(), {p.grad().device(), {}});
+    it->second.push_back(p.grad());
+  }
+  if (!comm) return at::zeros({});
+  // Shards hold disjoint rows (padding excluded), so the squared norms add up. Gradients on the
+  // device stay there: no host sync, so the optimizer's kernels can be queued while backward
+  // still runs.
+  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(comm->device());
+  at::Tensor sum_sq = at::zeros({1}, on_device);
+  for (const auto& [device, list] : grads)
+    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(comm->device());
+  comm->all_reduce(sum_sq, ReduceOp::Sum);
+  at::Tensor norm = sum_sq.sqrt().reshape({});
+  const at::Tensor scale = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  for (auto& [device, list] : grads) at::_foreach_mul_(list, scale.to(device));
+  return norm;
+}
+
+}  // namespace fsdp
