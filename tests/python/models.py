@@ -1,0 +1,84 @@
+"""Models for the Python tests: a plain PyTorch Llama written as its users write it (F.rms_norm,
+SDPA, fused QKV), and transformers' own LlamaForCausalLM and GPT2LMHeadModel from small configs."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, ffn):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.Parameter(torch.ones(dim))
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(dim))
+        self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = F.rms_norm(x, (d,), self.attn_norm)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        gate, up = self.gate_up(F.rms_norm(x, (d,), self.mlp_norm)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=2, heads=4, ffn=48):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
+        self.norm = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(F.rms_norm(x, (x.shape[-1],), self.norm))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def plain_llama():
+    return Llama()
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+                        attn_implementation="sdpa")
+    return GPT2LMHeadModel(config)  # its output head is tied to the token embedding
+
+
+MODELS = {"plain": plain_llama, "llama": hf_llama, "gpt2": hf_gpt2}
+
+
+def blocks_of(model):
+    """The repeated blocks fully_shard takes one by one."""
+    if isinstance(model, Llama):
+        return list(model.layers)
+    if hasattr(model, "model"):  # LlamaForCausalLM
+        return list(model.model.layers)
+    return list(model.transformer.h)  # GPT2LMHeadModel
+
+
+def loss_of(model, tokens):
+    """The mean next-token loss over the rows of `tokens` ([rows, seq + 1])."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if isinstance(model, Llama) or isinstance(getattr(model, "_orig_mod", None), Llama):
+        return model(inputs, targets)
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
