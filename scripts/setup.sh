@@ -63,6 +63,9 @@ fi
 "$PYTHON" -c 'import transformers, safetensors' 2>/dev/null || pip_install transformers safetensors \
   || log "no transformers; the Hugging Face round-trip test will be skipped"
 
+# The Python package's tests (tests/python) run under pytest.
+"$PYTHON" -c 'import pytest' 2>/dev/null || pip_install pytest || log "no pytest; the Python tests cannot run"
+
 PYTHON_PATH=$(command -v "$PYTHON")
 if [ ! -f build/build.ninja ] || ! grep -qF "$TORCH_PREFIX" build/CMakeCache.txt \
    || ! grep -qF "FSDP_PYTHON:FILEPATH=$PYTHON_PATH" build/CMakeCache.txt \

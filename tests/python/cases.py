@@ -36,7 +36,7 @@ def adam_ratio_bound(t, beta1=0.9, beta2=0.999):
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g).to(fsdpcpp.device())
 
 
 def my_rows(tokens):
@@ -46,7 +46,7 @@ def my_rows(tokens):
 
 def build(name):
     torch.manual_seed(0)
-    return MODELS[name]()
+    return MODELS[name]().to(fsdpcpp.device())
 
 
 def shard(model, mp=None, reshard=True, checkpointed=False):
@@ -65,8 +65,8 @@ def wrap_checkpointed(block):
     block.forward = lambda *a, **k: torch.utils.checkpoint.checkpoint(forward, *a, use_reentrant=False, **k)
 
 
-def optimizer_for(model):
-    return torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1)
+def optimizer_for(model, lr_scale=1.0):
+    return torch.optim.AdamW(model.parameters(), lr=LR * lr_scale, eps=ADAM_EPS, weight_decay=0.1)
 
 
 class Reference:
@@ -97,7 +97,7 @@ class Reference:
             self.relative.append(step_eps)
             delta = step_eps * largest * (2 if clip else 1)
             self.param_bound += LR * (1 + adam_ratio_bound(step + 1)) * delta / ADAM_EPS
-        self.params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.params = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
 
 
 def train_sharded(model, steps, clip=0.0, accum=1, optimizer_before=True, first_step=0, optimizer=None):
@@ -107,7 +107,7 @@ def train_sharded(model, steps, clip=0.0, accum=1, optimizer_before=True, first_
         if opt is None:
             opt = optimizer_for(model)
         tokens = my_rows(batch(step))
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=fsdpcpp.device())
         micros = tokens.chunk(accum)
         for i, micro in enumerate(micros):
             if accum > 1:
@@ -144,7 +144,8 @@ def case_parity(args):
     steps = 4
     ref = Reference(args.model, steps, clip=args.clip, accum=args.accum)
     model = build(args.model)
-    opt = optimizer_for(model) if args.optimizer_before else None
+    # --lr-scale 1.01: an error of 1% of the learning rate, which the bounds must catch.
+    opt = optimizer_for(model, args.lr_scale) if args.optimizer_before or args.lr_scale != 1 else None
     shard(model, checkpointed=args.checkpointed, reshard=not args.keep_after_forward)
     losses, _ = train_sharded(model, steps, clip=args.clip, accum=args.accum, optimizer=opt,
                               optimizer_before=args.optimizer_before)
@@ -153,7 +154,182 @@ def case_parity(args):
                  f"{f', {args.accum} micro-batches' if args.accum > 1 else ''})")
 
 
-CASES = {"parity": case_parity}
+def bf16_reference(name, steps, world):
+    """FSDP2's mixed precision by hand, in one process, with the sharded run's arithmetic: each
+    step every rank's rows run through a bfloat16 copy of the float32 parameters, their bfloat16
+    gradients are cast to float32 and averaged over the ranks (the float32 reduce-scatter), and the
+    float32 optimizer steps on them."""
+    master = build(name)
+    opt = optimizer_for(master)
+    losses = []
+    for step in range(steps):
+        rank_losses, rank_grads = [], []
+        for rows in batch(step).chunk(world):
+            work = copy.deepcopy(master)
+            for p in work.parameters():  # parameters only: buffers (RoPE's frequencies) keep their dtype
+                p.data = p.data.to(torch.bfloat16)
+            loss = loss_of(work, rows)
+            loss.backward()
+            rank_losses.append(loss.detach().reshape(1))
+            rank_grads.append([w.grad.float() for w in work.parameters()])
+        for i, p in enumerate(master.parameters()):
+            p.grad = sum(g[i] for g in rank_grads) / world
+        opt.step()
+        opt.zero_grad()
+        losses.append(sum(rank_losses).item() / world)
+    return losses, {n: p.detach().cpu() for n, p in master.named_parameters()}
+
+
+def case_mixed_precision(args):
+    """bfloat16 compute, float32 reduce-scatter and master weights, on 1 or 2 ranks: the same
+    arithmetic as bf16_reference in the same order (a sum of two is the same in either order), so
+    losses and parameters must be equal bit for bit."""
+    steps = 3
+    assert fsdpcpp.world_size() <= 2, "mixed_precision runs on 1 or 2 ranks (its reference's sums are exact there)"
+    ref_losses, ref_params = bf16_reference(args.model, steps, fsdpcpp.world_size())
+    model = build(args.model)
+    mp = fsdpcpp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dtypes = set()
+    blocks_of(model)[0].register_forward_hook(lambda m, i, o: dtypes.update(p.dtype for p in m.parameters()))
+    shard(model, mp=mp)
+    losses, _ = train_sharded(model, steps)
+    assert dtypes == {torch.bfloat16}, f"the block computed with {dtypes} parameters, not bfloat16"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}, "the sharded parameters left float32"
+    full = fsdpcpp.get_model_state_dict(model)
+    worst = max((full[n] - p).abs().max().item() for n, p in ref_params.items())
+    assert losses == ref_losses and worst == 0, f"losses {losses} vs {ref_losses}, parameters differ by {worst:.3g}"
+    if fsdpcpp.rank() == 0:
+        print(f"{args.model}, bfloat16 parameters, float32 reduce: equal to the reference bit for bit on "
+              f"{fsdpcpp.world_size()} ranks")
+
+
+def case_save(args):
+    """Trains 2 of 4 steps and saves model and optimizer (resume continues on any rank count)."""
+    model = shard(build(args.model))
+    _, opt = train_sharded(model, 2)
+    fsdpcpp.save_checkpoint(os.path.join(args.dir, fsdpcpp.checkpoint_name(2)), model, opt,
+                            extra={"step": 2, "ranks": fsdpcpp.world_size()})
+
+
+def case_resume(args):
+    """Resumes case_save's checkpoint and trains steps 3 and 4: the run must match a 4-step
+    single-process reference, as if never interrupted."""
+    ref = Reference(args.model, 4)
+    model = shard(build(args.model))
+    opt = optimizer_for(model)
+    path = fsdpcpp.newest_checkpoint(args.dir)
+    extra = fsdpcpp.load_checkpoint(path, model, opt)
+    assert extra["step"] == "2", extra
+    losses, _ = train_sharded(model, 2, first_step=2, optimizer=opt)
+    ref.losses, ref.relative = ref.losses[2:], ref.relative[2:]
+    check_parity(ref, losses, model, f"{args.model} saved on {extra['ranks']} ranks, resumed")
+
+
+def expect_error(kind, text, call):
+    try:
+        call()
+    except kind as e:
+        assert text in str(e), f"the message does not say {text!r}: {e}"
+        assert "\n" not in str(e).strip(), f"not one line: {e}"
+        return str(e)
+    raise AssertionError(f"no {kind.__name__} saying {text!r}")
+
+
+def case_errors(args):
+    """Bad input raises Python exceptions whose one-line messages name the problem and the fix."""
+    model = build("plain")
+    block = blocks_of(model)[0]
+    fsdpcpp.fully_shard(block)
+    expect_error(ValueError, "already sharded: call fully_shard once per module", lambda: fsdpcpp.fully_shard(block))
+    top_down = build("plain")
+    fsdpcpp.fully_shard(top_down)
+    expect_error(ValueError, "Apply fully_shard bottom-up", lambda: fsdpcpp.fully_shard(blocks_of(top_down)[0]))
+    expect_error(ValueError, "is on meta but the communicator",
+                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device="meta")))
+    expect_error(TypeError, "expected an nn.Module", lambda: fsdpcpp.fully_shard([block]))
+    expect_error(NotImplementedError, "mesh= is not supported", lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
+    if fsdpcpp.device().type == "cuda":
+        expect_error(ValueError, "is on cpu but the communicator", lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4)))
+    # A model that differs across ranks: every rank learns which rank differs.
+    different = torch.nn.Linear(4, 4 + fsdpcpp.rank() % 2, device=fsdpcpp.device())
+    if fsdpcpp.world_size() > 1:
+        expect_error(ValueError, "the model differs across ranks", lambda: fsdpcpp.fully_shard(different))
+    # clip_grad_norm_ over a parameter no fully_shard took.
+    expect_error(ValueError, "is not sharded: apply fully_shard to the root module too",
+                 lambda: fsdpcpp.clip_grad_norm_(torch.nn.Linear(2, 2, device=fsdpcpp.device()).parameters(), 1.0))
+    # A checkpoint of another model.
+    if args.dir:
+        other = shard(build("gpt2"))
+        expect_error(RuntimeError, "a checkpoint of another model",
+                     lambda: fsdpcpp.load_checkpoint(fsdpcpp.newest_checkpoint(args.dir), other))
+    if fsdpcpp.rank() == 0:
+        print("errors: each raised with its one-line message")
+
+
+def case_hf_roundtrip(args):
+    """transformers' save_pretrained of the full state dict, from_pretrained back: the same
+    logits; set_model_state_dict of the loaded weights into a fresh sharded model: the same
+    parameters."""
+    from transformers import AutoModelForCausalLM
+    model = shard(build(args.model))
+    train_sharded(model, 2)
+    full = fsdpcpp.get_model_state_dict(model)
+    if fsdpcpp.rank() == 0:
+        unsharded = build(args.model)
+        unsharded.load_state_dict(full)
+        unsharded.save_pretrained(args.dir, state_dict=full)
+    fsdpcpp._C.all_reduce_sum(torch.zeros(1, device=fsdpcpp.device()))  # the files are written before anyone reads them
+    loaded = AutoModelForCausalLM.from_pretrained(args.dir).to(fsdpcpp.device())
+    tokens = batch(0)[:, :-1]
+    with torch.no_grad():
+        expected = model(input_ids=tokens).logits
+        got = loaded(input_ids=tokens).logits
+    assert torch.equal(expected, got), f"logits differ by {(expected - got).abs().max().item()}"
+    fresh = shard(build(args.model))
+    fsdpcpp.set_model_state_dict(fresh, loaded.state_dict())
+    again = fsdpcpp.get_model_state_dict(fresh)
+    for name, value in full.items():
+        assert torch.equal(again[name], value), f"{name} changed through save_pretrained and from_pretrained"
+    expect_error(KeyError, "missing keys", lambda: fsdpcpp.set_model_state_dict(fresh, {}))
+    if fsdpcpp.rank() == 0:
+        print(f"{args.model}: save_pretrained / from_pretrained round trip exact on {fsdpcpp.world_size()} ranks")
+
+
+def case_compile(args):
+    """torch.compile on each block before fully_shard (as torchtitan does): parity."""
+    steps = 3
+    ref = Reference(args.model, steps)
+    model = build(args.model)
+    for block in blocks_of(model):
+        block.compile()
+    shard(model)
+    losses, _ = train_sharded(model, steps)
+    check_parity(ref, losses, model, f"{args.model} with compiled blocks")
+
+
+def case_trace(args):
+    """A Chrome trace of one step names each unit's forward, backward, all-gathers and
+    reduce-scatters; runtime_stats counts the collectives."""
+    model = shard(build("plain"))
+    train_sharded(model, 1)
+    before = fsdpcpp.runtime_stats()
+    fsdpcpp.start_trace()
+    train_sharded(model, 1)
+    path = os.path.join(args.dir, f"trace-{fsdpcpp.rank()}.json")
+    fsdpcpp.write_trace(path)
+    after = fsdpcpp.runtime_stats()
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = [e.get("name", "") for e in events]
+    units = len(blocks_of(model)) + 1
+    for kind in ("forward #", "backward #", "all-gather #", "reduce-scatter #"):
+        assert sum(n.startswith(kind) for n in names) >= units - (kind == "all-gather #"), (kind, names)
+    assert after["reduce_scatters"] - before["reduce_scatters"] == units, (before, after)
+    assert after["order_departures"] == before["order_departures"], "the second step's order changed"
+
+
+CASES = {"parity": case_parity, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+         "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 
 def main():
@@ -165,10 +341,11 @@ def main():
     parser.add_argument("--optimizer-before", action="store_true")
     parser.add_argument("--checkpointed", action="store_true")
     parser.add_argument("--keep-after-forward", action="store_true")
+    parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fsdpcpp.init()
+    fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK
     CASES[args.case](args)
 
 

@@ -1,0 +1,123 @@
+"""The Python front end's tests: each runs tests/python/cases.py on 1-4 CPU ranks under fsdp-run
+(real processes, MPI), as a user runs a script, and checks that every rank succeeded.
+
+    FSDP_BUILD=build build/python -m pytest tests/python    (ctest runs it as python_tests)
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.path.abspath(os.environ.get("FSDP_BUILD", os.path.join(HERE, "..", "..", "build")))
+
+
+GPU = os.environ.get("FSDPCPP_TEST_GPU") == "1"  # python_gpu_tests: the cases on GPUs, NCCL
+gpu_only = pytest.mark.skipif(not GPU, reason="GPU cases: FSDPCPP_TEST_GPU=1 (ctest python_gpu_tests)")
+cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
+
+
+def run(ranks, *args, expect_failure=False, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=os.environ.get("FSDP_TIMEOUT_S", "120"))
+    command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
+               os.path.join(HERE, "cases.py"), *map(str, args)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    if expect_failure:
+        assert done.returncode != 0, f"expected a failure:\n{output}"
+    else:
+        assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{output}"
+    return output
+
+
+@cpu_only
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_plain_llama_parity(ranks):
+    run(ranks, "parity", "--model", "plain")
+
+
+@cpu_only
+@pytest.mark.parametrize("model,ranks,options", [
+    ("llama", 2, ["--optimizer-before"]),
+    ("llama", 3, ["--checkpointed"]),
+    ("gpt2", 2, ["--optimizer-before"]),
+    ("gpt2", 4, ["--clip", "0.5"]),
+    ("plain", 2, ["--accum", "2"]),
+    ("plain", 3, ["--keep-after-forward", "--checkpointed"]),
+])
+def test_parity(model, ranks, options):
+    run(ranks, "parity", "--model", model, *options)
+
+
+@cpu_only
+def test_bounds_catch_a_small_error():
+    # 1% of the learning rate on the sharded side only: the parity bounds must see it.
+    output = run(2, "parity", "--model", "plain", "--lr-scale", "1.01", expect_failure=True)
+    assert "over the bound" in output, output
+
+
+@cpu_only
+@pytest.mark.parametrize("model,ranks", [("llama", 1), ("llama", 2), ("gpt2", 2)])
+def test_mixed_precision(model, ranks):
+    run(ranks, "mixed_precision", "--model", model)
+
+
+@cpu_only
+def test_save_on_3_ranks_resume_on_2(tmp_path):
+    run(3, "save", "--model", "llama", "--dir", tmp_path)
+    run(2, "resume", "--model", "llama", "--dir", tmp_path)
+
+
+@cpu_only
+def test_errors(tmp_path):
+    run(3, "save", "--model", "plain", "--dir", tmp_path)
+    run(2, "errors", "--dir", tmp_path)
+
+
+@cpu_only
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_hugging_face_round_trip(model, tmp_path):
+    run(2, "hf_roundtrip", "--model", model, "--dir", tmp_path / "export")
+
+
+@cpu_only
+def test_compiled_blocks():
+    run(2, "compile", "--model", "plain")
+
+
+@cpu_only
+def test_trace(tmp_path):
+    run(2, "trace", "--dir", tmp_path)
+
+
+# On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
+@gpu_only
+@pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
+def test_gpu_parity(model):
+    run(1, "parity", "--model", model, "--optimizer-before", "--checkpointed")
+
+
+@gpu_only
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_gpu_mixed_precision(model):
+    run(1, "mixed_precision", "--model", model)
+
+
+@gpu_only
+def test_gpu_save_resume_and_errors(tmp_path):
+    run(1, "save", "--model", "llama", "--dir", tmp_path)
+    run(1, "resume", "--model", "llama", "--dir", tmp_path)
+    run(1, "errors", "--dir", tmp_path)
+
+
+@gpu_only
+def test_gpu_hugging_face_round_trip(tmp_path):
+    run(1, "hf_roundtrip", "--model", "llama", "--dir", tmp_path / "export")
+
+
+@gpu_only
+def test_gpu_compiled_blocks_and_trace(tmp_path):
+    run(1, "compile", "--model", "plain")
+    run(1, "trace", "--dir", tmp_path)
