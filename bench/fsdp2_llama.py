@@ -14,6 +14,9 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
         [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
                       (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
+        [--runtime fsdpcpp]   the same script sharded by fsdp.cpp's Python package instead of FSDP2:
+                      only the import of fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy and
+                      clip_grad_norm_ changes (PYTHONPATH=build/py, or pip install .)
 """
 import argparse
 import json
@@ -212,13 +215,22 @@ def main():
                    help="SDPA kernel: ATen's choice or flash")
     p.add_argument("--cpu-offload", action="store_true",
                    help="CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host")
+    p.add_argument("--runtime", choices=["fsdp2", "fsdpcpp"], default="fsdp2",
+                   help="who shards the model: PyTorch's FSDP2 or fsdp.cpp's Python package (fsdpcpp)")
     args = p.parse_args()
+    global fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
+    if args.runtime == "fsdpcpp":  # the migration: these names from fsdpcpp instead of torch.distributed.fsdp
+        import fsdpcpp
+        from fsdpcpp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        assert not args.ddp, "--ddp is not a sharding runtime"
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
     # Offloaded gradients are CPU tensors: clip_grad_norm_'s all-reduce of them needs gloo.
     dist.init_process_group("cuda:nccl,cpu:gloo" if on_gpu and args.cpu_offload else "nccl" if on_gpu else "gloo")
     if args.cpu_offload:  # torchrun sets OMP_NUM_THREADS=1; the host optimizer gets this rank's share, as fsdp-train's
         torch.set_num_threads(max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if args.runtime == "fsdpcpp":
+        fsdpcpp.init()  # beside the process group: fsdp.cpp makes its own communicator
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -236,6 +248,12 @@ def main():
         missing = model.load_state_dict(weights, strict=False)
         assert not missing.missing_keys and not missing.unexpected_keys, missing
         model.to(device)
+    elif args.runtime == "fsdpcpp":  # no meta-device models (docs/python.md): made whole on the device
+        assert not args.optimizer_before_shard, "--optimizer-before-shard needs --init"
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = Llama(c, max(args.seq, 2048), checkpointed)
+            model.init_weights()
     else:  # FSDP2's recipe for models too large for one process: shapes now, memory after sharding
         assert not args.ddp and not args.optimizer_before_shard, "--ddp and --optimizer-before-shard need --init"
         torch.manual_seed(args.seed)
@@ -258,7 +276,7 @@ def main():
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
-        if not args.init:
+        if not args.init and args.runtime == "fsdp2":
             model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards live on the host
             model.init_weights()
         if args.cpu_offload:  # buffers are not offloaded: the forward reads them on the device
@@ -292,8 +310,11 @@ def main():
             loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
+            if args.runtime == "fsdpcpp":
+                grad_norm = fsdpcpp.clip_grad_norm_(model.parameters(), args.clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -312,7 +333,7 @@ def main():
                        model=args.model, host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
             log.write(json.dumps(row) + "\n")
             log.flush()
-            print(f"fsdp2 step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
+            print(f"{args.runtime} step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
                   f"peak alloc/reserved {alloc:.2f}/{reserved:.2f} GiB", flush=True)
     if profiler:
         profiler.stop()

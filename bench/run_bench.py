@@ -59,7 +59,13 @@ PYTORCH_SYSTEMS = {
     "pytorch-fsdp2": ("fsdp2", []),
     "pytorch-fsdp2-compile": ("fsdp2c", ["--compile"]),
     "pytorch-ddp": ("ddp", ["--ddp"]),
+    # The same script sharded by fsdp.cpp's Python package (issue #31): only the import changes.
+    "fsdpcpp-python": ("fsdpcppy", ["--runtime", "fsdpcpp"]),
+    "fsdpcpp-python-compile": ("fsdpcppyc", ["--runtime", "fsdpcpp", "--compile"]),
 }
+PYTHON_FRONT_END = ["fsdpcpp-python", "fsdpcpp-python-compile"]
+# Each of the Python front end's systems is compared with FSDP2 run the same way.
+PYTHON_PAIRS = [("fsdpcpp-python", "pytorch-fsdp2"), ("fsdpcpp-python-compile", "pytorch-fsdp2-compile")]
 SAVED_INITS = set()
 # Presets whose full weights are too large to hand over in one file (8B: 32 GB): each system makes
 # its own initial weights, of the same distribution, so their losses are not compared.
@@ -67,9 +73,11 @@ OWN_INIT_PRESETS = {"8b"}
 EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
 # The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
 REFERENCES = {
-    "1b": EAGER_AND_COMPILED, "1b-ac": EAGER_AND_COMPILED, "1b-es": ["pytorch-fsdp2"],
-    "1b-ac-es": ["pytorch-fsdp2"], "1b-lowlr": ["pytorch-fsdp2"],
-    "small": EAGER_AND_COMPILED + ["pytorch-ddp"], "8b": ["pytorch-fsdp2"], "8b-ac": ["pytorch-fsdp2"],
+    "1b": EAGER_AND_COMPILED + PYTHON_FRONT_END, "1b-ac": EAGER_AND_COMPILED + PYTHON_FRONT_END,
+    "1b-es": ["pytorch-fsdp2", "fsdpcpp-python"], "1b-ac-es": ["pytorch-fsdp2", "fsdpcpp-python"],
+    "1b-lowlr": ["pytorch-fsdp2"],
+    "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": ["pytorch-fsdp2", "fsdpcpp-python"],
+    "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
     "tiny": EAGER_AND_COMPILED + ["pytorch-ddp"],
 }
 
@@ -156,7 +164,8 @@ def run_config(config, world, args, repeat):
              str(batch), *flags, *system_flags, *(["--init", init] if shared_init else []),
              "--jsonl", log2, "--profile", profile2,
              "--profile-steps", str(args.profile_steps)],
-            log2.replace(".jsonl", ".log"), extra_env)
+            log2.replace(".jsonl", ".log"),
+            dict(extra_env, PYTHONPATH=os.path.join(args.build, "py")) if system in PYTHON_FRONT_END else extra_env)
     return collect(config, world, args.out, args.steps, repeat)
 
 
@@ -268,25 +277,37 @@ def write_markdown(results, worlds, path, common):
     lines += ["", "## Against the targets (same run, same GPUs" +
               ("; medians over the runs, the per-run speed ratios in brackets" if repeated else "") + ")", ""]
     for config, world, system in [(c, w, r) for c in CONFIGS for w in worlds for r in REFERENCES.get(c, [])]:
-        ours, theirs = by_key.get(("fsdp.cpp", config, world)), by_key.get((system, config, world))
-        if not ours or not theirs:
-            continue
-        pairs = list(zip(ours["runs"], theirs["runs"]))
-        gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
-        loss_note = ("not compared (each system its own initial weights)" if CONFIGS[config][0] in OWN_INIT_PRESETS
-                     else f"largest loss difference over {len(ours['losses'])} steps {gap:.4f}")
-        per_run = sorted(x["tok_s_gpu"] / y["tok_s_gpu"] for x, y in pairs)
-        lines.append(
-            f"- {config} on {world} GPUs: tokens/s/GPU {ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x {system}" +
-            (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak allocated "
-            f"{ratio(ours['peak_alloc_gib'], theirs['peak_alloc_gib'])}x and reserved "
-            f"{ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x its; reserved/allocated "
-            f"{ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
-            f"({system} {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); {loss_note}")
+        if system not in PYTHON_FRONT_END:
+            lines += comparison(by_key, config, world, "fsdp.cpp", system, repeated)
+    python_lines = [line for c in CONFIGS for w in worlds for ours, theirs in PYTHON_PAIRS
+                    for line in comparison(by_key, c, w, ours, theirs, repeated, name=ours)]
+    if python_lines:
+        lines += ["", "## The Python front end: the same script, fsdpcpp against FSDP2", ""] + python_lines
     if len(worlds) > 1:
         lines += scaling_markdown(by_key, worlds)
     open(path, "w").write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def comparison(by_key, config, world, ours_system, system, repeated, name=None):
+    """The line comparing two systems' medians on one configuration (none if either did not run)."""
+    ours, theirs = by_key.get((ours_system, config, world)), by_key.get((system, config, world))
+    if not ours or not theirs:
+        return []
+    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # CPU runs have no device memory
+    pairs = list(zip(ours["runs"], theirs["runs"]))
+    gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
+    loss_note = ("not compared (each system its own initial weights)" if CONFIGS[config][0] in OWN_INIT_PRESETS
+                 else f"largest loss difference over {len(ours['losses'])} steps {gap:.4f}")
+    per_run = sorted(x["tok_s_gpu"] / y["tok_s_gpu"] for x, y in pairs)
+    return [
+        f"- {config} on {world} GPUs: {name + ' ' if name else ''}tokens/s/GPU "
+        f"{ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x {system}" +
+        (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak allocated "
+        f"{ratio(ours['peak_alloc_gib'], theirs['peak_alloc_gib'])}x and reserved "
+        f"{ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x its; reserved/allocated "
+        f"{ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
+        f"({system} {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); {loss_note}"]
 
 
 def scaling_markdown(by_key, worlds):

@@ -38,10 +38,33 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
         return
     if backend not in ("auto", "mpi", "nccl"):
         raise ValueError(f"fsdpcpp.init: backend must be 'auto', 'mpi' or 'nccl', not {backend!r}")
+    _move_off_the_process_groups_port()
     rank_, world, device_, backend_name = _C.init(backend, timeout_s)
     _info = (rank_, world, torch.device(device_), backend_name)
     if _info[2].type == "cuda":
         torch.cuda.set_device(_info[2])
+
+
+def _move_off_the_process_groups_port():
+    # A script that made its process group first (FSDP2 scripts do) launched without torchrun's
+    # agent store: its rank 0 serves MASTER_PORT already. Rank 0 picks a free port for fsdp.cpp's
+    # store and the process group tells the others.
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or "MASTER_ADDR" not in os.environ:
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return  # torchrun: every rank is a client of the agent's store, which takes fsdp.cpp's keys too
+    port = torch.zeros(1, dtype=torch.long)
+    if dist.get_rank() == 0:
+        import socket
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port[0] = s.getsockname()[1]
+    backend = dist.get_backend()
+    on = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) and torch.cuda.is_available() else "cpu"
+    port = port.to(on)
+    dist.broadcast(port, 0)
+    os.environ["MASTER_PORT"] = str(int(port.item()))
 
 
 def _ensure_init():
