@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.utils.checkpoint
@@ -328,7 +329,36 @@ def case_trace(args):
     assert after["order_departures"] == before["order_departures"], "the second step's order changed"
 
 
-CASES = {"parity": case_parity, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+def case_timeout(args):
+    """Rank 1 never joins the first all-gather: rank 0's forward raises, naming the collective, its
+    rank and group, and the time it waited (FSDP_TIMEOUT_S)."""
+    model = shard(build("plain"))
+    if fsdpcpp.rank() == 1:
+        time.sleep(60)  # ended by the launcher once rank 0 has failed
+        return
+    loss_of(model, my_rows(batch(0)))
+
+
+def case_beside_process_group(args):
+    """A script that made its torch.distributed process group first, as FSDP2 scripts do: init()
+    joins the same ranks beside it, and training matches the reference."""
+    import torch.distributed as dist
+    os.environ.setdefault("RANK", os.environ["OMPI_COMM_WORLD_RANK"])
+    os.environ.setdefault("WORLD_SIZE", os.environ["OMPI_COMM_WORLD_SIZE"])
+    os.environ.setdefault("LOCAL_RANK", os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", args.port)
+    dist.init_process_group("gloo")
+    fsdpcpp.init()
+    assert (fsdpcpp.rank(), fsdpcpp.world_size()) == (dist.get_rank(), dist.get_world_size())
+    ref = Reference("plain", 2)
+    model = shard(build("plain"))
+    losses, _ = train_sharded(model, 2)
+    check_parity(ref, losses, model, "plain beside a gloo process group")
+    dist.destroy_process_group()
+
+
+CASES = {"parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 
@@ -343,9 +373,11 @@ def main():
     parser.add_argument("--keep-after-forward", action="store_true")
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
+    parser.add_argument("--port", default="29531")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK
+    if args.case != "beside_process_group":
+        fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK
     CASES[args.case](args)
 
 

@@ -19,8 +19,8 @@ gpu_only = pytest.mark.skipif(not GPU, reason="GPU cases: FSDPCPP_TEST_GPU=1 (ct
 cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
 
 
-def run(ranks, *args, expect_failure=False, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=os.environ.get("FSDP_TIMEOUT_S", "120"))
+def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120):
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s))
     command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
                os.path.join(HERE, "cases.py"), *map(str, args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,6 +80,18 @@ def test_errors(tmp_path):
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_hugging_face_round_trip(model, tmp_path):
     run(2, "hf_roundtrip", "--model", model, "--dir", tmp_path / "export")
+
+
+@cpu_only
+def test_a_collective_that_never_completes_times_out():
+    output = run(2, "timeout", expect_failure=True, collective_timeout_s=3)
+    assert "on rank 0 of group 'world' (2 ranks, mpi) did not complete within 3.0 s" in output, output
+    assert "all_gather" in output, output
+
+
+@cpu_only
+def test_init_beside_a_process_group():
+    run(2, "beside_process_group", "--port", str(29500 + os.getpid() % 2000))
 
 
 @cpu_only
