@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# A/B of fsdp-train's 1B step time on one GPU between this checkout's build and another commit's
+# sources (a change's "step time unchanged" check), in one device call: builds BASE_SRC's
+# fsdp-train alone with this build's torch and nlohmann/json, then alternates RUNS runs of each,
+# 30 steps, and prints each run's median step (steps 6-30) and the medians of both.
+#   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
+#   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
+mkdir -p "$out"
+source bench/gpu_env.sh
+torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+json=$(sed -n 's/^JSON_INCLUDE_DIR:PATH=//p' build/CMakeCache.txt)
+cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DFSDP_JSON_INCLUDE="$json" \
+  -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_PYTHON=OFF > "$out/ab-base-build.log" 2>&1 &&
+  cmake --build "$base/build" --target fsdp-train >> "$out/ab-base-build.log" 2>&1 || { tail -20 "$out/ab-base-build.log"; exit 1; }
+for i in $(seq "$runs"); do
+  for side in new base; do
+    train=build/fsdp-train; [ "$side" = base ] && train=$base/build/fsdp-train
+    build/fsdp-run --gpu -n 1 "$train" --model 1b --seq 2048 --batch 4 --param-dtype bf16 --steps 30 \
+      --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1 || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
+  done
+done
+python3 - "$out" "$runs" <<'PY'
+import json, statistics, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+median = lambda side, i: statistics.median(json.loads(l)["step_ms"] for l in list(open(f"{out}/ab-{side}-{i}.jsonl"))[5:])
+for side in ("new", "base"):
+    each = [median(side, i) for i in range(1, runs + 1)]
+    print(f"1b on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)})")
+PY
