@@ -89,6 +89,9 @@ Trace::Recording Trace::finish() {
   recording.marks = std::move(marks_);
   spans_.clear();
   marks_.clear();
+  // No event outlives the recording: a static Trace holding one past the end of the process
+  // would destroy it after CUDA is torn down (a crash at exit in Python).
+  origin_ = nullptr;
   return recording;
 }
 

@@ -327,6 +327,8 @@ def case_trace(args):
         assert sum(n.startswith(kind) for n in names) >= units - (kind == "all-gather #"), (kind, names)
     assert after["reduce_scatters"] - before["reduce_scatters"] == units, (before, after)
     assert after["order_departures"] == before["order_departures"], "the second step's order changed"
+    if fsdpcpp.rank() == 0:
+        print(f"trace: {len(events)} events, {after['reduce_scatters'] - before['reduce_scatters']} reduce-scatters")
 
 
 def case_timeout(args):
