@@ -3,6 +3,7 @@ registers it with the C++ core (fsdp/unit.h), and hooks the module's forward."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +103,13 @@ def _pre_forward(module, args, kwargs):
 
 @torch._dynamo.disable
 def _post_forward(module, args, kwargs, output):
-    # Called with output None when the forward raised (always_call): the unit's bookkeeping ends
-    # either way.
     state = module._fsdpcpp
+    if sys.exc_info()[1] is not None:
+        # Called for a forward that raised (always_call): its bookkeeping ends, the parameters stay
+        # as they are. Non-reentrant checkpointing stops a recomputation this way once it has the
+        # tensors backward needs, and backward still reads the gathered parameters after it.
+        state.unit.abort_forward()
+        return output
     leaves, _ = tree_flatten(output)
     state.unit.post_forward([t for t in leaves if isinstance(t, torch.Tensor)])
     if state.mp_policy.output_dtype is not None:

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdpcpp  # noqa: E402
-from models import MODELS, blocks_of, loss_of  # noqa: E402
+from models import MODELS, blocks_of, checkpoint_calls, loss_of  # noqa: E402
 
 UNIT_ROUNDOFF = 2.0 ** -24
 LAMBDA = 10
@@ -147,11 +147,19 @@ def case_parity(args):
     model = build(args.model)
     # --lr-scale 1.01: an error of 1% of the learning rate, which the bounds must catch.
     opt = optimizer_for(model, args.lr_scale) if args.optimizer_before or args.lr_scale != 1 else None
+    calls = []
+    if args.checkpoint_calls:
+        checkpoint_calls(model)
+        # The block's first submodule runs again when the block is recomputed.
+        next(blocks_of(model)[0].children()).register_forward_pre_hook(lambda *_: calls.append(1))
     shard(model, checkpointed=args.checkpointed, reshard=not args.keep_after_forward)
     losses, _ = train_sharded(model, steps, clip=args.clip, accum=args.accum, optimizer=opt,
                               optimizer_before=args.optimizer_before)
+    if args.checkpoint_calls:  # each step's forward, and its recomputation in backward
+        assert len(calls) == 2 * steps * args.accum, f"block 0's first part ran {len(calls)} times in {steps} steps"
     check_parity(ref, losses, model, f"{args.model} (optimizer {'before' if args.optimizer_before else 'after'} "
-                 f"sharding{', checkpointed blocks' if args.checkpointed else ''}{f', clip {args.clip}' if args.clip else ''}"
+                 f"sharding{', checkpointed blocks' if args.checkpointed else ''}"
+                 f"{', checkpoint around each block call' if args.checkpoint_calls else ''}{f', clip {args.clip}' if args.clip else ''}"
                  f"{f', {args.accum} micro-batches' if args.accum > 1 else ''})")
 
 
@@ -373,6 +381,7 @@ def main():
     parser.add_argument("--optimizer-before", action="store_true")
     parser.add_argument("--checkpointed", action="store_true")
     parser.add_argument("--keep-after-forward", action="store_true")
+    parser.add_argument("--checkpoint-calls", action="store_true")
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     parser.add_argument("--port", default="29531")

@@ -3,6 +3,7 @@ SDPA, fused QKV), and transformers' own LlamaForCausalLM and GPT2LMHeadModel fro
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -34,11 +35,12 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
         self.norm = nn.Parameter(torch.ones(dim))
         self.head = nn.Linear(dim, vocab, bias=False)
+        self.checkpoint_calls = False  # torch.utils.checkpoint around each block's call (hooks included)
 
     def forward(self, tokens, targets):
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpoint_calls else layer(x)
         logits = self.head(F.rms_norm(x, (x.shape[-1],), self.norm))
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -73,6 +75,17 @@ def blocks_of(model):
     if hasattr(model, "model"):  # LlamaForCausalLM
         return list(model.model.layers)
     return list(model.transformer.h)  # GPT2LMHeadModel
+
+
+def checkpoint_calls(model):
+    """Activation checkpointing of every block: for ours, around each block's call, its forward
+    hooks included, as scripts calling checkpoint(layer, x) do (the recomputation runs
+    fully_shard's hooks again, inside backward); transformers' gradient checkpointing wraps the
+    layers' forward, inside the hooks."""
+    if isinstance(model, Llama):
+        model.checkpoint_calls = True
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def loss_of(model, tokens):

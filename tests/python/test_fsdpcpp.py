@@ -46,6 +46,11 @@ def test_plain_llama_parity(ranks):
     ("gpt2", 4, ["--clip", "0.5"]),
     ("plain", 2, ["--accum", "2"]),
     ("plain", 3, ["--keep-after-forward", "--checkpointed"]),
+    # Checkpointing around the block's call, hooks included (recomputation stops early, by an
+    # exception, once backward has its tensors), and transformers' gradient checkpointing.
+    ("plain", 2, ["--checkpoint-calls"]),
+    ("llama", 2, ["--checkpoint-calls"]),
+    ("gpt2", 3, ["--checkpoint-calls"]),
 ])
 def test_parity(model, ranks, options):
     run(ranks, "parity", "--model", model, *options)
@@ -109,6 +114,7 @@ def test_trace(tmp_path):
 @pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
 def test_gpu_parity(model):
     run(1, "parity", "--model", model, "--optimizer-before", "--checkpointed")
+    run(1, "parity", "--model", model, "--checkpoint-calls")
 
 
 @gpu_only
