@@ -7,7 +7,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <optional>
@@ -64,9 +69,28 @@ fsdp::CheckpointState checkpoint_state(const ShardedEntries& sharded, const fsdp
   return state;
 }
 
+// FSDPCPP_CRASH_BACKTRACE=1: a crash in native code prints its C++ frames to stderr (Python's
+// faulthandler shows only the Python ones), then ends the process as the signal would.
+void print_native_frames(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char header[] = "fsdpcpp: native frames of the crash:\n";
+  (void)!write(2, header, sizeof(header) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+void install_crash_backtrace() {
+  const char* on = std::getenv("FSDPCPP_CRASH_BACKTRACE");
+  if (!on || std::string(on) != "1") return;
+  for (int sig : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE}) signal(sig, print_native_frames);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  install_crash_backtrace();
   m.doc() = "fsdp.cpp's C++ runtime, bound for the fsdpcpp package";
   // One line for a person: libtorch's errors without their C++ backtrace (FSDP_BACKTRACE=1 keeps it).
   py::register_exception_translator([](std::exception_ptr p) {
