@@ -30,7 +30,8 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     MASTER_PORT), mpirun's (OMPI_COMM_WORLD_*), or none (one process). backend "auto" takes NCCL
     where CUDA is available (and selects cuda:LOCAL_RANK), else MPI. Works beside a process group
     the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
-    communicator). A collective that waits longer than timeout_s (default: FSDP_TIMEOUT_S, else
+    communicator). On GPUs it turns on the caching allocator's expandable segments unless
+    PYTORCH_CUDA_ALLOC_CONF is set. A collective that waits longer than timeout_s (default: FSDP_TIMEOUT_S, else
     the library's) raises, naming the rank, the group and the operation. A second call does
     nothing."""
     global _info
@@ -43,6 +44,11 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     _info = (rank_, world, torch.device(device_), backend_name)
     if _info[2].type == "cuda":
         torch.cuda.set_device(_info[2])
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            # As fsdp-train: the caching allocator grows one mapping instead of keeping fixed
+            # segments, so memory that activations free is reused at any size (reserved stays
+            # near allocated). A PYTORCH_CUDA_ALLOC_CONF of the user's, even empty, wins.
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _move_off_the_process_groups_port():

@@ -4,11 +4,10 @@
 #include <ATen/ops/full.h>
 #include <c10/core/ScalarType.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
-#include <iomanip>
-#include <sstream>
 
 namespace fsdp {
 
@@ -19,20 +18,19 @@ Communicator::Communicator(int rank, int world_size, std::string group_name,
   check_collectives_ = check && std::string(check) == "1";
 }
 
+// Messages are built from strings, not iostreams: in the Python extension on the GPU machines'
+// image, formatting an integer into an ostream crashed inside libstdc++'s locale code.
 std::string Communicator::describe() const {
-  std::ostringstream s;
-  s << "rank " << rank_ << " of group '" << group_name_ << "' (" << world_size_ << " ranks, "
-    << backend() << ")";
-  return s.str();
+  return "rank " + std::to_string(rank_) + " of group '" + group_name_ + "' (" + std::to_string(world_size_) +
+         " ranks, " + backend() + ")";
 }
 
 std::string Communicator::timeout_message(const std::string& what) const {
-  std::ostringstream s;
-  s << "fsdp: " << what << " on " << describe() << " did not complete within " << std::fixed
-    << std::setprecision(1) << timeout_.count() / 1000.0
-    << " s: another rank has exited, is stuck, or called a different collective. Raise the "
-       "limit with FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
-  return s.str();
+  char seconds[32];
+  std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
+  return "fsdp: " + what + " on " + describe() + " did not complete within " + seconds +
+         " s: another rank has exited, is stuck, or called a different collective. Raise the limit with "
+         "FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
 }
 
 void Communicator::check_tensor(const at::Tensor& t, const char* op, const char* role) const {

@@ -3,7 +3,6 @@
 #include <ATen/ops/tensor.h>
 #include <torch/nn/module.h>
 
-#include <sstream>
 #include <stdexcept>
 #include <unordered_set>
 

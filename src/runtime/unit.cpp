@@ -13,7 +13,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -44,12 +44,14 @@ uint64_t structure_hash(const NamedTensors& params) {
 
 std::invalid_argument structure_error(const UnitSpec& spec, int64_t first_hash, int64_t other_hash, int other_rank,
                                       const Communicator& comm) {
-  std::ostringstream s;
-  s << "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " << std::hex << first_hash
-    << " on rank 0 but " << other_hash << " on rank " << std::dec << other_rank << " of '" << comm.group_name()
-    << "' (this is rank " << comm.rank() << ", " << spec.params.size() << " parameters here). Build the same model "
-    << "on every rank before sharding.";
-  return shard_error(spec, s.str());
+  char hashes[64];
+  std::snprintf(hashes, sizeof(hashes), "%llx on rank 0 but %llx", static_cast<unsigned long long>(first_hash),
+                static_cast<unsigned long long>(other_hash));
+  return shard_error(spec, "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " +
+                               std::string(hashes) + " on rank " + std::to_string(other_rank) + " of '" +
+                               comm.group_name() + "' (this is rank " + std::to_string(comm.rank()) + ", " +
+                               std::to_string(spec.params.size()) + " parameters here). Build the same model on "
+                               "every rank before sharding.");
 }
 
 // Every rank must shard the same parameters in the same order, or the collectives would exchange

@@ -2,10 +2,11 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <fstream>
+#include <cstdio>
 #include <stdexcept>
 
 #include "fsdp/memory_stats.h"
+#include "io/files.h"
 
 namespace fsdp {
 
@@ -98,21 +99,24 @@ Trace::Recording Trace::finish() {
 void Trace::write(const std::string& path, int rank) {
   if (!active()) return;
   const auto spans = finish().spans;
-  std::ofstream out(path);
-  if (!out) throw std::invalid_argument("fsdp: cannot write the trace file '" + path + "'");
+  // Built as a string and written through io/files.h (no iostreams: see comm/communicator.cpp).
   static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step"};
-  out << "{\"traceEvents\":[";
+  const std::string pid = std::to_string(rank);
+  std::string json = "{\"traceEvents\":[";
   for (int t = 0; t < 5; ++t)
-    out << (t ? "," : "") << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << rank
-        << ",\"tid\":" << t << ",\"args\":{\"name\":\"" << track_names[t] << "\"}}";
+    json += std::string(t ? "," : "") + "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" + pid +
+            ",\"tid\":" + std::to_string(t) + ",\"args\":{\"name\":\"" + track_names[t] + "\"}}";
+  char times[96];
   for (const auto& span : spans) {
-    out << ",{\"ph\":\"X\",\"name\":\"" << span.name << "\",\"pid\":" << rank
-        << ",\"tid\":" << static_cast<int>(span.track) << ",\"ts\":" << span.start_ms * 1000
-        << ",\"dur\":" << (span.end_ms - span.start_ms) * 1000 << "}";
+    std::snprintf(times, sizeof(times), ",\"ts\":%.3f,\"dur\":%.3f}", span.start_ms * 1000,
+                  (span.end_ms - span.start_ms) * 1000);
+    json += ",{\"ph\":\"X\",\"name\":\"" + span.name + "\",\"pid\":" + pid +
+            ",\"tid\":" + std::to_string(static_cast<int>(span.track)) + times;
   }
-  out << "]}\n";
+  json += "]}\n";
+  io::OutputFile out(path);  // throws naming the path and the system's reason
+  out.write(json.data(), json.size());
   out.close();
-  if (!out) throw std::runtime_error("fsdp: could not write the whole trace file '" + path + "'");
 }
 
 }  // namespace fsdp
