@@ -113,6 +113,11 @@ def summarize(jsonl, world, steps, profile):
     )
 
 
+def ratio(a, b):
+    """a / b for a table; CPU runs have no device memory (b = 0)."""
+    return f"{a / b:.3f}" if b else "n/a"
+
+
 def log_paths(folder, system, config, world, repeat):
     """(step log, profile prefix) of one run; repeats after the first get an -rN suffix."""
     name = f"{system}-{config}-w{world}" + (f"-r{repeat}" if repeat else "")
@@ -265,7 +270,6 @@ def write_markdown(results, worlds, path, common):
              "loss first → last |",
              "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda v: "" if v is None else f"{v:.1f}"
-    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # CPU runs have no device memory
     for r in results:
         lines.append(
             f"| {r['system']} | {r['config']} | {r['world']} | " + (f"{r['repeat'] + 1} | " if repeated else "") +
@@ -294,7 +298,6 @@ def comparison(by_key, config, world, ours_system, system, repeated, name=None):
     ours, theirs = by_key.get((ours_system, config, world)), by_key.get((system, config, world))
     if not ours or not theirs:
         return []
-    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # CPU runs have no device memory
     pairs = list(zip(ours["runs"], theirs["runs"]))
     gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
     loss_note = ("not compared (each system its own initial weights)" if CONFIGS[config][0] in OWN_INIT_PRESETS

@@ -188,6 +188,41 @@ TEST(Roots, ForwardOnlyReturnsToTheShardedBaseline) {
 }
 
 // One sharded module inside two roots: the second root's first forward names it.
+// Scheduling options set on one root apply to that root alone: with its prefetch depth 0 it issues
+// no prefetch while a root beside it, on the process-wide default (depth 1), does.
+TEST(Roots, RuntimeOptionsOfOneRootLeaveTheOthersOnTheDefault) {
+  ASSERT_EQ(runtime_options().prefetch_depth, 1);
+  auto own = seeded_llama(tiny_llama()), beside = seeded_llama(tiny_llama());
+  shard_blocks_and_root(own);
+  shard_blocks_and_root(beside);
+  RuntimeOptions no_prefetch = runtime_options();
+  no_prefetch.prefetch_depth = 0;
+  set_runtime_options(own, no_prefetch);
+  auto step = [](model::Llama& m) {
+    auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
+    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
+                                         tokens.narrow(1, 1, 8).reshape({-1}))
+        .backward();
+  };
+  auto prefetches_of_a_step = [&](model::Llama& m) {
+    const long before = runtime_stats().prefetches;
+    step(m);
+    return runtime_stats().prefetches - before;
+  };
+  step(own);  // the first steps record the orders prefetching follows
+  step(beside);
+  EXPECT_EQ(prefetches_of_a_step(own), 0);
+  EXPECT_GT(prefetches_of_a_step(beside), 0);
+  EXPECT_EQ(runtime_options().prefetch_depth, 1);  // the default is untouched
+  try {
+    torch::nn::Linear unsharded(2, 2);
+    set_runtime_options(unsharded, no_prefetch);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("the module is not sharded; call fully_shard on it first"));
+  }
+}
+
 TEST(Roots, AModuleUnderTwoRootsIsAnError) {
   struct Pair : torch::nn::Module {
     explicit Pair(torch::nn::Linear shared) : shared(register_module("shared", shared)) {
