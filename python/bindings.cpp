@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fsdp/fsdp.h"
+#include "fsdp/memory_stats.h"
 
 namespace py = pybind11;
 
@@ -32,30 +33,16 @@ struct PyUnit {
   std::shared_ptr<const void> lifetime;
 };
 
-fsdp::RuntimeOptions runtime_options_from(const py::dict& d) {
-  fsdp::RuntimeOptions o = fsdp::runtime_options();
-  for (const auto& [key, value] : d) {
-    const auto k = key.cast<std::string>();
-    if (k == "prefetch_depth") o.prefetch_depth = value.cast<int>();
-    else if (k == "max_inflight_allgathers") o.max_inflight_allgathers = value.cast<int>();
-    else if (k == "max_inflight_reduce_scatters") o.max_inflight_reduce_scatters = value.cast<int>();
-    else if (k == "bucket_mb") o.bucket_mb = value.cast<double>();
-    else if (k == "reduce_bucket_max_wait") o.reduce_bucket_max_wait = value.cast<int>();
-    else if (k == "max_pending_host_steps") o.max_pending_host_steps = value.cast<int>();
-    else throw std::invalid_argument("fsdpcpp: unknown runtime option '" + k + "'");
-  }
-  return o;
-}
+struct CheckpointedForward {
+  std::unique_ptr<fsdp::CheckpointedForwardScope> scope;
+};
 
-py::dict dict_of(const fsdp::RuntimeOptions& o) {
-  py::dict d;
-  d["prefetch_depth"] = o.prefetch_depth;
-  d["max_inflight_allgathers"] = o.max_inflight_allgathers;
-  d["max_inflight_reduce_scatters"] = o.max_inflight_reduce_scatters;
-  d["bucket_mb"] = o.bucket_mb;
-  d["reduce_bucket_max_wait"] = o.reduce_bucket_max_wait;
-  d["max_pending_host_steps"] = o.max_pending_host_steps;
-  return d;
+// A root's units as Python lists them (module path, unit), for the planner's calls.
+using PyNamedUnits = std::vector<std::pair<std::string, PyUnit*>>;
+fsdp::PlanningRoot planning_root(const std::string& name, const PyNamedUnits& units) {
+  std::vector<std::pair<std::string, fsdp::ModuleState*>> listed;
+  for (const auto& [path, unit] : units) listed.emplace_back(path, unit->unit.get());
+  return fsdp::PlanningRoot(name, std::move(listed));
 }
 
 // The checkpoint's tensors as Python lists them: (name, local, like) sharded, (name, tensor) replicated.
@@ -123,11 +110,15 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("shutdown", &fsdp::shutdown);
-  m.def("all_reduce_sum", [](at::Tensor t) {
-    fsdp::default_communicator()->all_reduce(t, fsdp::ReduceOp::Sum);
-    return t;
+  m.def("all_reduce", [](const at::Tensor& t, bool average) {
+    fsdp::default_communicator()->all_reduce(t, average ? fsdp::ReduceOp::Avg : fsdp::ReduceOp::Sum);
   });
 
+  // `with _C.checkpointed_forward():` around the first pass of a checkpointed call.
+  py::class_<CheckpointedForward>(m, "checkpointed_forward")
+      .def(py::init<>())
+      .def("__enter__", [](CheckpointedForward& c) { c.scope = std::make_unique<fsdp::CheckpointedForwardScope>(); })
+      .def("__exit__", [](CheckpointedForward& c, py::args) { c.scope.reset(); });
   py::class_<PyUnit>(m, "Unit")
       .def_property_readonly("name", [](const PyUnit& u) { return fsdp::unit_name(*u.unit); })
       .def("pre_forward", [](PyUnit& u) { fsdp::unit_pre_forward(*u.unit); })
@@ -138,9 +129,9 @@ PYBIND11_MODULE(_C, m) {
       .def("set_requires_gradient_sync", [](PyUnit& u, bool sync) { fsdp::set_requires_gradient_sync(*u.unit, sync); })
       .def("set_reshard_after_forward", [](PyUnit& u, bool r) { fsdp::set_reshard_after_forward(*u.unit, r); })
       .def("reshard", [](PyUnit& u) { fsdp::reshard(*u.unit); })
-      .def("set_runtime_options", [](PyUnit& u, const py::dict& d) {
-        fsdp::set_runtime_options(*u.unit, runtime_options_from(d));
-      });
+      .def_property_readonly("reshard_after_forward", [](const PyUnit& u) { return fsdp::reshard_after_forward(*u.unit); })
+      .def("set_runtime_options", [](PyUnit& u, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*u.unit, o); })
+      .def("runtime_options", [](const PyUnit& u) { return fsdp::runtime_options(*u.unit); });
 
   m.def(
       "shard_unit",
@@ -174,20 +165,90 @@ PYBIND11_MODULE(_C, m) {
     return fsdp::clip_grad_norm_(params, max_norm);
   });
 
-  m.def("set_runtime_options", [](const py::dict& d) { fsdp::set_runtime_options(runtime_options_from(d)); });
-  m.def("runtime_options", [] { return dict_of(fsdp::runtime_options()); });
-  m.def("runtime_stats", [] {
-    const auto s = fsdp::runtime_stats();
-    py::dict d;
-    d["allgather_waits"] = s.allgather_waits;
-    d["reduce_scatter_waits"] = s.reduce_scatter_waits;
-    d["host_step_waits"] = s.host_step_waits;
-    d["prefetches"] = s.prefetches;
-    d["order_departures"] = s.order_departures;
-    d["all_gathers"] = s.all_gathers;
-    d["reduce_scatters"] = s.reduce_scatters;
-    return d;
+  // The structs bound field by field: Python reads their fields' names from the class.
+  py::class_<fsdp::RuntimeOptions>(m, "RuntimeOptions")
+      .def(py::init<>())
+      .def(py::init<const fsdp::RuntimeOptions&>())
+      .def_readwrite("prefetch_depth", &fsdp::RuntimeOptions::prefetch_depth)
+      .def_readwrite("max_inflight_allgathers", &fsdp::RuntimeOptions::max_inflight_allgathers)
+      .def_readwrite("max_inflight_reduce_scatters", &fsdp::RuntimeOptions::max_inflight_reduce_scatters)
+      .def_readwrite("bucket_mb", &fsdp::RuntimeOptions::bucket_mb)
+      .def_readwrite("reduce_bucket_max_wait", &fsdp::RuntimeOptions::reduce_bucket_max_wait)
+      .def_readwrite("max_pending_host_steps", &fsdp::RuntimeOptions::max_pending_host_steps);
+  py::class_<fsdp::RuntimeStats>(m, "RuntimeStats")
+      .def_readonly("allgather_waits", &fsdp::RuntimeStats::allgather_waits)
+      .def_readonly("reduce_scatter_waits", &fsdp::RuntimeStats::reduce_scatter_waits)
+      .def_readonly("host_step_waits", &fsdp::RuntimeStats::host_step_waits)
+      .def_readonly("prefetches", &fsdp::RuntimeStats::prefetches)
+      .def_readonly("order_departures", &fsdp::RuntimeStats::order_departures)
+      .def_readonly("all_gathers", &fsdp::RuntimeStats::all_gathers)
+      .def_readonly("reduce_scatters", &fsdp::RuntimeStats::reduce_scatters);
+  m.def("set_runtime_options", [](const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(o); });
+  m.def("runtime_options", [] { return fsdp::runtime_options(); });
+  m.def("runtime_stats", &fsdp::runtime_stats);
+
+  // The memory-budget planner (fsdp/planning.h); fsdpcpp/_planner.py runs its steps.
+  py::class_<fsdp::plan::Schedule>(m, "Schedule")
+      .def_readwrite("checkpoint", &fsdp::plan::Schedule::checkpoint)
+      .def_readwrite("reshard_after_forward", &fsdp::plan::Schedule::reshard_after_forward)
+      .def_readwrite("runtime", &fsdp::plan::Schedule::runtime);
+  py::class_<fsdp::plan::Prediction>(m, "Prediction")
+      .def_readonly("step_ms", &fsdp::plan::Prediction::step_ms)
+      .def_readonly("peak_bytes", &fsdp::plan::Prediction::peak_bytes)
+      .def_readonly("peak_during", &fsdp::plan::Prediction::peak_during);
+  py::class_<fsdp::plan::Planned>(m, "Planned")
+      .def_readonly("schedule", &fsdp::plan::Planned::schedule)
+      .def_readonly("prediction", &fsdp::plan::Planned::prediction);
+  py::class_<fsdp::plan::Plan>(m, "Plan")
+      .def_readonly("chosen", &fsdp::plan::Plan::chosen)
+      .def_readonly("usable_bytes", &fsdp::plan::Plan::usable_bytes);
+  py::class_<fsdp::plan::CostModel>(m, "CostModel")
+      .def_readonly("profiled_peak_bytes", &fsdp::plan::CostModel::profiled_peak_bytes)
+      .def_readonly("profiled_step_ms", &fsdp::plan::CostModel::profiled_step_ms);
+  m.def("profiling_schedule", [](const std::string& root, const PyNamedUnits& units) {
+    return fsdp::profiling_schedule(planning_root(root, units));
   });
+  m.def("calibration_schedule", [](const std::string& root, const PyNamedUnits& units) {
+    return fsdp::calibration_schedule(planning_root(root, units));
+  });
+  m.def("set_schedule", [](const std::string& root, const PyNamedUnits& units, const fsdp::plan::Schedule& s) {
+    fsdp::set_schedule(planning_root(root, units), s);
+  });
+  m.def("start_profiled_step", &fsdp::start_profiled_step);
+  m.def("finish_profiled_step", [](const std::string& root, const PyNamedUnits& units, double untraced_step_ms,
+                                   int micro_batches, bool reduce_every_micro_batch) {
+    return fsdp::finish_profiled_step(planning_root(root, units), untraced_step_ms, micro_batches,
+                                      reduce_every_micro_batch);
+  });
+  m.def("start_calibration_step", &fsdp::start_calibration_step);
+  m.def("finish_calibration_step", [](const std::string& root, const PyNamedUnits& units,
+                                      fsdp::plan::CostModel& profile, double untraced_step_ms) {
+    fsdp::finish_calibration_step(planning_root(root, units), profile, untraced_step_ms);
+  });
+  // The plan, or (message, smallest budget in bytes) when none fits: Python raises its
+  // fsdpcpp.BudgetTooSmall with both.
+  m.def("plan_for_budget", [](const std::string& root, const PyNamedUnits& units, int64_t budget_bytes,
+                              const fsdp::plan::CostModel& profile, double margin) -> py::object {
+    try {
+      return py::cast(fsdp::plan_for_budget(planning_root(root, units), budget_bytes, profile, margin));
+    } catch (const fsdp::plan::BudgetTooSmall& e) {
+      return py::make_tuple(std::string(e.what()), e.smallest_budget_bytes);
+    }
+  });
+  m.def("count_host_allocations", &fsdp::count_host_allocations);
+  m.def("allocated_bytes", [](const std::string& device) {
+    const auto bytes = fsdp::allocated_bytes(c10::Device(device));
+    return py::make_tuple(bytes.now, bytes.peak);
+  });
+  m.def("reset_peak_allocated", [](const std::string& device) { fsdp::reset_peak_allocated(c10::Device(device)); });
+  m.def("group_names", [](const std::string& root, const PyNamedUnits& units) {
+    std::vector<std::string> names;
+    for (const auto& shape : fsdp::group_shapes(planning_root(root, units))) names.push_back(shape.name);
+    return names;
+  });
+  m.def("describe_schedule", &fsdp::plan::describe);
+  m.def("format_bytes", &fsdp::plan::format_bytes);
+
   m.def("start_trace", &fsdp::start_trace);
   m.def("write_trace", &fsdp::write_trace);
 

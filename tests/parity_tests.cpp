@@ -307,7 +307,7 @@ TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
 TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   const RuntimeOptions defaults = runtime_options();
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
+  auto s = llama_setup(seeded_llama(tiny_llama()), [&defaults](model::Llama& m) {
     plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
     schedule.checkpoint[1] = true;
     schedule.reshard_after_forward[2] = false;
@@ -315,7 +315,8 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
     schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
     train::shard_with_schedule(m, schedule, {});
     EXPECT_EQ(m->config.checkpointed_blocks, std::vector<int64_t>{0});
-    EXPECT_EQ(runtime_options().prefetch_depth, 2);
+    EXPECT_EQ(runtime_options(*state_of(*m)).prefetch_depth, 2);
+    EXPECT_EQ(runtime_options().prefetch_depth, defaults.prefetch_depth);  // the root's, not the default
   });
   s.sgd = true;
   expect_same_run(train(s), want);

@@ -124,6 +124,7 @@ TEST(Planning, GradientAccumulationPredictsThePeakOfOtherSchedules) {
 // The fits take a step's time measured without recording where one is given (recording costs host
 // time); a negative one is an error that leaves no recording open.
 TEST(Planning, RecordedStepsTakeTheUntracedTimeGiven) {
+  count_host_allocations();  // on CPU ranks the profile measures host memory
   model::Llama llama = seeded_llama(tiny_llama());
   shard_blocks_and_root(llama);
   const auto tokens = train::synthetic_tokens(llama->config.vocab, 7)->rows(0, world()->rank() * 2, 2, 16);
@@ -164,10 +165,12 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
   };
   expect_same_run(train(s), want);
   EXPECT_EQ(model::Llama(llama)->config.checkpointed_blocks, std::vector<int64_t>{0});
-  EXPECT_EQ(runtime_options().prefetch_depth, 2);
-  EXPECT_EQ(runtime_options().bucket_mb, 1);
-  EXPECT_EQ(runtime_options().reduce_bucket_max_wait, 1);
-  set_runtime_options({});
+  // The root's options, not the process-wide default (another root keeps its own schedule).
+  const RuntimeOptions root_options = runtime_options(*state_of(*llama));
+  EXPECT_EQ(root_options.prefetch_depth, 2);
+  EXPECT_EQ(root_options.bucket_mb, 1);
+  EXPECT_EQ(root_options.reduce_bucket_max_wait, 1);
+  EXPECT_EQ(runtime_options(), RuntimeOptions{});
 }
 
 }  // namespace

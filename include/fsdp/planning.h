@@ -17,10 +17,13 @@
 //
 // The runtime applies the per-group and runtime choices of a schedule; which groups are
 // recomputed in backward is the model's to do (fsdp::recompute), as the schedule's checkpoint
-// vector says.
+// vector says. Each call takes the root as a PlanningRoot: a torch::nn model converts to one; the
+// Python package (fsdpcpp.plan_memory_budget) lists its nn.Module's units itself.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/fully_shard.h"
@@ -29,23 +32,37 @@
 
 namespace fsdp {
 
+/// The sharded units of one root, each under the name plans and reports give its group: its
+/// module's path ("blocks.3"; the root's own unit "root").
+struct PlanningRoot {
+  /// The units of `root`'s modules, found by their paths (implicit, so that a model passes as is).
+  PlanningRoot(const torch::nn::Module& root);  // NOLINT(google-explicit-constructor)
+  /// A front end's own listing: `name` is how errors name the root.
+  PlanningRoot(std::string name, std::vector<std::pair<std::string, ModuleState*>> units)
+      : name(std::move(name)), units(std::move(units)) {}
+
+  std::string name;
+  std::vector<std::pair<std::string, ModuleState*>> units;  ///< the root's own unit among them
+};
+
 /// The sharded groups under `root` in the forward order recorded by the last step (so at least
 /// one step must have run), with their buffers' sizes. The root group is marked as enclosing the
 /// others and not checkpointable; every other group checkpointable (change it where the model
 /// cannot recompute a group). Throws std::invalid_argument for groups sharded with replicas
 /// (HSDP), which the cost model does not describe.
-std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root);
+std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root);
 
 /// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
-plan::Schedule profiling_schedule(const torch::nn::Module& root);
+plan::Schedule profiling_schedule(const PlanningRoot& root);
 
 /// Each group's reshard_after_forward and the runtime's prefetch depth, in-flight caps and
 /// buckets (bucket_mb, reduce_bucket_max_wait), as the schedule says. Takes effect from the next step. Throws
 /// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
-void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule);
-/// Only the runtime's part of it: prefetch depth, in-flight caps and buckets (for use before any step,
-/// while sharding with the schedule's per-group choices).
-void set_runtime_choices(const plan::Schedule& schedule);
+void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule);
+/// Only the runtime's part of it, as the root's own options (set_runtime_options(root's unit, ...)):
+/// prefetch depth, in-flight caps and buckets; the cap on pending host steps stays the root's.
+/// Needs no recorded order (for use right after sharding with the schedule's per-group choices).
+void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule);
 
 /// Records the next step with memory marks (call right before its forward; not while a Chrome
 /// trace is being recorded). Waits for the device first, so that the step is timed alone.
@@ -66,7 +83,7 @@ void set_runtime_choices(const plan::Schedule& schedule);
 /// pass (start_profiled_step right before its forward; the calibration step the same way) and
 /// pass the untraced time of a whole step (required then); the simulator replays every pass.
 void start_profiled_step();
-plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms = 0,
+plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_step_ms = 0,
                                      int micro_batches = 1, bool reduce_every_micro_batch = true);
 
 /// The step after the profiled one, recorded to measure how collectives and compute slow each
@@ -74,13 +91,13 @@ plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untra
 /// calibration_schedule(root) (the profile's, at prefetch depth 1) between start_calibration_step
 /// and finish_calibration_step, which writes profile.contention. Collective, like the profile;
 /// `untraced_step_ms` as for finish_profiled_step.
-plan::Schedule calibration_schedule(const torch::nn::Module& root);
+plan::Schedule calibration_schedule(const PlanningRoot& root);
 void start_calibration_step();
-void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile, double untraced_step_ms = 0);
+void finish_calibration_step(const PlanningRoot& root, plan::CostModel& profile, double untraced_step_ms = 0);
 
 /// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
 /// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.
-plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,
+plan::Plan plan_for_budget(const PlanningRoot& root, int64_t budget_bytes, const plan::CostModel& profile,
                            double margin = 0.05);
 
 }  // namespace fsdp

@@ -60,16 +60,31 @@ void unit_pre_forward(ModuleState& unit);
 void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs);
 void unit_abort_forward(ModuleState& unit);
 
+/// While alive: the first pass of a call checkpointed with autograd on (torch.utils.checkpoint,
+/// non-reentrant), whose recompute comes in backward. The units' forwards inside it start their
+/// backward at their recompute, as under fsdp::recompute, not at their outputs' gradients (which
+/// arrive just before it): so traces and the planner's profile see a recompute span.
+class CheckpointedForwardScope {
+ public:
+  CheckpointedForwardScope();
+  ~CheckpointedForwardScope();
+  CheckpointedForwardScope(const CheckpointedForwardScope&) = delete;
+  CheckpointedForwardScope& operator=(const CheckpointedForwardScope&) = delete;
+};
+
 /// Gradient sync (set_requires_gradient_sync) for `unit` and every unit inside it.
 void set_requires_gradient_sync(ModuleState& unit, bool sync);
 /// Whether the unit frees its unsharded parameters after forward (ShardOptions).
 void set_reshard_after_forward(ModuleState& unit, bool reshard);
+bool reshard_after_forward(const ModuleState& unit);
 /// Frees the unit's unsharded parameters now, if it holds them (FSDP2's FSDPModule.reshard).
 void reshard(ModuleState& unit);
 /// The scheduling options of the root whose top unit is `unit`, instead of the process-wide
 /// default (set_runtime_options(options)) for that root alone; takes effect from its next step.
 /// Throws std::invalid_argument for negative values.
 void set_runtime_options(ModuleState& unit, const RuntimeOptions& options);
+/// The scheduling options that root runs with: its own, else the process-wide default.
+RuntimeOptions runtime_options(const ModuleState& unit);
 
 /// Collective over the parameter's unit. A full (unsharded) copy of `param`: its unit's
 /// parameter all-gathered, or a copy of it when it belongs to no unit.

@@ -28,6 +28,9 @@ from ._runtime import (
     runtime_options,
     set_runtime_options,
     runtime_stats,
+    all_reduce,
+    allocated_bytes,
+    reset_peak_allocated,
     start_trace,
     write_trace,
 )
@@ -40,13 +43,16 @@ from ._fully_shard import (
 )
 from ._state import clip_grad_norm_, get_model_state_dict, set_model_state_dict, full_parameter
 from ._checkpoint import save_checkpoint, load_checkpoint, newest_checkpoint, checkpoint_name
+from ._planner import BudgetTooSmall, Plan, plan_memory_budget
 
 __version__ = _runtime.version()
 
 __all__ = [
     "init", "is_initialized", "rank", "world_size", "device", "shutdown",
-    "runtime_options", "set_runtime_options", "runtime_stats", "start_trace", "write_trace",
+    "runtime_options", "set_runtime_options", "runtime_stats", "all_reduce",
+    "allocated_bytes", "reset_peak_allocated", "start_trace", "write_trace",
     "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard",
     "clip_grad_norm_", "get_model_state_dict", "set_model_state_dict", "full_parameter",
     "save_checkpoint", "load_checkpoint", "newest_checkpoint", "checkpoint_name",
+    "plan_memory_budget", "Plan", "BudgetTooSmall",
 ]

@@ -7,11 +7,12 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C
-from ._runtime import _ensure_init
+from ._runtime import _ensure_init, _updated
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,41 @@ class FSDPModule:
     def set_runtime_options(self, **options) -> None:
         """This root's scheduling options (names as fsdpcpp.runtime_options()), instead of the
         process-wide defaults: prefetch depth, the caps on in-flight collectives, bucketing."""
-        current = _C.runtime_options()
-        unknown = set(options) - set(current)
-        if unknown:
-            raise ValueError(f"fsdpcpp: unknown runtime options {sorted(unknown)}; known: {sorted(current)}")
-        self._fsdpcpp.unit.set_runtime_options({**current, **options})
+        unit = self._fsdpcpp.unit
+        unit.set_runtime_options(_updated(unit.runtime_options(), options, "FSDPModule.set_runtime_options"))
+
+
+class _RecomputedInBackward:
+    """Mixed in before FSDPModule where the memory-budget planner recomputes a module in backward:
+    its whole call, the all-gather hooks included, runs under non-reentrant checkpointing (as
+    torch.utils.checkpoint.checkpoint(module, ...) around the call would)."""
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return super().__call__(*args, **kwargs)
+        # Its backward starts at the recompute, which runs the whole call (no early stop): the
+        # unit's post-forward hook ends the recompute and starts the backward proper.
+        with _C.checkpointed_forward():
+            return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, early_stop=False,
+                                                     **kwargs)
 
 
 class _UnitState:
-    __slots__ = ("unit", "mp_policy")
+    __slots__ = ("unit", "mp_policy", "module_class")
 
-    def __init__(self, unit, mp_policy):
+    def __init__(self, unit, mp_policy, module_class):
         self.unit = unit
         self.mp_policy = mp_policy
+        self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
+
+
+def set_recomputed(module: FSDPModule, recompute: bool) -> None:
+    """Whether the sharded `module` is recomputed in backward (the planner's per-module choice)."""
+    module.__class__ = _fsdp_class(module._fsdpcpp.module_class, recompute)
+
+
+def is_recomputed(module: FSDPModule) -> bool:
+    return isinstance(module, _RecomputedInBackward)
 
 
 def _cast_floating(dtype, tree):
@@ -167,19 +190,19 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     inner = [sub._fsdpcpp.unit for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
     unit = _C.shard_unit(name, _unit_parameters(module, name), inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
                          reshard_after_forward, isinstance(offload_policy, CPUOffloadPolicy))
-    module._fsdpcpp = _UnitState(unit, mp_policy)
+    module._fsdpcpp = _UnitState(unit, mp_policy, type(module))
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
     # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
-    cls = type(module)
-    module.__class__ = _fsdp_class(cls)
+    module.__class__ = _fsdp_class(type(module), recompute=False)
     return module
 
 
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, bool], type] = {}
 
 
-def _fsdp_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _classes[cls]
+def _fsdp_class(cls: type, recompute: bool) -> type:
+    if (cls, recompute) not in _classes:
+        bases = (_RecomputedInBackward, FSDPModule, cls) if recompute else (FSDPModule, cls)
+        _classes[cls, recompute] = type(f"{'Recomputed' if recompute else ''}FSDP{cls.__name__}", bases, {})
+    return _classes[cls, recompute]

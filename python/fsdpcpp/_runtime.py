@@ -31,7 +31,8 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     where CUDA is available (and selects cuda:LOCAL_RANK), else MPI. Works beside a process group
     the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
     communicator). On GPUs it turns on the caching allocator's expandable segments unless
-    PYTORCH_CUDA_ALLOC_CONF is set. A collective that waits longer than timeout_s (default: FSDP_TIMEOUT_S, else
+    PYTORCH_CUDA_ALLOC_CONF is set; on CPU ranks it counts host allocations from here on (for
+    allocated_bytes and the planner). A collective that waits longer than timeout_s (default: FSDP_TIMEOUT_S, else
     the library's) raises, naming the rank, the group and the operation. A second call does
     nothing."""
     global _info
@@ -42,6 +43,8 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     _move_off_the_process_groups_port()
     rank_, world, device_, backend_name = _C.init(backend, timeout_s)
     _info = (rank_, world, torch.device(device_), backend_name)
+    if _info[2].type == "cpu":
+        _C.count_host_allocations()  # what the planner's profile measures on CPU ranks (allocated_bytes)
     if _info[2].type == "cuda":
         torch.cuda.set_device(_info[2])
         if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
@@ -105,22 +108,61 @@ def shutdown() -> None:
     _info = None
 
 
+def _fields(struct) -> dict:
+    """A bound C++ struct's fields (RuntimeOptions, RuntimeStats) by name."""
+    return {name: getattr(struct, name) for name in dir(struct) if not name.startswith("_")}
+
+
+def _updated(options, changes: dict, caller: str):
+    """A copy of RuntimeOptions `options` with `changes` (names as runtime_options()'s keys)."""
+    unknown = sorted(set(changes) - set(_fields(options)))
+    if unknown:
+        raise ValueError(f"{caller}: unknown runtime options {unknown}; known: {sorted(_fields(options))}")
+    updated = _C.RuntimeOptions(options)
+    for name, value in changes.items():
+        setattr(updated, name, value)
+    return updated
+
+
 def runtime_options() -> dict:
     """The process-wide default scheduling options: prefetch_depth, max_inflight_allgathers,
     max_inflight_reduce_scatters, bucket_mb, reduce_bucket_max_wait, max_pending_host_steps
     (docs/guide.md). A root may have its own: FSDPModule.set_runtime_options."""
-    return _C.runtime_options()
+    return _fields(_C.runtime_options())
 
 
 def set_runtime_options(**options) -> None:
     """Changes the process-wide defaults named (see runtime_options), for roots without their own."""
-    _C.set_runtime_options(options)
+    _C.set_runtime_options(_updated(_C.runtime_options(), options, "fsdpcpp.set_runtime_options"))
 
 
 def runtime_stats() -> dict:
     """What the runtime counted since the process started: all_gathers, reduce_scatters,
     prefetches, allgather_waits, reduce_scatter_waits, host_step_waits, order_departures."""
-    return _C.runtime_stats()
+    return _fields(_C.runtime_stats())
+
+
+def all_reduce(tensor, op: str = "sum") -> None:
+    """Sums (op="sum") or averages (op="avg") `tensor` over the ranks, in place, on fsdp.cpp's
+    communicator (for a global loss to log: fsdpcpp.init makes no torch.distributed process
+    group). Collective: every rank calls it with a tensor of the same shape on its device."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"fsdpcpp.all_reduce: op must be 'sum' or 'avg', not {op!r}")
+    _ensure_init()
+    _C.all_reduce(tensor, op == "avg")
+
+
+def allocated_bytes() -> dict:
+    """This rank's allocated bytes as the planner counts them, {"now", "peak"}: the CUDA caching
+    allocator's on a GPU (torch.cuda.memory_allocated and max_memory_allocated), on CPU ranks the
+    host allocations made since init()."""
+    now, peak = _C.allocated_bytes(str(device()))
+    return {"now": now, "peak": peak}
+
+
+def reset_peak_allocated() -> None:
+    """Restarts allocated_bytes()'s peak at what is allocated now."""
+    _C.reset_peak_allocated(str(device()))
 
 
 def start_trace() -> None:

@@ -38,10 +38,9 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
     get_model_state_dict with StateDictOptions(full_state_dict=True). Collective: every rank calls
     it."""
     full = {}
-    sharded = {id(p): p for p in model.parameters()}
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
-            if id(value) in sharded and _C.is_sharded_parameter(value):
+            if _C.is_sharded_parameter(value):
                 value = _C.full_parameter(value)
             else:
                 value = value.detach().clone()

@@ -10,6 +10,7 @@
 
 #include "fsdp/communicator.h"
 #include "fsdp/launch.h"
+#include "fsdp/memory_stats.h"
 #include "fsdp/runtime_options.h"
 #include "fsdp/unit.h"
 #include "runtime/module_state.h"
@@ -22,28 +23,28 @@ namespace fsdp {
 namespace {
 
 struct Group {
-  std::string path;  // in root's named_modules(): "blocks.3"; "root" for root itself
+  std::string path;  // as PlanningRoot names it: "blocks.3"; "root" for the root's own unit
   ModuleState* state;
 };
 
+std::string root_error(const char* caller, const PlanningRoot& root, const std::string& why) {
+  return std::string("fsdp::") + caller + "(" + root.name + "): " + why;
+}
+
 // The groups under `root`, in the recorded forward order.
-std::vector<Group> groups_in_order(const torch::nn::Module& root, const char* caller) {
+std::vector<Group> groups_in_order(const PlanningRoot& root, const char* caller) {
   std::unordered_map<int, Group> under_root;
-  auto& mutable_root = const_cast<torch::nn::Module&>(root);  // named_modules() is not const
-  for (const auto& item : mutable_root.named_modules("", /*include_self=*/true))
-    if (ModuleState* state = unit_of_owner(item.value().get()))
-      under_root.emplace(state->id(), Group{item.key().empty() ? "root" : item.key(), state});
+  for (const auto& [path, state] : root.units) under_root.emplace(state->id(), Group{path, state});
   if (under_root.empty())
-    throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
-                                "): no module in it is sharded; call fully_shard first");
+    throw std::invalid_argument(root_error(caller, root, "no module in it is sharded; call fully_shard first"));
   // The groups' root's record (each root records its own order: runtime/root_state.h).
   const RootState* recorded = under_root.begin()->second.state->root_state();
   std::vector<Group> order;
   for (int id : recorded ? recorded->recorded_forward_order() : std::vector<int>{})
     if (under_root.count(id)) order.push_back(under_root.at(id));
   if (order.size() != under_root.size())
-    throw std::invalid_argument(std::string("fsdp::") + caller + "(" + root.name() +
-                                "): no recorded forward order of all its groups; run one training step first");
+    throw std::invalid_argument(
+        root_error(caller, root, "no recorded forward order of all its groups; run one training step first"));
   return order;
 }
 
@@ -87,8 +88,8 @@ void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
 }
 
 // What the planner needs of `groups` (groups_in_order(root)).
-std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const torch::nn::Module& root) {
-  const ModuleState* root_state = unit_of_owner(&root);
+std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups) {
+  const ModuleState* root_state = groups.front().state->root_state()->top_unit().lock().get();
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
     if (group.state->group().replicate())
@@ -107,31 +108,45 @@ std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const 
 
 }  // namespace
 
-std::vector<plan::GroupShape> group_shapes(const torch::nn::Module& root) {
-  return shapes_of(groups_in_order(root, "group_shapes"), root);
+PlanningRoot::PlanningRoot(const torch::nn::Module& root) : name(root.name()) {
+  auto& mutable_root = const_cast<torch::nn::Module&>(root);  // named_modules() is not const
+  for (const auto& item : mutable_root.named_modules("", /*include_self=*/true))
+    if (ModuleState* state = unit_of_owner(item.value().get()))
+      units.emplace_back(item.key().empty() ? "root" : item.key(), state);
 }
 
-plan::Schedule profiling_schedule(const torch::nn::Module& root) {
+std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root) {
+  return shapes_of(groups_in_order(root, "group_shapes"));
+}
+
+plan::Schedule profiling_schedule(const PlanningRoot& root) {
   return plan::profiling_schedule(group_shapes(root));
 }
 
-void set_schedule(const torch::nn::Module& root, const plan::Schedule& schedule) {
+void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule) {
   const auto groups = groups_in_order(root, "set_schedule");
   if (schedule.reshard_after_forward.size() != groups.size() || schedule.checkpoint.size() != groups.size())
-    throw std::invalid_argument("fsdp::set_schedule: the schedule has " +
-                                std::to_string(schedule.reshard_after_forward.size()) + " groups, " + root.name() +
-                                " has " + std::to_string(groups.size()));
+    throw std::invalid_argument(root_error("set_schedule", root,
+                                           "the schedule has " + std::to_string(schedule.reshard_after_forward.size()) +
+                                               " groups, the root " + std::to_string(groups.size())));
   for (size_t g = 0; g < groups.size(); ++g)
     groups[g].state->set_reshard_after_forward(schedule.reshard_after_forward[g]);
-  set_runtime_choices(schedule);
+  set_runtime_choices(root, schedule);
 }
 
-void set_runtime_choices(const plan::Schedule& schedule) {
+void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule) {
+  // The root's own unit: the one all the listed units are under.
+  ModuleState* top = nullptr;
+  for (const auto& [path, state] : root.units)
+    if (state->units_under().size() == root.units.size()) top = state;
+  if (!top)
+    throw std::invalid_argument(root_error("set_runtime_choices", root,
+                                           "its own module is not sharded; fully_shard the root too (last)"));
   RuntimeOptions runtime = schedule.runtime;
   // Not a schedule's choice: the planner plans steps taken after backward, so the host worker's
   // cap stays the user's.
-  runtime.max_pending_host_steps = runtime_options().max_pending_host_steps;
-  set_runtime_options(runtime);
+  runtime.max_pending_host_steps = runtime_options(*top).max_pending_host_steps;
+  set_runtime_options(*top, runtime);
 }
 
 namespace {
@@ -152,6 +167,10 @@ void start_recording(const char* caller, bool with_memory) {
   // The previous step's kernels still queued on the device would be timed as this step's (on the
   // 1B, ~10 ms: the fit took it for contention and the planner avoided prefetching at depth 1).
   const c10::Device device = default_communicator()->device();
+  if (with_memory && device.is_cpu() && !counting_host_allocations())
+    throw std::logic_error(std::string("fsdp::") + caller +
+                           ": host allocations are not counted, so the profile would see no memory on CPU ranks; "
+                           "call fsdp::count_host_allocations() before the model is made");
   wait_for_device(device);
   Trace::get().start(device, with_memory);
   g_recording_start = std::chrono::steady_clock::now();
@@ -201,7 +220,7 @@ void measure_collective_latency(plan::CostModel& model, Communicator& comm) {
 
 void start_profiled_step() { start_recording("start_profiled_step", /*with_memory=*/true); }
 
-plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untraced_step_ms, int micro_batches,
+plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_step_ms, int micro_batches,
                                      bool reduce_every_micro_batch) {
   plan::RecordedStep step = finish_recording("finish_profiled_step", untraced_step_ms);
   if (micro_batches < 1 || (micro_batches > 1 && untraced_step_ms <= 0))
@@ -211,19 +230,19 @@ plan::CostModel finish_profiled_step(const torch::nn::Module& root, double untra
   step.micro_batches = micro_batches;
   step.reduce_every_micro_batch = reduce_every_micro_batch;
   const auto groups = groups_in_order(root, "finish_profiled_step");
-  plan::CostModel model = plan::measure_cost_model(shapes_of(groups, root), step);
+  plan::CostModel model = plan::measure_cost_model(shapes_of(groups), step);
   measure_collective_latency(model, groups.front().state->group().comm());
   agree_across_ranks(model, *default_communicator());
   return model;
 }
 
-plan::Schedule calibration_schedule(const torch::nn::Module& root) {
+plan::Schedule calibration_schedule(const PlanningRoot& root) {
   return plan::calibration_schedule(group_shapes(root));
 }
 
 void start_calibration_step() { start_recording("start_calibration_step", /*with_memory=*/false); }
 
-void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& profile, double untraced_step_ms) {
+void finish_calibration_step(const PlanningRoot& root, plan::CostModel& profile, double untraced_step_ms) {
   const plan::RecordedStep step = finish_recording("finish_calibration_step", untraced_step_ms);
   if (profile.micro_batches > 1 && untraced_step_ms <= 0)
     throw std::invalid_argument("fsdp::finish_calibration_step: the profile has " +
@@ -234,14 +253,15 @@ void finish_calibration_step(const torch::nn::Module& root, plan::CostModel& pro
   agree_across_ranks(profile, *default_communicator());
 }
 
-plan::Plan plan_for_budget(const torch::nn::Module& root, int64_t budget_bytes, const plan::CostModel& profile,
+plan::Plan plan_for_budget(const PlanningRoot& root, int64_t budget_bytes, const plan::CostModel& profile,
                            double margin) {
   const auto shapes = group_shapes(root);
   bool same = shapes.size() == profile.groups.size();
   for (size_t g = 0; same && g < shapes.size(); ++g) same = shapes[g].name == profile.groups[g].name;
   if (!same)
-    throw std::invalid_argument("fsdp::plan_for_budget: the profile is not of " + root.name() +
-                                "'s groups (in its forward order); profile this model with finish_profiled_step");
+    throw std::invalid_argument(root_error("plan_for_budget", root,
+                                           "the profile is not of its groups (in their forward order); profile this "
+                                           "model with finish_profiled_step"));
   return plan::plan_schedule(profile, budget_bytes, margin);
 }
 

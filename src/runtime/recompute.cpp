@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
+#include "fsdp/unit.h"
 #include "runtime/runtime.h"
 
 namespace fsdp::detail {
@@ -52,7 +53,7 @@ at::Tensor recompute_impl(std::function<at::Tensor(const std::vector<at::Tensor>
   at::Tensor output;
   {
     c10::NoGradGuard no_grad;
-    Runtime::CheckpointedForwardScope checkpointed;
+    CheckpointedForwardScope checkpointed;
     output = run(inputs);
   }
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(run, inputs),

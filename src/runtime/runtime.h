@@ -18,6 +18,7 @@
 
 namespace fsdp {
 
+class CheckpointedForwardScope;
 class ModuleState;
 class RootState;
 
@@ -49,13 +50,9 @@ class Runtime {
   // A forward run while autograd executes a backward is an activation-checkpoint recomputation
   // (fsdp::recompute, torch.utils.checkpoint): not a new step, not part of the forward order.
   static bool recomputing();
-  // While alive, forwards run without autograd under activation checkpointing: their backward
-  // (the recompute) still comes, so reshard_after_forward = false keeps their parameters.
-  class CheckpointedForwardScope {
-   public:
-    CheckpointedForwardScope() { ++get().checkpointed_forward_; }
-    ~CheckpointedForwardScope() { --get().checkpointed_forward_; }
-  };
+  // Inside a CheckpointedForwardScope (fsdp/unit.h): forwards under activation checkpointing
+  // whose backward (the recompute) still comes, so reshard_after_forward = false keeps their
+  // parameters.
   bool in_checkpointed_forward() const { return checkpointed_forward_ > 0; }
 
   // The default options, for roots that set none of their own (RootState::options).
@@ -76,6 +73,7 @@ class Runtime {
   std::unordered_map<const void*, ParamOwner> owners_;  // key: TensorImpl*
   uint64_t steps_ = 0;
   int checkpointed_forward_ = 0;
+  friend class CheckpointedForwardScope;
   int next_id_ = 0;
   RuntimeOptions options_;
   RuntimeStats stats_;

@@ -132,10 +132,14 @@ void unit_pre_forward(ModuleState& unit) { unit.pre_forward(); }
 void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs) { unit.post_forward(outputs); }
 void unit_abort_forward(ModuleState& unit) { unit.abort_forward(); }
 
+CheckpointedForwardScope::CheckpointedForwardScope() { ++Runtime::get().checkpointed_forward_; }
+CheckpointedForwardScope::~CheckpointedForwardScope() { --Runtime::get().checkpointed_forward_; }
+
 void set_requires_gradient_sync(ModuleState& unit, bool sync) {
   for (const auto& under : unit.units_under()) under->set_gradient_sync(sync);
 }
 void set_reshard_after_forward(ModuleState& unit, bool reshard) { unit.set_reshard_after_forward(reshard); }
+bool reshard_after_forward(const ModuleState& unit) { return unit.reshard_after_forward(); }
 void reshard(ModuleState& unit) {
   if (unit.group().is_unsharded()) unit.reshard();
 }
@@ -143,6 +147,10 @@ void reshard(ModuleState& unit) {
 void set_runtime_options(ModuleState& unit, const RuntimeOptions& options) {
   check_runtime_options(options);
   unit.set_runtime_options(options);
+}
+
+RuntimeOptions runtime_options(const ModuleState& unit) {
+  return unit.runtime_options().value_or(runtime_options());
 }
 
 at::Tensor full_parameter(const at::Tensor& param) {

@@ -101,26 +101,33 @@ class Reference:
         self.params = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
 
 
+def sharded_step(model, opt, step, clip=0.0, accum=1):
+    """One training step of the sharded model on this rank's rows of global batch `step`; returns
+    the global loss."""
+    tokens = my_rows(batch(step))
+    loss = torch.zeros((), device=fsdpcpp.device())
+    micros = tokens.chunk(accum)
+    for i, micro in enumerate(micros):
+        if accum > 1:
+            model.set_requires_gradient_sync(i == len(micros) - 1)
+        micro_loss = loss_of(model, micro) / accum
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    if clip:
+        fsdpcpp.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    fsdpcpp.all_reduce(loss)
+    return loss.item() / fsdpcpp.world_size()
+
+
 def train_sharded(model, steps, clip=0.0, accum=1, optimizer_before=True, first_step=0, optimizer=None):
     opt = optimizer if optimizer is not None else optimizer_for(model) if optimizer_before else None
     losses = []
     for step in range(first_step, first_step + steps):
         if opt is None:
             opt = optimizer_for(model)
-        tokens = my_rows(batch(step))
-        loss = torch.zeros((), device=fsdpcpp.device())
-        micros = tokens.chunk(accum)
-        for i, micro in enumerate(micros):
-            if accum > 1:
-                model.set_requires_gradient_sync(i == len(micros) - 1)
-            micro_loss = loss_of(model, micro) / accum
-            micro_loss.backward()
-            loss += micro_loss.detach()
-        if clip:
-            fsdpcpp.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(fsdpcpp._C.all_reduce_sum(loss.reshape(1)).item() / fsdpcpp.world_size())
+        losses.append(sharded_step(model, opt, step, clip, accum))
     return losses, opt
 
 
@@ -287,7 +294,7 @@ def case_hf_roundtrip(args):
         unsharded = build(args.model)
         unsharded.load_state_dict(full)
         unsharded.save_pretrained(args.dir, state_dict=full)
-    fsdpcpp._C.all_reduce_sum(torch.zeros(1, device=fsdpcpp.device()))  # the files are written before anyone reads them
+    fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))  # the files are written before anyone reads them
     loaded = AutoModelForCausalLM.from_pretrained(args.dir).to(fsdpcpp.device())
     tokens = batch(0)[:, :-1]
     with torch.no_grad():
@@ -368,11 +375,56 @@ def case_beside_process_group(args):
     dist.destroy_process_group()
 
 
-CASES = {"parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+def case_plan(args):
+    """The memory-budget planner on the user's own step (5 training steps a call): a budget under
+    the smallest refused, naming it, the model training as before; a budget between the smallest
+    and the fastest schedule's peak planned with recomputation, which runs (the block's first part
+    twice a step) and stays under the budget; every step, the planner's included, at parity."""
+    accum = args.accum
+    model = shard(build(args.model))
+    opt = optimizer_for(model)
+    losses = []
+
+    def train_step():
+        losses.append(sharded_step(model, opt, len(losses), accum=accum))
+
+    planner = dict(micro_batches=accum, reduce_every_micro_batch=True, verbose=False)
+    try:
+        fsdpcpp.plan_memory_budget(model, train_step, 1 << 10, **planner)
+        raise AssertionError("a 1 KiB budget was not refused")
+    except fsdpcpp.BudgetTooSmall as refused:
+        assert "fsdpcpp.plan_memory_budget(" in str(refused) and "smallest" in str(refused), str(refused)
+        smallest = refused.smallest_budget_bytes
+    assert not any(type(m).__name__.startswith("Recomputed") for m in model.modules()), "the refusal left recomputation on"
+    roomy = fsdpcpp.plan_memory_budget(model, train_step, 1 << 40, apply=False, **planner)
+    assert roomy.recomputed == [], f"a roomy budget recomputes {roomy.recomputed}"
+    middle = (smallest + roomy.peak_bytes) // 2
+    assert roomy.peak_bytes > smallest * 1.1, f"recomputation must matter on this model: {smallest} vs {roomy}"
+    plan = fsdpcpp.plan_memory_budget(model, train_step, middle, **planner)
+    assert plan.recomputed and plan.peak_bytes <= middle, plan
+    calls = []
+    next(blocks_of(model)[0].children()).register_forward_pre_hook(lambda *_: calls.append(1))
+    train_step()
+    fsdpcpp.reset_peak_allocated()
+    calls.clear()
+    train_step()
+    measured = fsdpcpp.allocated_bytes()["peak"]
+    recomputed_block0 = "layers.0" in plan.recomputed or "model.layers.0" in plan.recomputed
+    assert len(calls) == accum * (2 if recomputed_block0 else 1), (calls, plan.recomputed)
+    assert measured <= middle, f"the planned step peaked at {measured} bytes, over the budget {middle}: {plan}"
+    ref = Reference(args.model, len(losses), accum=accum)
+    check_parity(ref, losses, model, f"{args.model} planned for {middle} bytes ({plan.description}), "
+                 f"{len(losses)} steps with the planner's")
+    if fsdpcpp.rank() == 0:
+        print(f"plan: smallest budget {smallest} bytes; {plan}; measured peak {measured}")
+
+
+CASES = {"plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 
 def main():
+    global SEQ
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--model", default="plain", choices=sorted(MODELS))
@@ -385,7 +437,9 @@ def main():
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     parser.add_argument("--port", default="29531")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
     args = parser.parse_args()
+    SEQ = args.seq
     torch.set_num_threads(1)
     if args.case != "beside_process_group":
         fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK

@@ -109,6 +109,12 @@ def test_trace(tmp_path):
     run(2, "trace", "--dir", tmp_path)
 
 
+@cpu_only
+@pytest.mark.parametrize("model,ranks,accum", [("plain", 2, 1), ("llama", 3, 2)])
+def test_memory_budget_planner(model, ranks, accum):
+    run(ranks, "plan", "--model", model, "--accum", accum)
+
+
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
 @gpu_only
 @pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
@@ -133,6 +139,12 @@ def test_gpu_save_resume_and_errors(tmp_path):
 @gpu_only
 def test_gpu_hugging_face_round_trip(tmp_path):
     run(1, "hf_roundtrip", "--model", "llama", "--dir", tmp_path / "export")
+
+
+@gpu_only
+def test_gpu_memory_budget_planner():
+    # Longer rows: on a GPU the fixed bytes (cuBLAS's workspace) dwarf the activations of 16 tokens.
+    run(1, "plan", "--model", "plain", "--seq", 512)
 
 
 @gpu_only

@@ -38,13 +38,13 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
 
 void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard) {
   checkpoint_blocks(model, schedule);
-  set_runtime_choices(schedule);
   for (size_t i = 0; i < model->blocks.size(); ++i) {
     ShardOptions block_shard = shard;
     block_shard.reshard_after_forward = schedule.reshard_after_forward[i + 1];
     fully_shard(model->blocks[i], block_shard);
   }
   fully_shard(model, shard);
+  set_runtime_choices(*model, schedule);
 }
 
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule) {
