@@ -217,12 +217,16 @@ def main():
                    help="CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host")
     p.add_argument("--runtime", choices=["fsdp2", "fsdpcpp"], default="fsdp2",
                    help="who shards the model: PyTorch's FSDP2 or fsdp.cpp's Python package (fsdpcpp)")
+    p.add_argument("--memory-budget", type=float, default=0.0,
+                   help="GiB a GPU may hold: fsdpcpp.plan_memory_budget picks recomputation and prefetch (fsdpcpp only)")
     args = p.parse_args()
     global fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
     if args.runtime == "fsdpcpp":  # the migration: these names from fsdpcpp instead of torch.distributed.fsdp
         import fsdpcpp
         from fsdpcpp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         assert not args.ddp, "--ddp is not a sharding runtime"
+    assert not args.memory_budget or args.runtime == "fsdpcpp", "--memory-budget plans fsdpcpp's schedule: add --runtime fsdpcpp"
+    assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
     # Offloaded gradients are CPU tensors: clip_grad_norm_'s all-reduce of them needs gloo.
@@ -289,7 +293,10 @@ def main():
     log = open(args.jsonl, "w") if rank == 0 else None
     sampler = MemorySampler(f"{args.memory_log}-rank{rank}.jsonl", device) if args.memory_log else None
     profiler = None
-    for step in range(args.steps):
+    step = 0
+
+    def train_step():
+        nonlocal profiler, step
         if args.profile and step == max(0, args.steps - args.profile_steps):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if on_gpu:
@@ -326,15 +333,21 @@ def main():
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else 0.0
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
+        step += 1
         if log:
-            row = dict(step=step + 1, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
+            row = dict(step=step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                        step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
                        peak_alloc_gib=alloc, peak_reserved_gib=reserved, world=world,
                        model=args.model, host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
             log.write(json.dumps(row) + "\n")
             log.flush()
-            print(f"{args.runtime} step {step + 1:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
+            print(f"{args.runtime} step {step:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "
                   f"peak alloc/reserved {alloc:.2f}/{reserved:.2f} GiB", flush=True)
+
+    if args.memory_budget:  # its five steps are training steps, logged like the others; it prints the plan
+        fsdpcpp.plan_memory_budget(model, train_step, int(args.memory_budget * 2**30))
+    while step < args.steps:
+        train_step()
     if profiler:
         profiler.stop()
         profiler.export_chrome_trace(f"{args.profile}-rank{rank}.json")

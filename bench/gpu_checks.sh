@@ -2,7 +2,7 @@
 # On a GPU machine, in one device call: builds, runs the GPU tests one at a time (they share the
 # GPUs, and launcher_sigterm_gpu checks that no process is left on one; python_gpu_tests is the
 # Python package on a GPU), then the other tests six at a time, then fsdp-train's 1B on one GPU for 30 steps (its step time) and with a memory
-# budget (the planner's steps on the GPU). Logs and JSON to OUT_DIR.
+# budget (the planner's steps on the GPU), from C++ and from Python. Logs and JSON to OUT_DIR.
 #   bash bench/gpu_checks.sh OUT_DIR COMMIT
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,10 @@ grep -E "tests passed|\*\*\*Failed|Total Test" "$out/other-tests.log"
 one_gpu=(build/fsdp-run --gpu -n 1 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16)
 "${one_gpu[@]}" --steps 30 --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
 "${one_gpu[@]}" --steps 10 --memory-budget 16 --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
+# The same budget planned from Python: the benchmark's own Llama sharded by fsdpcpp.
+PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py \
+  --runtime fsdpcpp --model 1b --seq 2048 --batch 4 --steps 10 --memory-budget 16 \
+  --jsonl "$out/budget-1b-python.jsonl" > "$out/budget-1b-python.log" 2>&1 || status=1
 python3 - "$out" <<'PY' || status=1
 import json, statistics, sys
 out = sys.argv[1]
@@ -34,7 +38,12 @@ budget = [json.loads(line) for line in open(f"{out}/budget-1b.jsonl")]
 planned = budget[5:]
 print(f"1b with --memory-budget 16: planned steps 6-10 median {statistics.median(r['step_ms'] for r in planned):.1f} ms, "
       f"peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
-sys.exit(0 if max(r['peak_alloc_gib'] for r in planned) <= 16 else 1)
+python_planned = [json.loads(line) for line in open(f"{out}/budget-1b-python.jsonl")][5:]
+print(f"the same from Python (fsdpcpp.plan_memory_budget): planned steps 6-10 median "
+      f"{statistics.median(r['step_ms'] for r in python_planned):.1f} ms, "
+      f"peak allocated {max(r['peak_alloc_gib'] for r in python_planned):.2f} GiB (budget 16)")
+sys.exit(0 if max(r['peak_alloc_gib'] for r in planned + python_planned) <= 16 else 1)
 PY
 grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
+grep -E "fsdpcpp: plan for" "$out/budget-1b-python.log" | head -1
 exit $status

@@ -41,7 +41,7 @@ struct PlanningRoot {
   PlanningRoot(std::string name, std::vector<std::pair<std::string, ModuleState*>> units)
       : name(std::move(name)), units(std::move(units)) {}
 
-  std::string name;
+  std::string name;  ///< how errors name the root (a torch::nn model: its name())
   std::vector<std::pair<std::string, ModuleState*>> units;  ///< the root's own unit among them
 };
 

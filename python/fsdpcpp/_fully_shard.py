@@ -102,7 +102,11 @@ class _UnitState:
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
-    """Whether the sharded `module` is recomputed in backward (the planner's per-module choice)."""
+    """Whether the sharded `module` runs its whole call, the all-gather included, under
+    non-reentrant torch.utils.checkpoint (the memory-budget planner's per-module choice)."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"fsdpcpp.set_recomputed({type(module).__name__}): the module is not sharded; "
+                         "fully_shard it first")
     module.__class__ = _fsdp_class(module._fsdpcpp.module_class, recompute)
 
 

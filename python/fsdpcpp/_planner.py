@@ -18,7 +18,6 @@ from ._fully_shard import FSDPModule, is_recomputed, set_recomputed
 from ._runtime import _fields, device, rank
 
 
-
 class BudgetTooSmall(ValueError):
     """No schedule fits the budget; smallest_budget_bytes (margin included) would."""
 
@@ -52,10 +51,10 @@ class _Root:
     """The sharded root as the library's planning calls take it: its units named by module path."""
 
     def __init__(self, model: nn.Module):
-        self.name = type(model).__name__
         if not isinstance(model, FSDPModule):
-            raise ValueError(f"fsdpcpp.plan_memory_budget({self.name}): the model is not sharded; fully_shard its "
-                             "blocks and then the model itself (the root), then plan")
+            raise ValueError(f"fsdpcpp.plan_memory_budget({type(model).__name__}): the model is not sharded; "
+                             "fully_shard its blocks and then the model itself (the root), then plan")
+        self.name = model._fsdpcpp.module_class.__name__  # the user's class, not fully_shard's mixin
         self.modules = {path or "root": m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
         self.units = [(path, m._fsdpcpp.unit) for path, m in self.modules.items()]
 

@@ -134,13 +134,16 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
     compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
   root().exit_forward();
   bool needs_backward = false;
-  // Under a checkpointed forward with autograd on (Python's non-reentrant checkpoint) the
-  // recompute, not the outputs' gradients, starts this group's backward.
-  if (c10::GradMode::is_enabled() && !Runtime::get().in_checkpointed_forward()) {
+  if (c10::GradMode::is_enabled()) {
+    // Under a checkpointed forward with autograd on (Python's non-reentrant checkpoint) the
+    // recompute, not the outputs' gradients, starts this group's backward; the graph built here
+    // is still the one backward runs, so its gradient accumulators are hooked all the same.
+    const bool started_by_outputs = !Runtime::get().in_checkpointed_forward();
     std::weak_ptr<ModuleState> self = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       needs_backward = true;
+      if (!started_by_outputs) continue;
       t.register_hook([self](const at::Tensor&) {
         if (auto state = self.lock()) state->pre_backward();
       });

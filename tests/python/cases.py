@@ -273,6 +273,21 @@ def case_errors(args):
     # clip_grad_norm_ over a parameter no fully_shard took.
     expect_error(ValueError, "is not sharded: apply fully_shard to the root module too",
                  lambda: fsdpcpp.clip_grad_norm_(torch.nn.Linear(2, 2, device=fsdpcpp.device()).parameters(), 1.0))
+    # The planner: an unsharded model, a budget that is no size, a step of another micro-batch count.
+    unsharded = torch.nn.Linear(2, 2, device=fsdpcpp.device())
+    expect_error(ValueError, "the model is not sharded; fully_shard its blocks",
+                 lambda: fsdpcpp.plan_memory_budget(unsharded, lambda: None, 1 << 30))
+    expect_error(ValueError, "the module is not sharded; fully_shard it first",
+                 lambda: fsdpcpp.set_recomputed(unsharded, True))
+    planned = shard(build("plain"))
+    opt = optimizer_for(planned)
+    expect_error(ValueError, "budget_bytes is 0; pass the memory",
+                 lambda: fsdpcpp.plan_memory_budget(planned, lambda: sharded_step(planned, opt, 0), 0))
+    expect_error(ValueError, "train_step ran 1 forward passes of the model, micro_batches is 2",
+                 lambda: fsdpcpp.plan_memory_budget(planned, lambda: sharded_step(planned, opt, 0), 1 << 30,
+                                                    micro_batches=2))
+    assert not any(fsdpcpp.is_recomputed(m) for m in planned.modules() if isinstance(m, fsdpcpp.FSDPModule)), \
+        "a failed plan left recomputation on"
     # A checkpoint of another model.
     if args.dir:
         other = shard(build("gpt2"))
@@ -379,9 +394,13 @@ def case_plan(args):
     """The memory-budget planner on the user's own step (5 training steps a call): a budget under
     the smallest refused, naming it, the model training as before; a budget between the smallest
     and the fastest schedule's peak planned with recomputation, which runs (the block's first part
-    twice a step) and stays under the budget; every step, the planner's included, at parity."""
+    twice a step) and stays under the budget; every step, the planner's included, at parity (with
+    --bf16, bfloat16 compute: equal to bf16_reference bit for bit, as recomputing changes no
+    arithmetic)."""
     accum = args.accum
-    model = shard(build(args.model))
+    mp = fsdpcpp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    assert not mp or (accum == 1 and fsdpcpp.world_size() <= 2), "--bf16: one micro-batch, 1 or 2 ranks (bf16_reference)"
+    model = shard(build(args.model), mp=mp)
     opt = optimizer_for(model)
     losses = []
 
@@ -412,9 +431,14 @@ def case_plan(args):
     recomputed_block0 = "layers.0" in plan.recomputed or "model.layers.0" in plan.recomputed
     assert len(calls) == accum * (2 if recomputed_block0 else 1), (calls, plan.recomputed)
     assert measured <= middle, f"the planned step peaked at {measured} bytes, over the budget {middle}: {plan}"
-    ref = Reference(args.model, len(losses), accum=accum)
-    check_parity(ref, losses, model, f"{args.model} planned for {middle} bytes ({plan.description}), "
-                 f"{len(losses)} steps with the planner's")
+    what = f"{args.model} planned for {middle} bytes ({plan.description}), {len(losses)} steps with the planner's"
+    if mp:
+        ref_losses, ref_params = bf16_reference(args.model, len(losses), fsdpcpp.world_size())
+        full = fsdpcpp.get_model_state_dict(model)
+        worst = max((full[n] - p).abs().max().item() for n, p in ref_params.items())
+        assert losses == ref_losses and worst == 0, f"{what}: losses {losses} vs {ref_losses}, parameters differ by {worst:.3g}"
+    else:
+        check_parity(Reference(args.model, len(losses), accum=accum), losses, model, what)
     if fsdpcpp.rank() == 0:
         print(f"plan: smallest budget {smallest} bytes; {plan}; measured peak {measured}")
 
@@ -430,6 +454,7 @@ def main():
     parser.add_argument("--model", default="plain", choices=sorted(MODELS))
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 reduce (plan)")
     parser.add_argument("--optimizer-before", action="store_true")
     parser.add_argument("--checkpointed", action="store_true")
     parser.add_argument("--keep-after-forward", action="store_true")

@@ -110,9 +110,9 @@ def test_trace(tmp_path):
 
 
 @cpu_only
-@pytest.mark.parametrize("model,ranks,accum", [("plain", 2, 1), ("llama", 3, 2)])
-def test_memory_budget_planner(model, ranks, accum):
-    run(ranks, "plan", "--model", model, "--accum", accum)
+@pytest.mark.parametrize("model,ranks,accum,bf16", [("plain", 2, 1, True), ("llama", 3, 2, False)])
+def test_memory_budget_planner(model, ranks, accum, bf16):
+    run(ranks, "plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else []))
 
 
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
@@ -145,6 +145,7 @@ def test_gpu_hugging_face_round_trip(tmp_path):
 def test_gpu_memory_budget_planner():
     # Longer rows: on a GPU the fixed bytes (cuBLAS's workspace) dwarf the activations of 16 tokens.
     run(1, "plan", "--model", "plain", "--seq", 512)
+    run(1, "plan", "--model", "llama", "--seq", 512, "--bf16")
 
 
 @gpu_only
