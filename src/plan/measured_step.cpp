@@ -108,10 +108,16 @@ void measure_root(const Measure& m, const std::vector<GroupShape>& groups, Group
   const int head_backward_end = last_gather.start_mark - 1;
 
   const int64_t embed_saved = m.allocated(embed_end) - m.allocated(forward.start_mark);
-  cost.saved_bytes = cost.checkpoint_saved_bytes =
-      embed_saved + m.allocated(forward.end_mark) - m.allocated(head_start);
-  cost.forward_peak_bytes = std::max(m.peak(forward.start_mark, embed_end) - m.allocated(forward.start_mark),
-                                     embed_saved + m.peak(head_start, forward.end_mark) - m.allocated(head_start));
+  const int64_t head_saved = m.allocated(forward.end_mark) - m.allocated(head_start);
+  // Between the root's forward and its backward, the loss when the model does not compute it
+  // (a Python training step's cross-entropy over float32 logits): its peak, and what it leaves
+  // for backward (the logits' gradient), count as the head's.
+  const int64_t loss_peak = m.peak(forward.end_mark, backward.start_mark) - m.allocated(forward.end_mark);
+  const int64_t loss_kept = m.allocated(backward.start_mark) - m.allocated(forward.end_mark);
+  cost.saved_bytes = cost.checkpoint_saved_bytes = embed_saved + head_saved + std::max<int64_t>(0, loss_kept);
+  cost.forward_peak_bytes = std::max({m.peak(forward.start_mark, embed_end) - m.allocated(forward.start_mark),
+                                      embed_saved + m.peak(head_start, forward.end_mark) - m.allocated(head_start),
+                                      embed_saved + head_saved + loss_peak});
   // The embedding's backward comes when the blocks' memory is gone: only the head's counts.
   cost.backward_peak_bytes = m.peak(backward.start_mark, head_backward_end) - m.allocated(backward.start_mark);
   for (bool host : {false, true}) {
