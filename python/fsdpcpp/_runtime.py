@@ -51,7 +51,8 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
             # As fsdp-train: the caching allocator grows one mapping instead of keeping fixed
             # segments, so memory that activations free is reused at any size (reserved stays
             # near allocated). A PYTORCH_CUDA_ALLOC_CONF of the user's, even empty, wins.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            # (torch 2.11 names the setter here; torch.cuda.memory's old name warns.)
+            torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
 
 
 def _move_off_the_process_groups_port():

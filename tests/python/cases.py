@@ -468,6 +468,11 @@ def main():
     torch.set_num_threads(1)
     if args.case != "beside_process_group":
         fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK
+        if fsdpcpp.device().type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            probe = torch.empty(1 << 20, device=fsdpcpp.device())
+            segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == fsdpcpp.device().index]
+            assert segments and all(s["is_expandable"] for s in segments), "init() left expandable segments off"
+            del probe
     CASES[args.case](args)
 
 
