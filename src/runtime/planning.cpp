@@ -87,9 +87,16 @@ void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
   visit_measurements(model, [&](auto& field) { field = static_cast<std::decay_t<decltype(field)>>(agreed[i++]); });
 }
 
-// What the planner needs of `groups` (groups_in_order(root)).
-std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups) {
-  const ModuleState* root_state = groups.front().state->root_state()->top_unit().lock().get();
+// The root's own unit: the listed unit every listed unit is under (null when the root's own
+// module is not sharded).
+ModuleState* own_unit(const PlanningRoot& root) {
+  for (const auto& [path, state] : root.units)
+    if (state->units_under().size() == root.units.size()) return state;
+  return nullptr;
+}
+
+// What the planner needs of `groups` (groups_in_order(root)); `own` is own_unit(root).
+std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const ModuleState* own) {
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
     if (group.state->group().replicate())
@@ -99,7 +106,7 @@ std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups) {
     shape.name = group.path;
     shape.label = group.state->group().label();
     shape.memory = group.state->group().memory();
-    shape.encloses_later = group.state == root_state && groups.size() > 1 && shapes.empty();
+    shape.encloses_later = group.state == own && groups.size() > 1 && shapes.empty();
     shape.checkpointable = !shape.encloses_later;
     shapes.push_back(std::move(shape));
   }
@@ -116,7 +123,7 @@ PlanningRoot::PlanningRoot(const torch::nn::Module& root) : name(root.name()) {
 }
 
 std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root) {
-  return shapes_of(groups_in_order(root, "group_shapes"));
+  return shapes_of(groups_in_order(root, "group_shapes"), own_unit(root));
 }
 
 plan::Schedule profiling_schedule(const PlanningRoot& root) {
@@ -135,10 +142,7 @@ void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule) {
 }
 
 void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule) {
-  // The root's own unit: the one all the listed units are under.
-  ModuleState* top = nullptr;
-  for (const auto& [path, state] : root.units)
-    if (state->units_under().size() == root.units.size()) top = state;
+  ModuleState* top = own_unit(root);
   if (!top)
     throw std::invalid_argument(root_error("set_runtime_choices", root,
                                            "its own module is not sharded; fully_shard the root too (last)"));
@@ -230,7 +234,7 @@ plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_s
   step.micro_batches = micro_batches;
   step.reduce_every_micro_batch = reduce_every_micro_batch;
   const auto groups = groups_in_order(root, "finish_profiled_step");
-  plan::CostModel model = plan::measure_cost_model(shapes_of(groups), step);
+  plan::CostModel model = plan::measure_cost_model(shapes_of(groups, own_unit(root)), step);
   measure_collective_latency(model, groups.front().state->group().comm());
   agree_across_ranks(model, *default_communicator());
   return model;
