@@ -14,6 +14,9 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
         [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
                       (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
+        [--float8 tensorwise|rowwise]   torchao's float8 training on the blocks' linears (not the
+                      head), tensorwise with float8 all-gather and precomputed scales (torchtitan's
+                      recipe); needs torchao
         [--runtime fsdpcpp]   the same script sharded by fsdp.cpp's Python package instead of FSDP2:
                       only the import of fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy and
                       clip_grad_norm_ changes (PYTHONPATH=build/py, or pip install .)
@@ -39,6 +42,9 @@ PRESETS = {
     "tiny": dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=176, theta=1e4),
     "small": dict(vocab=32000, dim=512, n_layers=24, n_heads=8, n_kv_heads=8, ffn=1408, theta=1e4),
     "1b": dict(vocab=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=5632, theta=1e4),
+    # Llama-3.2-3B: tied embeddings, Llama 3's RoPE scaling (fsdp-train's 3b preset).
+    "3b": dict(vocab=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn=8192, theta=5e5, tie=True,
+               rope_scaling=dict(factor=32.0, low=1.0, high=4.0, original=8192)),
     "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336, theta=5e5),
 }
 EPS = 1e-5
@@ -94,6 +100,8 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
         self.norm = nn.RMSNorm(c["dim"], eps=EPS)
         self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
+        if c.get("tie"):
+            self.head.weight = self.tok_emb.weight
         self.c, self.max_seq = c, max_seq
         self.register_buffer("rope_cos", torch.empty(max_seq, c["dim"] // c["n_heads"]), persistent=False)
         self.register_buffer("rope_sin", torch.empty_like(self.rope_cos), persistent=False)
@@ -103,6 +111,10 @@ class Llama(nn.Module):
     def init_rope(self):
         half = self.c["dim"] // self.c["n_heads"] // 2
         inv_freq = self.c["theta"] ** (-torch.arange(0, half, dtype=torch.float64) / half)
+        if "rope_scaling" in self.c:  # Llama 3's: keep short wavelengths, divide long ones, blend between
+            r = self.c["rope_scaling"]
+            kept = ((r["original"] * inv_freq / (2 * math.pi) - r["low"]) / (r["high"] - r["low"])).clamp(0, 1)
+            inv_freq = inv_freq * (kept + (1 - kept) / r["factor"])
         angles = torch.outer(torch.arange(self.max_seq, dtype=torch.float64), inv_freq).repeat(1, 2)  # [t, d]
         if self.rope_cos.device.type != "meta":
             self.rope_cos.copy_(angles.cos())
@@ -211,6 +223,8 @@ def main():
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
+    p.add_argument("--float8", choices=["tensorwise", "rowwise"],
+                   help="torchao float8 linears in the blocks (tensorwise: float8 all-gather, precomputed scales)")
     p.add_argument("--attention", choices=["aten", "flash"], default="aten",
                    help="SDPA kernel: ATen's choice or flash")
     p.add_argument("--cpu-offload", action="store_true",
@@ -268,6 +282,11 @@ def main():
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                  weight_decay=args.weight_decay, fused=True)
 
+    if args.float8:  # torchtitan's order: float8 conversion, then compile, then sharding
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if args.float8 == "tensorwise"
+                  else Float8LinearConfig.from_recipe_name("rowwise"))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
     if args.compile:  # after loading (the wrapper renames parameters), before sharding
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
@@ -323,6 +342,9 @@ def main():
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
+            if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+                precompute_float8_dynamic_scale_for_fsdp(model)
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             loss_value = global_loss.item()

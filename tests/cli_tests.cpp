@@ -45,6 +45,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--param-dtype", "fp8"}, "dtype must be fp32, bf16 or auto, not 'fp8'"},
       {{"--backend", "gloo"}, "--backend must be auto, mpi or nccl"},
       {{"--attention", "cudnn"}, "--attention: attention kernel must be aten or flash, not 'cudnn'"},
+      {{"--fp8", "e4m3"}, "--fp8: float8 recipe must be off, tensorwise or rowwise, not 'e4m3'"},
       {{"--profile", "/tmp/p", "--steps", "2", "--profile-steps", "3"}, "--profile-steps must be between 1 and --steps"},
       {{"--data", "/nonexistent"}, "--data: cannot read '/nonexistent': No such file or directory"},
       {{"--data", "/"}, "--data: '/' is not a regular file"},
@@ -139,7 +140,7 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
   std::ofstream(text) << std::string(300, 'x');
   const std::vector<std::string> names = {
       "--model", "--steps", "--batch", "--seq", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip",
-      "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--attention", "--log", "--timeout",
+      "--seed", "--data", "--param-dtype", "--reduce-dtype", "--backend", "--attention", "--fp8", "--log", "--timeout",
       "--prefetch-depth", "--max-inflight-allgathers", "--max-inflight-reduce-scatters", "--bucket-mb",
       "--reduce-bucket-max-wait", "--max-pending-host-steps", "--optimizer-in-backward",
       "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",

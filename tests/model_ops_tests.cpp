@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
+
 #include "model/fused_ops.h"
 #include "model/hf_llama.h"
 #include "model/linear_cross_entropy.h"
@@ -141,6 +143,47 @@ TEST(HfParts, FusedProjectionsAreTheHuggingFaceTensorsStackedByRows) {
   EXPECT_EQ(head[0].name, "lm_head.weight");
   EXPECT_EQ(head[0].rows, 0);  // the whole parameter
   EXPECT_THROW(hf_parts("blocks.0.attn.wq.weight", c), std::invalid_argument);
+}
+
+// Llama-3.2-3B's config.json as published (the fields a LlamaConfig reads): the 3b preset is that model.
+TEST(LlamaPresets, ThreeBIsLlama32ThreeBsConfig) {
+  const std::string dir = ::testing::TempDir() + "llama-3.2-3b";
+  ASSERT_EQ(system(("mkdir -p " + dir).c_str()), 0);
+  std::ofstream(dir + "/config.json") << R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "attention_bias": false, "mlp_bias": false, "head_dim": 128, "hidden_size": 3072,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 24,
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "vocab_size": 128256})";
+  const auto hf = read_hf_config(dir), preset = LlamaConfig::preset("3b");
+  EXPECT_EQ(hf.vocab, preset.vocab);
+  EXPECT_EQ(hf.dim, preset.dim);
+  EXPECT_EQ(hf.n_layers, preset.n_layers);
+  EXPECT_EQ(hf.n_heads, preset.n_heads);
+  EXPECT_EQ(hf.n_kv_heads, preset.n_kv_heads);
+  EXPECT_EQ(hf.ffn, preset.ffn);
+  EXPECT_EQ(hf.max_seq, preset.max_seq);
+  EXPECT_EQ(hf.tie_embeddings, preset.tie_embeddings);
+  EXPECT_TRUE(torch::equal(hf.rope_frequencies(), preset.rope_frequencies()));
+  EXPECT_NEAR(preset.parameter_count() / 1e9, 3.21, 0.01);  // Llama-3.2-3B's 3.21 billion
+}
+
+// Llama 3's scaling keeps the short wavelengths, divides the long ones by the factor and blends
+// between (frequencies fall monotonically either way).
+TEST(LlamaPresets, Llama3RopeScalingKeepsHighFrequenciesAndDividesLowOnes) {
+  auto c = LlamaConfig::preset("3b");
+  const auto scaled = c.rope_frequencies();
+  c.rope_scaling.factor = 0;
+  const auto plain = c.rope_frequencies();
+  const auto wavelength = 2 * M_PI / plain;
+  const auto ratio = scaled / plain;
+  const auto short_ones = wavelength < 8192 / 4.0, long_ones = wavelength > 8192 / 1.0;
+  EXPECT_TRUE(short_ones.any().item<bool>() && long_ones.any().item<bool>());
+  EXPECT_TRUE(torch::allclose(ratio.masked_select(short_ones), torch::ones({1}, torch::kDouble)));
+  EXPECT_TRUE(torch::allclose(ratio.masked_select(long_ones), torch::full({1}, 1 / 32.0, torch::kDouble)));
+  EXPECT_TRUE((scaled.slice(0, 1) < scaled.slice(0, 0, -1)).all().item<bool>());
 }
 
 }  // namespace

@@ -17,9 +17,8 @@
 #ifdef FSDP_WITH_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
-#include "model/fused_kernels.h"
+#include "model/kernel_launch.h"
 #endif
 
 namespace fsdp::model {
@@ -67,18 +66,6 @@ void check_rope_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 }
 
 #ifdef FSDP_WITH_CUDA_KERNELS
-
-// The kernels' element type for t's dtype; none for dtypes they do not take.
-std::optional<kernels::Dtype> kernel_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kernels::Dtype::Float;
-    case at::kBFloat16: return kernels::Dtype::BFloat16;
-    case at::kHalf: return kernels::Dtype::Half;
-    default: return std::nullopt;
-  }
-}
-
-void* current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 bool use_kernels(const at::Tensor& t) { return t.is_cuda() && kernel_dtype(t).has_value(); }
 

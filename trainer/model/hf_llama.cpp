@@ -178,8 +178,18 @@ LlamaConfig read_hf_config(const std::string& dir) {
     const auto it = j.find(scaling);
     if (it == j.end() || it->is_null()) continue;
     const std::string type = it->value("rope_type", it->value("type", std::string("default")));
-    if (type != "default") throw config_error(dir, std::string(scaling) + " of type '" + type + "' is not supported");
+    if (type != "default" && type != "llama3")
+      throw config_error(dir, std::string(scaling) + " of type '" + type + "' is not supported (default, llama3)");
     c.rope_theta = it->value("rope_theta", c.rope_theta);
+    if (type == "llama3") {
+      for (const char* needed : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if (!it->contains(needed)) throw config_error(dir, std::string(scaling) + " of type llama3 has no " + needed);
+      c.rope_scaling = {(*it)["factor"].get<double>(), (*it)["low_freq_factor"].get<double>(),
+                        (*it)["high_freq_factor"].get<double>(),
+                        (*it)["original_max_position_embeddings"].get<int64_t>()};
+      if (c.rope_scaling.factor <= 0 || c.rope_scaling.high_freq_factor <= c.rope_scaling.low_freq_factor)
+        throw config_error(dir, std::string(scaling) + ": llama3 needs factor > 0 and high_freq_factor > low_freq_factor");
+    }
   }
   if (c.vocab < 1 || c.dim < 1 || c.n_layers < 0 || c.n_heads < 1 || c.n_kv_heads < 1 || c.ffn < 1 ||
       c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
@@ -249,6 +259,17 @@ const char* const kCompanionFiles[] = {"generation_config.json", "tokenizer.json
 // config.json for the export: an imported model's own config with every field passed through
 // (training changes no architecture field, and token ids, generation and tokenizer settings are
 // the user's), else one written from our config. Either way torch_dtype says what is written.
+// transformers 5's name for the rotary settings (read back by read_hf_config).
+nlohmann::json rope_parameters(const LlamaConfig& c) {
+  if (c.rope_scaling.factor <= 0) return {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
+  return {{"rope_type", "llama3"},
+          {"rope_theta", c.rope_theta},
+          {"factor", c.rope_scaling.factor},
+          {"low_freq_factor", c.rope_scaling.low_freq_factor},
+          {"high_freq_factor", c.rope_scaling.high_freq_factor},
+          {"original_max_position_embeddings", c.rope_scaling.original_max_seq}};
+}
+
 nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from) {
   nlohmann::json config;
   if (has_hf_config(imported_from)) {
@@ -268,7 +289,7 @@ nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_f
         {"max_position_embeddings", c.max_seq},
         {"rms_norm_eps", c.norm_eps},
         {"rope_theta", c.rope_theta},
-        {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+        {"rope_parameters", rope_parameters(c)},
         {"tie_word_embeddings", c.tie_embeddings},
         {"hidden_act", "silu"},
         {"attention_bias", false},

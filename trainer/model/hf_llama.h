@@ -25,7 +25,8 @@ std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& config)
 // A directory holding config.json, or a .safetensors file (whose config must come from elsewhere).
 bool has_hf_config(const std::string& path);
 // The architecture of config.json in `dir` (LlamaForCausalLM fields); throws naming the field
-// for what the model cannot represent (biases, rope scaling, another architecture).
+// for what the model cannot represent (biases, RoPE scaling other than Llama 3's, another
+// architecture).
 LlamaConfig read_hf_config(const std::string& dir);
 
 // Collective. Loads the weights of a .safetensors file, or of every *.safetensors file in a

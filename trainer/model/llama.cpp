@@ -27,17 +27,36 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.ffn = 5632, c.max_seq = 4096;
     return c;
   }
+  if (name == "3b") {  // Llama-3.2-3B
+    c.vocab = 128256, c.dim = 3072, c.n_layers = 28, c.n_heads = 24, c.n_kv_heads = 8;
+    c.ffn = 8192, c.max_seq = 131072, c.rope_theta = 500000.0, c.tie_embeddings = true;
+    c.rope_scaling = {32.0, 1.0, 4.0, 8192};
+    return c;
+  }
   if (name == "8b") {
     c.vocab = 128256, c.dim = 4096, c.n_layers = 32, c.n_heads = 32, c.n_kv_heads = 8;
     c.ffn = 14336, c.max_seq = 8192, c.rope_theta = 500000.0;
     return c;
   }
-  throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 8b)");
+  throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 3b, 8b)");
 }
 
 bool LlamaConfig::checkpoints(int64_t block) const {
   return checkpoint_blocks ||
          std::find(checkpointed_blocks.begin(), checkpointed_blocks.end(), block) != checkpointed_blocks.end();
+}
+
+torch::Tensor LlamaConfig::rope_frequencies() const {
+  const int64_t half = head_dim() / 2;
+  auto frequencies = torch::pow(rope_theta, -torch::arange(0, half, torch::kDouble) / half);
+  const auto& s = rope_scaling;
+  if (s.factor <= 0) return frequencies;
+  const double original = static_cast<double>(s.original_max_seq);
+  const auto wavelength = 2 * M_PI / frequencies;
+  // 0 where the wavelength is longer than original / low_freq_factor (scaled by 1 / factor), 1 where
+  // it is shorter than original / high_freq_factor (kept), linear in original / wavelength between.
+  const auto kept = ((original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1);
+  return frequencies * (kept + (1 - kept) / s.factor);
 }
 
 int64_t LlamaConfig::block_parameter_count() const {
@@ -61,11 +80,14 @@ torch::Tensor Placement::parameter(at::IntArrayRef shape) const {
   return deferred ? fsdp::deferred_parameter(shape, options) : torch::zeros(shape, options);
 }
 
-ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where) {
+ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8)
+    : float8_(float8) {
   weight = register_parameter("weight", where.parameter({out, in}));
 }
 
-torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) {
+  return float8_ == Float8Recipe::Off ? torch::nn::functional::linear(x, weight) : float8_linear(x, weight, float8_);
+}
 
 EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) {
   weight = register_parameter("weight", where.parameter({vocab, dim}));
@@ -95,8 +117,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
-  wqkv = register_module("wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where));
-  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where));
+  wqkv = register_module("wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where, c.float8));
+  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where, c.float8));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -111,8 +133,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
 }
 
 MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) {
-  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where));
-  w_down = register_module("w_down", Projection(c.ffn, c.dim, where));
+  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where, c.float8));
+  w_down = register_module("w_down", Projection(c.ffn, c.dim, where, c.float8));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
@@ -141,9 +163,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c) {
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, where));
   if (!c.tie_embeddings) head = register_module("head", Projection(c.dim, c.vocab, where));
-  const int64_t half = c.head_dim() / 2;
-  auto inv_freq = torch::pow(c.rope_theta, -torch::arange(0, half, torch::kDouble) / half);
-  auto angles = torch::outer(torch::arange(0, c.max_seq, torch::kDouble), inv_freq);
+  auto angles = torch::outer(torch::arange(0, c.max_seq, torch::kDouble), c.rope_frequencies());
   rope_cos = register_buffer("rope_cos", angles.cos().to(where.device, torch::kFloat));
   rope_sin = register_buffer("rope_sin", angles.sin().to(where.device, torch::kFloat));
   if (!where.deferred) reset_parameters();

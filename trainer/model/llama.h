@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "model/float8.h"
 #include "model/fused_ops.h"
 
 namespace fsdp::model {
@@ -25,16 +26,28 @@ struct LlamaConfig {
   int64_t ffn = 176;
   int64_t max_seq = 512;
   double rope_theta = 10000.0;
+  // Llama 3's RoPE scaling (Hugging Face rope_type "llama3"): frequencies whose wavelength exceeds
+  // original_max_seq / low_freq_factor are divided by factor, those below original_max_seq /
+  // high_freq_factor kept, those between blended. factor 0: no scaling.
+  struct RopeScaling {
+    double factor = 0.0;
+    double low_freq_factor = 1.0;
+    double high_freq_factor = 4.0;
+    int64_t original_max_seq = 8192;
+  } rope_scaling;
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
   std::vector<int64_t> checkpointed_blocks;  // or only these blocks' (selective checkpointing)
   AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
+  Float8Recipe float8 = Float8Recipe::Off;  // the blocks' projections in float8 (float8.h), not the head
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
-  // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "8b".
+  // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "3b" (Llama-3.2-3B's shapes), "8b".
   static LlamaConfig preset(const std::string& name);
   int64_t head_dim() const { return dim / n_heads; }
+  // RoPE's angle per position of each pair of a head's dimensions, scaled: float64 [head_dim / 2].
+  torch::Tensor rope_frequencies() const;
   bool checkpoints(int64_t block) const;
   int64_t parameter_count() const;
   // One block's (a parameter group of its own when blocks are sharded one by one).
@@ -52,13 +65,16 @@ struct Placement {
   torch::Tensor parameter(at::IntArrayRef shape) const;
 };
 
-// torch::nn::Linear without bias (weight [out, in], the same parameter name) and
-// torch::nn::Embedding, made on a Placement.
+// torch::nn::Linear without bias (weight [out, in], the same parameter name), in float8 by
+// `float8` unless Off, and torch::nn::Embedding, made on a Placement.
 class ProjectionImpl : public torch::nn::Module {
  public:
-  ProjectionImpl(int64_t in, int64_t out, const Placement& where);
+  ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8 = Float8Recipe::Off);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
+
+ private:
+  Float8Recipe float8_;
 };
 TORCH_MODULE(Projection);
 

@@ -97,6 +97,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
       {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
                        "it applies) (default aten)", text(a.attention)}},
+      {"--fp8", {"the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
+                 "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it) (default off)",
+                 text(a.fp8)}},
       {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
@@ -240,6 +243,11 @@ void check_ranges(const TrainArgs& a) {
     model::attention_kernel_named(a.attention);
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--attention: ") + e.what());
+  }
+  try {
+    model::float8_recipe_named(a.fp8);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--fp8: ") + e.what());
   }
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
   require(a.replicas >= 1, "--replicas must be at least 1");
@@ -556,6 +564,7 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   if (!from_hf) config.tie_embeddings = a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
   config.attention = model::attention_kernel_named(a.attention);
+  config.float8 = model::float8_recipe_named(a.fp8);
   config.seed = a.seed;
   return config;
 }
@@ -590,6 +599,15 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
           "(--memory-log samples host memory)");
   require(on_gpu || a.attention == "aten", "--attention " + a.attention + " chooses a GPU kernel, and this run has "
                                            "no GPU: drop it");
+  if (on_gpu && a.fp8 != "off") {
+    try {
+      model::check_float8_device(c10::Device(c10::kCUDA, 0));
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(std::string("--fp8 ") + a.fp8 + ": " + e.what());
+    }
+    require(a.batch * a.seq % 16 == 0, "--fp8: float8 GEMMs need --batch x --seq a multiple of 16 (" +
+                                           std::to_string(a.batch * a.seq) + " now)");
+  }
   if (!a.export_path.empty()) check_export_path(a);
   const auto resumed = check_resume(a);
   if (!a.save_dir.empty()) check_save_dir(a, resumed);

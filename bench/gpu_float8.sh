@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue #32's float8 records on one GPU, each phase one device call (the build stays between them
+# only within a call; every phase builds through setup.sh, a no-op when built):
+#   bash bench/gpu_float8.sh speed OUT COMMIT [ROUNDS]  the float8 GPU tests; fsdp-train's 1B (seq 2048,
+#        batch 4) and 3B (seq 2048, batch 2) in bf16, float8 tensorwise and rowwise, ROUNDS rounds
+#        (default 3) alternating; FSDP2 + torchao float8 tensorwise + compile on the same models (the
+#        torchao wheel in .whl/); a profile of each model's fsdp-train float8 step
+#   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
+#        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
+# Logs, JSON lines and summaries to OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?phase}; out=${2:?output folder}; commit=${3:-unknown}; rounds=${4:-3}
+source bench/gpu_env.sh
+mkdir -p "$out"
+record_env "$out/env-$phase.txt" "$commit"
+cat "$out/env-$phase.txt"
+FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
+train() { build/fsdp-run --gpu -n 1 build/fsdp-train --param-dtype bf16 "$@"; }
+status=0
+declare -A shape=([1b]="--seq 2048 --batch 4" [3b]="--seq 2048 --batch 2")
+case $phase in
+  speed)
+    mpirun -n 1 build/tests/fsdp_gpu_tests --gtest_filter='Gpu.Float8*' > "$out/float8-gpu-tests.log" 2>&1 || status=1
+    grep -E "OK|FAILED|PASSED" "$out/float8-gpu-tests.log"
+    build/python -m pip install -q --no-index --no-deps .whl/torchao-*.whl > "$out/torchao-install.log" 2>&1 || status=1
+    torchao() {  # model, float8 recipe, round
+      PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py \
+        --model "$1" ${shape[$1]} --steps 15 --compile --float8 "$2" --jsonl "$out/$1-torchao-$2-$3.jsonl" \
+        > "$out/$1-torchao-$2-$3.log" 2>&1 || status=1
+    }
+    for round in $(seq 1 "$rounds"); do
+      for model in 1b 3b; do
+        for fp8 in off tensorwise rowwise; do
+          train --model "$model" ${shape[$model]} --steps 15 --fp8 "$fp8" --log "$out/$model-$fp8-$round.jsonl" \
+            > "$out/$model-$fp8-$round.log" 2>&1 || status=1
+        done
+        torchao "$model" tensorwise "$round"
+      done
+    done
+    for model in 1b 3b; do
+      train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --profile "$out/profile-$model-tensorwise" \
+        --log "$out/profile-$model.jsonl" > "$out/profile-$model.log" 2>&1 || status=1
+      python3 bench/profile_summary.py "$out/profile-$model-tensorwise-rank0.json" --top 25 \
+        > "$out/profile-$model-tensorwise.txt" 2>&1
+      gzip -f "$out/profile-$model-tensorwise-rank0.json"
+    done
+    python3 bench/float8_summary.py "$out" > "$out/summary.md" || status=1
+    cat "$out/summary.md" ;;
+  loss)
+    [ -f .data/vim-docs-train.txt ] || { echo "no .data/vim-docs-train.txt: run bench/text_corpus.sh .data here and carry .data"; exit 1; }
+    data=(--data .data/vim-docs-train.txt --eval-data .data/vim-docs-eval.txt --eval-batches 8)
+    for fp8 in off tensorwise rowwise; do
+      train --model small --seq 512 --batch 16 --steps 1000 --lr 1e-3 --min-lr 1e-4 --warmup 50 --eval-every 250 \
+        "${data[@]}" --fp8 "$fp8" --log "$out/loss-small-$fp8.jsonl" > "$out/loss-small-$fp8.log" 2>&1 || status=1
+      train --model 1b --seq 2048 --batch 4 --steps 200 --lr 3e-4 --min-lr 3e-5 --warmup 20 --eval-every 100 \
+        "${data[@]}" --fp8 "$fp8" --log "$out/loss-1b-$fp8.jsonl" > "$out/loss-1b-$fp8.log" 2>&1 || status=1
+    done
+    python3 bench/float8_summary.py --loss "$out" > "$out/loss-summary.md" || status=1
+    cat "$out/loss-summary.md" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+exit $status
