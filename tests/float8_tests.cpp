@@ -58,6 +58,19 @@ TEST(Float8Cast, ScalesArePowersOfTwoThatFitTheAmaxUnderTheFormatsMax) {
       }
 }
 
+TEST(Float8Cast, BothLayoutsAtOnceAreTheTwoCastsWithOneScale) {
+  const auto x = torch::randn({20, 48}).to(torch::kBFloat16);
+  for (auto f : {Float8Format::E4M3, Float8Format::E5M2}) {
+    const auto both = to_float8_both(x, f);
+    for (bool transposed : {false, true}) {
+      const auto& got = transposed ? both.transposed : both.plain;
+      const auto want = to_float8(x, f, false, transposed);
+      EXPECT_TRUE(torch::equal(got.data.view(torch::kUInt8), want.data.view(torch::kUInt8)));
+      EXPECT_TRUE(torch::equal(got.inverse_scale, want.inverse_scale));
+    }
+  }
+}
+
 TEST(Float8Cast, PerRowScalesKeepSmallRowsPreciseWhereOneScaleFlushesThem) {
   auto x = torch::full({2, 16}, 1e-3);
   x[0] = 1000.0;  // one outlier row: one scale for both leaves the small row far below e4m3's normals

@@ -192,7 +192,8 @@ TEST(Gpu, FlashAttentionIsTakenWhereItAppliesAndMatchesAtensChoice) {
 // is exact and both round to nearest even, saturating), for every layout, format and input dtype,
 // row counts that are not multiples of the 64-row tiles included. The scaled GEMMs on the float8
 // tensor cores equal the dequantised operands' float32 product within its accumulation order and
-// the bf16 output's rounding (2^-8), 2^-7 with the forward's fast accumulation.
+// the bf16 output's rounding (2^-8), 2^-7 with the forward's fast accumulation. to_float8_both's
+// two layouts equal the separate casts.
 TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
   model::check_float8_device(device());  // H100/H200: no error
   for (auto dtype : {torch::kFloat, torch::kBFloat16})
@@ -209,6 +210,12 @@ TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
                                      (per_row ? " per row" : " whole") + (transposed ? " transposed" : "");
             EXPECT_TRUE(torch::equal(got.data.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what;
             EXPECT_TRUE(torch::equal(got.inverse_scale, want.inverse_scale)) << what;
+            if (per_row) continue;
+            // Both layouts from one read, with one scale: each equal to its own cast.
+            const auto both = model::to_float8_both(x, format);
+            const auto& one = transposed ? both.transposed : both.plain;
+            EXPECT_TRUE(torch::equal(one.data.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what << " (both)";
+            EXPECT_TRUE(torch::equal(one.inverse_scale, want.inverse_scale)) << what << " (both)";
           }
   for (bool fast : {false, true})
     for (bool per_row : {false, true}) {
@@ -238,7 +245,7 @@ TEST(Gpu, Float8LinearMatchesTheCpuReferenceInValuesAndGradients) {
     const auto g_cpu = torch::randn({4, 32, 96}).to(torch::kBFloat16);
     std::vector<std::vector<torch::Tensor>> results;
     for (const auto& where : {c10::Device(c10::kCPU), device()}) {
-      auto x = x_cpu.to(where).requires_grad_(), w = w_cpu.to(where).requires_grad_();
+      auto x = x_cpu.to(where).detach().requires_grad_(), w = w_cpu.to(where).detach().requires_grad_();
       auto y = model::float8_linear(x, w, recipe);
       y.backward(g_cpu.to(where));
       results.push_back({y.detach().cpu(), x.grad().cpu(), w.grad().cpu()});

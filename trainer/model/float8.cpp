@@ -83,26 +83,54 @@ Float8Operand to_float8(const at::Tensor& x, Float8Format format, bool per_row, 
 
 }  // namespace reference
 
+#ifdef FSDP_WITH_CUDA_KERNELS
+namespace {
+
+// Whether the cast kernels take x (a CUDA matrix of a dtype they know and a multiple of 16 columns).
+bool kernels_take(const at::Tensor& x) {
+  return x.is_cuda() && x.dim() == 2 && x.size(1) % 16 == 0 && kernel_dtype(x).has_value();
+}
+
+// Casts x with the kernels into the layouts asked for (plain, transposed or both: one scale).
+Float8Layouts launch_cast(const at::Tensor& x, Float8Format format, bool per_row, bool plain, bool transposed,
+                          const at::Tensor& amax) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto in = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(in.data_ptr()) % 16 != 0) in = in.clone();  // the kernels' 16-byte loads
+  const auto a = amax.defined() ? amax.contiguous() : float8_amax(in, per_row, transposed);
+  const int64_t rows = in.size(0), cols = in.size(1);
+  const auto options = in.options().dtype(dtype_of(format));
+  Float8Layouts out;
+  const auto inverse_scale = at::empty_like(a);
+  if (plain) out.plain = {at::empty({rows, cols}, options), inverse_scale};
+  if (transposed) out.transposed = {at::empty({cols, rows}, options), inverse_scale};
+  kernels::float8_cast(in.data_ptr(), *kernel_dtype(in), rows, cols, a.data_ptr<float>(), per_row,
+                       plain ? out.plain.data.data_ptr() : nullptr,
+                       transposed ? out.transposed.data.data_ptr() : nullptr, format == Float8Format::E5M2,
+                       inverse_scale.data_ptr<float>(), current_stream(in));
+  return out;
+}
+
+}  // namespace
+#endif
+
 Float8Operand to_float8(const at::Tensor& x, Float8Format format, bool per_row, bool transposed,
                         const at::Tensor& amax) {
 #ifdef FSDP_WITH_CUDA_KERNELS
-  const auto dtype = kernel_dtype(x);
-  if (x.is_cuda() && x.dim() == 2 && dtype) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    auto in = x.contiguous();
-    if (reinterpret_cast<uintptr_t>(in.data_ptr()) % 16 != 0) in = in.clone();  // the kernels' 16-byte loads
-    const auto a = amax.defined() ? amax.contiguous() : float8_amax(in, per_row, transposed);
-    const int64_t rows = in.size(0), cols = in.size(1);
-    auto data = at::empty(transposed ? at::IntArrayRef{cols, rows} : at::IntArrayRef{rows, cols},
-                          in.options().dtype(dtype_of(format)));
-    auto inverse_scale = at::empty_like(a);
-    kernels::float8_cast(in.data_ptr(), *dtype, rows, cols, a.data_ptr<float>(), per_row, transposed,
-                         format == Float8Format::E5M2, data.data_ptr(), inverse_scale.data_ptr<float>(),
-                         current_stream(in));
-    return {data, inverse_scale};
+  if (kernels_take(x)) {
+    auto out = launch_cast(x, format, per_row, !transposed, transposed, amax);
+    return transposed ? out.transposed : out.plain;
   }
 #endif
   return reference::to_float8(x, format, per_row, transposed, amax);
+}
+
+Float8Layouts to_float8_both(const at::Tensor& x, Float8Format format, const at::Tensor& amax) {
+  const auto a = amax.defined() ? amax : float8_amax(x, false, false);
+#ifdef FSDP_WITH_CUDA_KERNELS
+  if (kernels_take(x)) return launch_cast(x, format, false, true, true, a);
+#endif
+  return {reference::to_float8(x, format, false, false, a), reference::to_float8(x, format, false, true, a)};
 }
 
 at::Tensor float8_mm(const Float8Operand& a, const Float8Operand& b, at::ScalarType out_dtype,
@@ -154,23 +182,33 @@ void check_linear_shapes(const at::Tensor& x2, const at::Tensor& weight) {
 //   forward      y        = x [m, in]   @ (w [out, in])^T
 //   grad input   grad_x   = g [m, out]  @ (w^T [in, out])^T
 //   grad weight  grad_w   = g^T [out, m] @ (x^T [in, m])^T
-// Only x and w are saved (in their own dtypes; the weight is the unsharded parameter, which the
-// runtime gathers again for backward) and cast again there. Tensorwise reuses forward's amaxes.
+// The weight is saved as itself (the unsharded parameter, which the runtime gathers again for
+// backward: a float8 copy kept from forward would hold the whole model between the passes) and
+// cast again there. Tensorwise casts x into both layouts in forward and keeps x^T in float8 (half
+// the bytes of the bf16 activation), casts g into both layouts at once, and reuses the weight's
+// amax; rowwise scales each GEMM's operands along another axis, so it keeps x and casts again.
 struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             int64_t recipe_index) {
-    const auto recipe = static_cast<Float8Recipe>(recipe_index);
-    const bool rowwise = recipe == Float8Recipe::Rowwise;
+    const bool rowwise = static_cast<Float8Recipe>(recipe_index) == Float8Recipe::Rowwise;
     const auto x2 = x.reshape({-1, x.size(-1)});
     check_linear_shapes(x2, weight);
-    const auto xf = to_float8(x2, Float8Format::E4M3, rowwise, false);
-    const auto wf = to_float8(weight, Float8Format::E4M3, rowwise, false);
-    const auto y = float8_mm(xf, wf, x.scalar_type(), /*fast_accumulation=*/!rowwise);
-    ctx->save_for_backward({x2, weight});
-    ctx->saved_data["recipe"] = recipe_index;
-    if (!rowwise) {  // amax = max / (2^k) is not recoverable from the scale: keep the amaxes themselves
-      ctx->saved_data["x_amax"] = float8_amax(x2, false, false);
-      ctx->saved_data["w_amax"] = float8_amax(weight, false, false);
+    ctx->saved_data["rowwise"] = rowwise;
+    at::Tensor y;
+    if (rowwise) {
+      y = float8_mm(to_float8(x2, Float8Format::E4M3, true, false), to_float8(weight, Float8Format::E4M3, true, false),
+                    x.scalar_type(), /*fast_accumulation=*/false);
+      ctx->save_for_backward({x2, weight});
+    } else {
+      const auto w_amax = float8_amax(weight, false, false);
+      const auto xs = to_float8_both(x2, Float8Format::E4M3);
+      y = float8_mm(xs.plain, to_float8(weight, Float8Format::E4M3, false, false, w_amax), x.scalar_type(),
+                    /*fast_accumulation=*/true);
+      ctx->save_for_backward({weight});
+      ctx->saved_data["x_t"] = xs.transposed.data;
+      ctx->saved_data["x_t_inverse_scale"] = xs.transposed.inverse_scale;
+      ctx->saved_data["w_amax"] = w_amax;
+      ctx->saved_data["x_dtype"] = x.scalar_type();
     }
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
@@ -179,23 +217,24 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    auto& d = ctx->saved_data;
     const auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &weight = saved[1];
-    const bool rowwise = static_cast<Float8Recipe>(ctx->saved_data["recipe"].toInt()) == Float8Recipe::Rowwise;
+    const auto& weight = saved.back();
     const auto g = grads[0].reshape({-1, weight.size(0)}).contiguous();
-    const auto g_format = rowwise ? Float8Format::E4M3 : Float8Format::E5M2;
-    at::Tensor g_amax, x_amax, w_amax;  // undefined: computed by to_float8
-    if (!rowwise) {
-      g_amax = float8_amax(g, false, false);
-      x_amax = ctx->saved_data["x_amax"].toTensor();
-      w_amax = ctx->saved_data["w_amax"].toTensor();
+    at::Tensor grad_x, grad_w;
+    if (d["rowwise"].toBool()) {
+      const auto& x2 = saved[0];
+      grad_x = float8_mm(to_float8(g, Float8Format::E4M3, true, false), to_float8(weight, Float8Format::E4M3, true, true),
+                         x2.scalar_type(), false);
+      grad_w = float8_mm(to_float8(g, Float8Format::E4M3, true, true), to_float8(x2, Float8Format::E4M3, true, true),
+                         weight.scalar_type(), false);
+    } else {
+      const auto gs = to_float8_both(g, Float8Format::E5M2);
+      const Float8Operand x_t{d["x_t"].toTensor(), d["x_t_inverse_scale"].toTensor()};
+      grad_x = float8_mm(gs.plain, to_float8(weight, Float8Format::E4M3, false, true, d["w_amax"].toTensor()),
+                         d["x_dtype"].toScalarType(), false);
+      grad_w = float8_mm(gs.transposed, x_t, weight.scalar_type(), false);
     }
-    const auto grad_x = float8_mm(to_float8(g, g_format, rowwise, false, g_amax),
-                                  to_float8(weight, Float8Format::E4M3, rowwise, true, w_amax), x2.scalar_type(),
-                                  false);
-    const auto grad_w = float8_mm(to_float8(g, g_format, rowwise, true, g_amax),
-                                  to_float8(x2, Float8Format::E4M3, rowwise, true, x_amax), weight.scalar_type(),
-                                  false);
     auto sizes = grads[0].sizes().vec();
     sizes.back() = weight.size(1);
     return {grad_x.view(sizes), grad_w, at::Tensor()};

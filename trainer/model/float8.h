@@ -47,6 +47,14 @@ at::Tensor float8_amax(const at::Tensor& x, bool per_row, bool transposed);
 Float8Operand to_float8(const at::Tensor& x, Float8Format format, bool per_row, bool transposed,
                         const at::Tensor& amax = {});
 
+// Both layouts of x [rows, cols] with one scale for the whole tensor, from one read of x: the
+// operands tensorwise uses twice (x: forward and the weight's gradient; the output's gradient:
+// both gradients).
+struct Float8Layouts {
+  Float8Operand plain, transposed;
+};
+Float8Layouts to_float8_both(const at::Tensor& x, Float8Format format, const at::Tensor& amax = {});
+
 // a.data [m, k] @ b.data [n, k]^T, rescaled, as `out_dtype` [m, n]. `fast_accumulation`: cuBLAS's
 // faster, less exact float8 accumulation (CUDA only).
 at::Tensor float8_mm(const Float8Operand& a, const Float8Operand& b, at::ScalarType out_dtype,

@@ -51,74 +51,89 @@ __global__ void cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, 
   }
 }
 
-constexpr int kTile = 64;  // a block transposes a 64 x 64 tile with 32 x 8 threads
+constexpr int kTile = 64;  // a block of 256 threads casts a 64 x 64 tile
+constexpr int kTileThreads = 256;
 
-// out [cols, rows] = fp8(x^T * scale), scales per row of out (x's columns) or one. The tile is
-// read with each thread taking 2 neighbouring columns of 8 rows, cast, staged in shared memory
-// and written transposed the same way.
+// Transposed: out_t [cols, rows] = fp8(x^T * scale), scales per row of out_t (x's columns) or one;
+// with out also written, out [rows, cols] = fp8(x * scale) from the same read (one scale only).
+// Each thread reads 2 x 8 neighbouring elements of a tile row (16 bytes of bf16 each), casts them,
+// writes them to `out` if asked and stages them in shared memory; then writes 16 consecutive bytes
+// of a row of out_t (a column of the tile).
 template <class T, bool E5M2>
-__global__ void cast_transposed_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
-                                       const float* __restrict__ amax, bool per_row, int64_t rows, int64_t cols,
-                                       float max, float* __restrict__ inverse) {
-  __shared__ uint8_t tile[kTile][kTile + 4];  // + 4: the transposed reads (stride 17 words) hit distinct banks
+__global__ void cast_transposed_kernel(const T* __restrict__ x, uint8_t* __restrict__ out_t,
+                                       uint8_t* __restrict__ out, const float* __restrict__ amax, bool per_row,
+                                       int64_t rows, int64_t cols, float max, float* __restrict__ inverse) {
+  __shared__ uint8_t tile[kTile][kTile + 4];  // + 4: a column's 16 bytes fall in distinct banks
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  float scale[2];
+  const float whole = per_row ? 0.0f : power_of_two_scale(amax[0], max);
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int64_t col = col0 + 2 * tx + j;
-    scale[j] = power_of_two_scale(amax[per_row ? (col < cols ? col : 0) : 0], max);
-    if (ty == 0 && blockIdx.y == 0 && col < cols && (per_row || col == 0)) inverse[per_row ? col : 0] = 1.0f / scale[j];
-  }
+  for (int pass = 0; pass < kTile * kTile / kPack / kTileThreads; ++pass) {
+    const int chunk = pass * kTileThreads + threadIdx.x;  // 8 chunks of 8 elements a tile row
+    const int r = chunk / (kTile / kPack), c = (chunk % (kTile / kPack)) * kPack;
+    const int64_t row = row0 + r, col = col0 + c;
+    if (row >= rows || col >= cols) continue;  // cols % 16 == 0: a chunk is inside or outside
+    Pack<float, kPack> v;
+    if constexpr (sizeof(T) * kPack == 16) {
+      v = load_pack<kPack>(x + row * cols + col);
+    } else {
+      const auto a = load_pack<4>(x + row * cols + col), b = load_pack<4>(x + row * cols + col + 4);
 #pragma unroll
-  for (int k = 0; k < kTile / 8; ++k) {
-    const int r = ty + 8 * k;
-    const int64_t row = row0 + r;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int64_t col = col0 + 2 * tx + j;
-      if (row < rows && col < cols) tile[r][2 * tx + j] = to_fp8<E5M2>(load(x + row * cols + col) * scale[j]);
+      for (int k = 0; k < 4; ++k) v.v[k] = a.v[k], v.v[k + 4] = b.v[k];
     }
+    Pack<uint8_t, kPack> result;
+#pragma unroll
+    for (int k = 0; k < kPack; ++k)
+      result.v[k] = to_fp8<E5M2>(v.v[k] * (per_row ? power_of_two_scale(amax[col + k], max) : whole));
+    if (out) *reinterpret_cast<Pack<uint8_t, kPack>*>(out + row * cols + col) = result;
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) tile[r][c + k] = result.v[k];
+    if (row == 0 && (per_row || col == 0))
+      for (int k = 0; k < (per_row ? kPack : 1); ++k)
+        inverse[per_row ? col + k : 0] = 1.0f / (per_row ? power_of_two_scale(amax[col + k], max) : whole);
   }
   __syncthreads();
+  // out_t's rows are the tile's columns: 64 of them, 4 runs of 16 bytes each.
+  const int c = threadIdx.x / (kTile / 16), r = (threadIdx.x % (kTile / 16)) * 16;
+  const int64_t out_row = col0 + c, out_col = row0 + r;
+  if (out_row >= cols || out_col >= rows) return;
+  if (rows % 16 == 0) {  // 16-byte aligned, and the run is whole
+    Pack<uint8_t, 16> run;
 #pragma unroll
-  for (int k = 0; k < kTile / 8; ++k) {
-    const int c = ty + 8 * k;
-    const int64_t out_row = col0 + c;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int64_t out_col = row0 + 2 * tx + j;
-      if (out_row < cols && out_col < rows) out[out_row * rows + out_col] = tile[2 * tx + j][c];
-    }
+    for (int k = 0; k < 16; ++k) run.v[k] = tile[r + k][c];
+    *reinterpret_cast<Pack<uint8_t, 16>*>(out_t + out_row * rows + out_col) = run;
+  } else {
+    for (int k = 0; k < 16 && out_col + k < rows; ++k) out_t[out_row * rows + out_col + k] = tile[r + k][c];
   }
 }
 
 }  // namespace
 
 void float8_cast(const void* x, Dtype dtype, int64_t rows, int64_t cols, const float* amax, bool per_row,
-                 bool transposed, bool e5m2, void* out, float* inverse_scale, void* stream) {
+                 void* out, void* out_transposed, bool e5m2, float* inverse_scale, void* stream) {
   if (rows * cols == 0) return;
   if (cols % 16 != 0) throw std::invalid_argument("float8_cast: columns must be a multiple of 16");
   if (rows / kTile + 1 > 65535) throw std::invalid_argument("float8_cast: more than 65535 * 64 rows");
+  if (out && out_transposed && per_row)
+    throw std::invalid_argument("float8_cast: both layouts at once share one scale (per_row false)");
   const float max = e5m2 ? 57344.0f : 448.0f;
   const auto s = static_cast<cudaStream_t>(stream);
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const auto* in = static_cast<const T*>(x);
-    auto* o = static_cast<uint8_t*>(out);
-    if (transposed) {
+    auto* plain = static_cast<uint8_t*>(out);
+    if (out_transposed) {
       const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
-      const dim3 block(32, 8);
       const auto kernel = e5m2 ? cast_transposed_kernel<T, true> : cast_transposed_kernel<T, false>;
-      kernel<<<grid, block, 0, s>>>(in, o, amax, per_row, rows, cols, max, inverse_scale);
+      kernel<<<grid, kTileThreads, 0, s>>>(in, static_cast<uint8_t*>(out_transposed), plain, amax, per_row, rows, cols,
+                                           max, inverse_scale);
     } else {
       const int64_t packs = rows * cols / kPack;
       const auto blocks = static_cast<unsigned>(std::min<int64_t>((packs + kThreads - 1) / kThreads, 65536));
       const auto kernel = e5m2 ? cast_kernel<T, true> : cast_kernel<T, false>;
-      kernel<<<blocks, kThreads, 0, s>>>(in, o, amax, per_row, rows, cols, max, inverse_scale);
+      kernel<<<blocks, kThreads, 0, s>>>(in, plain, amax, per_row, rows, cols, max, inverse_scale);
     }
   });
-  check_launch(transposed ? "float8_cast (transposed)" : "float8_cast");
+  check_launch(out_transposed ? "float8_cast (transposed)" : "float8_cast");
 }
 
 int compute_capability(int device) {
