@@ -12,7 +12,8 @@ struct GroupMemory {
   /// Parameters unsharded in the compute dtype, from the all-gather's issue to the reshard.
   int64_t param_bytes = 0;
   /// The all-gather's input and (two or more parameters) output buffers, from its issue until
-  /// the compute waits for it; with CPU offload also the staging copy on the device.
+  /// the compute waits for it; with CPU offload also the staging copy on the device. None on one
+  /// rank: the shards are copied straight into the unsharded parameters.
   int64_t gather_buffer_bytes = 0;
   /// The unsharded gradients autograd leaves (compute dtype), from the group's backward until its
   /// reduce-scatter copies them out.

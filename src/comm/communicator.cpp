@@ -120,7 +120,8 @@ void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
   auto ops = checked("all_gather", outputs, inputs, /*output_gathered=*/true);
   check_same_on_all_ranks([&] { return signature("all_gather", inputs, tag); });
   if (world_size_ == 1) {
-    for (auto& op : ops) op.output.copy_(op.input);
+    for (auto& op : ops)
+      if (!op.output.is_same(op.input)) op.output.copy_(op.input);  // the same tensor: gathered in place
     return;
   }
   do_all_gather(ops);

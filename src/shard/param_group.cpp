@@ -217,9 +217,15 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
   allocate_unsharded();
   GatherBuffers b;
-  // One parameter: the rank-major gather already is the parameter's layout.
-  b.output = params_.size() == 1 ? unsharded_flat_ : at::empty({comm_->world_size() * shard_numel_}, opts);
-  b.input = at::empty({shard_numel_}, opts);
+  if (comm_->world_size() == 1) {
+    // One rank: the input's layout (each parameter's padded shard at its offset) is the unsharded
+    // storage's, so the shards are cast straight into it and nothing is copied after.
+    b.input = b.output = unsharded_flat_;
+  } else {
+    // One parameter: the rank-major gather already is the parameter's layout.
+    b.output = params_.size() == 1 ? unsharded_flat_ : at::empty({comm_->world_size() * shard_numel_}, opts);
+    b.input = at::empty({shard_numel_}, opts);
+  }
   if (needs_staging())
     b.staging = at::empty({shard_numel_}, opts.dtype(host_shards_.scalar_type()));
   return b;
@@ -273,7 +279,8 @@ GroupMemory ParamGroup::memory() const {
     if (p.param.requires_grad()) trainable_numel += c10::multiply_integers(p.full_shape);
   GroupMemory memory;
   memory.param_bytes = world * shard_numel_ * compute;
-  memory.gather_buffer_bytes = (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
+  // One rank gathers in place (allocate_gather).
+  memory.gather_buffer_bytes = world == 1 ? 0 : (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
   if (needs_staging())
     memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
   memory.grad_bytes = trainable_numel * compute;
