@@ -107,8 +107,9 @@ def loss(out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, model in zip(axes, ("small", "1b")):
+    models = [m for m in ("small", "1b") if (m, "off") in curves]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
         for precision in ("off", "tensorwise", "rowwise"):
             r = curves.get((model, precision))
             if not r:

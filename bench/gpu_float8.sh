@@ -7,6 +7,7 @@
 #        torchao wheel in .whl/); a profile of each model's fsdp-train float8 step
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
+#   bash bench/gpu_float8.sh loss-1b OUT COMMIT [STEPS]  the 1B alone, STEPS steps (default 600)
 # Logs, JSON lines and summaries to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,9 +48,19 @@ case $phase in
     done
     python3 bench/float8_summary.py "$out" > "$out/summary.md" || status=1
     cat "$out/summary.md" ;;
-  loss)
+  loss|loss-1b)
     [ -f .data/vim-docs-train.txt ] || { echo "no .data/vim-docs-train.txt: run bench/text_corpus.sh .data here and carry .data"; exit 1; }
     data=(--data .data/vim-docs-train.txt --eval-data .data/vim-docs-eval.txt --eval-batches 8)
+    if [ "$phase" = loss-1b ]; then
+      steps=${4:-600}
+      for fp8 in off tensorwise rowwise; do
+        train --model 1b --seq 2048 --batch 4 --steps "$steps" --lr 3e-4 --min-lr 3e-5 --warmup 20 --eval-every 100 \
+          "${data[@]}" --fp8 "$fp8" --log "$out/loss-1b-$fp8.jsonl" > "$out/loss-1b-$fp8.log" 2>&1 || status=1
+      done
+      python3 bench/float8_summary.py --loss "$out" > "$out/loss-summary.md" || status=1
+      cat "$out/loss-summary.md"
+      exit $status
+    fi
     for fp8 in off tensorwise rowwise; do
       train --model small --seq 512 --batch 16 --steps 1000 --lr 1e-3 --min-lr 1e-4 --warmup 50 --eval-every 250 \
         "${data[@]}" --fp8 "$fp8" --log "$out/loss-small-$fp8.jsonl" > "$out/loss-small-$fp8.log" 2>&1 || status=1
