@@ -282,11 +282,15 @@ def main():
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                  weight_decay=args.weight_decay, fused=True)
 
+    precompute_float8_scales = None
     if args.float8:  # torchtitan's order: float8 conversion, then compile, then sharding
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
+                                    precompute_float8_dynamic_scale_for_fsdp)
         config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if args.float8 == "tensorwise"
                   else Float8LinearConfig.from_recipe_name("rowwise"))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
+        if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
+            precompute_float8_scales = precompute_float8_dynamic_scale_for_fsdp
     if args.compile:  # after loading (the wrapper renames parameters), before sharding
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
@@ -342,9 +346,8 @@ def main():
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
-            if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
-                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-                precompute_float8_dynamic_scale_for_fsdp(model)
+            if precompute_float8_scales:
+                precompute_float8_scales(model)
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             loss_value = global_loss.item()

@@ -51,21 +51,19 @@ case $phase in
   loss|loss-1b)
     [ -f .data/vim-docs-train.txt ] || { echo "no .data/vim-docs-train.txt: run bench/text_corpus.sh .data here and carry .data"; exit 1; }
     data=(--data .data/vim-docs-train.txt --eval-data .data/vim-docs-eval.txt --eval-batches 8)
+    declare -A run=(
+      [small]="--seq 512 --batch 16 --steps 1000 --lr 1e-3 --min-lr 1e-4 --warmup 50 --eval-every 250"
+      [1b]="--seq 2048 --batch 4 --steps 200 --lr 3e-4 --min-lr 3e-5 --warmup 20 --eval-every 100")
+    models=(small 1b)
     if [ "$phase" = loss-1b ]; then
-      steps=${4:-600}
-      for fp8 in off tensorwise rowwise; do
-        train --model 1b --seq 2048 --batch 4 --steps "$steps" --lr 3e-4 --min-lr 3e-5 --warmup 20 --eval-every 100 \
-          "${data[@]}" --fp8 "$fp8" --log "$out/loss-1b-$fp8.jsonl" > "$out/loss-1b-$fp8.log" 2>&1 || status=1
-      done
-      python3 bench/float8_summary.py --loss "$out" > "$out/loss-summary.md" || status=1
-      cat "$out/loss-summary.md"
-      exit $status
+      models=(1b)
+      run[1b]="${run[1b]/--steps 200/--steps ${4:-600}}"
     fi
     for fp8 in off tensorwise rowwise; do
-      train --model small --seq 512 --batch 16 --steps 1000 --lr 1e-3 --min-lr 1e-4 --warmup 50 --eval-every 250 \
-        "${data[@]}" --fp8 "$fp8" --log "$out/loss-small-$fp8.jsonl" > "$out/loss-small-$fp8.log" 2>&1 || status=1
-      train --model 1b --seq 2048 --batch 4 --steps 200 --lr 3e-4 --min-lr 3e-5 --warmup 20 --eval-every 100 \
-        "${data[@]}" --fp8 "$fp8" --log "$out/loss-1b-$fp8.jsonl" > "$out/loss-1b-$fp8.log" 2>&1 || status=1
+      for model in "${models[@]}"; do
+        train --model "$model" ${run[$model]} "${data[@]}" --fp8 "$fp8" --log "$out/loss-$model-$fp8.jsonl" \
+          > "$out/loss-$model-$fp8.log" 2>&1 || status=1
+      done
     done
     python3 bench/float8_summary.py --loss "$out" > "$out/loss-summary.md" || status=1
     cat "$out/loss-summary.md" ;;
