@@ -256,9 +256,6 @@ const char* const kCompanionFiles[] = {"generation_config.json", "tokenizer.json
                                        "merges.txt",              "added_tokens.json", "chat_template.jinja",
                                        "chat_template.json"};
 
-// config.json for the export: an imported model's own config with every field passed through
-// (training changes no architecture field, and token ids, generation and tokenizer settings are
-// the user's), else one written from our config. Either way torch_dtype says what is written.
 // transformers 5's name for the rotary settings (read back by read_hf_config).
 nlohmann::json rope_parameters(const LlamaConfig& c) {
   if (c.rope_scaling.factor <= 0) return {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
@@ -270,6 +267,9 @@ nlohmann::json rope_parameters(const LlamaConfig& c) {
           {"original_max_position_embeddings", c.rope_scaling.original_max_seq}};
 }
 
+// config.json for the export: an imported model's own config with every field passed through
+// (training changes no architecture field, and token ids, generation and tokenizer settings are
+// the user's), else one written from our config. Either way torch_dtype says what is written.
 nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from) {
   nlohmann::json config;
   if (has_hf_config(imported_from)) {
