@@ -1,4 +1,4 @@
-// Float8 linears' arithmetic on CPU (model/float8.h): the casts' scales, rounding and saturation,
+// Float8 linears' arithmetic on CPU (fsdp/float8.h): the casts' scales, rounding and saturation,
 // and the linear's three GEMMs against float64 products within bounds derived from the formats'
 // precision. The GPU suite checks that the CUDA casts equal these bit for bit and _scaled_mm the
 // dequantised products (tests/gpu_tests.cpp).
@@ -9,11 +9,12 @@
 #include <map>
 #include <vector>
 
-#include "model/float8.h"
+#include "fsdp/float8.h"
 #include "model/llama.h"
 
 namespace {
 
+using namespace fsdp;
 using namespace fsdp::model;
 
 // Rounding to nearest with m mantissa bits moves a normal value by at most 2^-(m+1) of itself;

@@ -4,7 +4,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "helpers.h"
-#include "model/float8.h"
+#include "fsdp/float8.h"
 #include "model/fused_ops.h"
 #include "model/linear_cross_entropy.h"
 
@@ -195,36 +195,36 @@ TEST(Gpu, FlashAttentionIsTakenWhereItAppliesAndMatchesAtensChoice) {
 // the bf16 output's rounding (2^-8), 2^-7 with the forward's fast accumulation. to_float8_both's
 // two layouts equal the separate casts.
 TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
-  model::check_float8_device(device());  // H100/H200: no error
+  check_float8_device(device());  // H100/H200: no error
   for (auto dtype : {torch::kFloat, torch::kBFloat16})
     for (int64_t rows : {100, 256})
-      for (auto format : {model::Float8Format::E4M3, model::Float8Format::E5M2})
+      for (auto format : {Float8Format::E4M3, Float8Format::E5M2})
         for (bool per_row : {false, true})
           for (bool transposed : {false, true}) {
             const auto x = (torch::randn({rows, 96}, on_device(torch::kFloat)) *
                             torch::logspace(-2, 2, rows, 10, on_device(torch::kFloat)).unsqueeze(1)).to(dtype);
-            const auto got = model::to_float8(x, format, per_row, transposed);
-            const auto want = model::reference::to_float8(x, format, per_row, transposed);
+            const auto got = to_float8(x, format, per_row, transposed);
+            const auto want = reference::to_float8(x, format, per_row, transposed);
             const std::string what = std::string(c10::toString(dtype)) + " rows " + std::to_string(rows) +
-                                     (format == model::Float8Format::E4M3 ? " e4m3" : " e5m2") +
+                                     (format == Float8Format::E4M3 ? " e4m3" : " e5m2") +
                                      (per_row ? " per row" : " whole") + (transposed ? " transposed" : "");
             EXPECT_TRUE(torch::equal(got.data.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what;
             EXPECT_TRUE(torch::equal(got.inverse_scale, want.inverse_scale)) << what;
             if (per_row) continue;
             // Both layouts from one read, with one scale: each equal to its own cast.
-            const auto both = model::to_float8_both(x, format);
+            const auto both = to_float8_both(x, format);
             const auto& one = transposed ? both.transposed : both.plain;
             EXPECT_TRUE(torch::equal(one.data.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what << " (both)";
             EXPECT_TRUE(torch::equal(one.inverse_scale, want.inverse_scale)) << what << " (both)";
           }
   for (bool fast : {false, true})
     for (bool per_row : {false, true}) {
-      const auto a = model::to_float8(torch::randn({128, 256}, on_device(torch::kBFloat16)),
-                                      model::Float8Format::E4M3, per_row, false);
-      const auto b = model::to_float8(torch::randn({64, 256}, on_device(torch::kBFloat16)),
-                                      model::Float8Format::E4M3, per_row, false);
-      const auto got = model::float8_mm(a, b, torch::kBFloat16, fast).to(torch::kDouble);
-      auto dequantised = [](const model::Float8Operand& op) {
+      const auto a = to_float8(torch::randn({128, 256}, on_device(torch::kBFloat16)),
+                                      Float8Format::E4M3, per_row, false);
+      const auto b = to_float8(torch::randn({64, 256}, on_device(torch::kBFloat16)),
+                                      Float8Format::E4M3, per_row, false);
+      const auto got = float8_mm(a, b, torch::kBFloat16, fast).to(torch::kDouble);
+      auto dequantised = [](const Float8Operand& op) {
         const auto s = op.inverse_scale.dim() == 0 ? op.inverse_scale : op.inverse_scale.unsqueeze(1);
         return op.data.to(torch::kDouble) * s.to(torch::kDouble);
       };
@@ -240,13 +240,13 @@ TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
 // (the ATen reference: the same casts, float32 products): the casts are equal bit for bit, so
 // the results differ by accumulation and the bf16 outputs' rounding, 2^-7 of |a| @ |b|^T.
 TEST(Gpu, Float8LinearMatchesTheCpuReferenceInValuesAndGradients) {
-  for (auto recipe : {model::Float8Recipe::Tensorwise, model::Float8Recipe::Rowwise}) {
+  for (auto recipe : {Float8Recipe::Tensorwise, Float8Recipe::Rowwise}) {
     const auto x_cpu = torch::randn({4, 32, 128}).to(torch::kBFloat16), w_cpu = (torch::randn({96, 128}) * 0.05).to(torch::kBFloat16);
     const auto g_cpu = torch::randn({4, 32, 96}).to(torch::kBFloat16);
     std::vector<std::vector<torch::Tensor>> results;
     for (const auto& where : {c10::Device(c10::kCPU), device()}) {
       auto x = x_cpu.to(where).detach().requires_grad_(), w = w_cpu.to(where).detach().requires_grad_();
-      auto y = model::float8_linear(x, w, recipe);
+      auto y = float8_linear(x, w, recipe);
       y.backward(g_cpu.to(where));
       results.push_back({y.detach().cpu(), x.grad().cpu(), w.grad().cpu()});
     }
@@ -256,7 +256,7 @@ TEST(Gpu, Float8LinearMatchesTheCpuReferenceInValuesAndGradients) {
     for (int i = 0; i < 3; ++i) {
       const auto error = (results[1][i].to(torch::kDouble) - results[0][i].to(torch::kDouble)).abs().reshape(scales[i].sizes());
       EXPECT_TRUE((error <= 0x1p-7 * scales[i]).all().item<bool>())
-          << model::name_of(recipe) << " " << "y/grad_x/grad_w"[0] << i << ": worst "
+          << name_of(recipe) << " " << "y/grad_x/grad_w"[0] << i << ": worst "
           << (error / scales[i]).max().item<double>();
     }
   }

@@ -4,8 +4,9 @@
   layering.py REPO
 
 - The library (include/fsdp/, src/) never includes the trainer (trainer/).
-- The trainer includes the library only through its public headers ("fsdp/...") and the I/O
-  layer's file helpers ("io/files.h"), besides its own "model/..." and "train/...".
+- The trainer includes the library only through its public headers ("fsdp/..."), the I/O
+  layer's file helpers ("io/files.h") and the CUDA kernels' shared helpers ("kernels/..."),
+  besides its own "model/..." and "train/...".
 - Among the library's folders (include/fsdp as "fsdp", src/comm, src/shard, ...) the include graph
   has no cycle.
 Prints `layering: ok`.
@@ -20,7 +21,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 def sources(root):
     for folder, _, names in os.walk(root):
         for name in names:
-            if name.endswith((".h", ".cpp", ".cu")):
+            if name.endswith((".h", ".cpp", ".cu", ".cuh")):
                 yield os.path.join(folder, name)
 
 
@@ -35,10 +36,10 @@ def main():
     for path in sources(f"{repo}/trainer"):
         for inc in includes(path):
             top = inc.split("/")[0]
-            if top in trainer_folders or top == "fsdp" or inc == "io/files.h" or "/" not in inc:
+            if top in trainer_folders or top in ("fsdp", "kernels") or inc == "io/files.h" or "/" not in inc:
                 continue
             problems.append(f"{os.path.relpath(path, repo)} includes \"{inc}\": the trainer uses the library "
-                            "through include/fsdp/ (and io/files.h) only")
+                            "through include/fsdp/ (and io/files.h, kernels/) only")
     edges = {}
     for root, folder_of in ((f"{repo}/src", lambda p: os.path.relpath(p, f"{repo}/src").split("/")[0]),
                             (f"{repo}/include/fsdp", lambda p: "fsdp")):

@@ -5,6 +5,7 @@
 #include "fsdp/recompute.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/communicator.h"
+#include "fsdp/float8.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
 #include "fsdp/mesh.h"

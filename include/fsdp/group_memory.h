@@ -9,7 +9,8 @@ namespace fsdp {
 
 /// A parameter group's buffers in bytes, each with the lifetime the runtime gives it.
 struct GroupMemory {
-  /// Parameters unsharded in the compute dtype, from the all-gather's issue to the reshard.
+  /// Parameters unsharded in the compute dtype (those gathered in float8, enable_float8_all_gather:
+  /// one byte each), from the all-gather's issue to the reshard.
   int64_t param_bytes = 0;
   /// The all-gather's input and (two or more parameters) output buffers, from its issue until
   /// the compute waits for it; with CPU offload also the staging copy on the device. None on one

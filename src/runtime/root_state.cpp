@@ -7,6 +7,7 @@
 
 #include "runtime/module_state.h"
 #include "runtime/runtime.h"
+#include "shard/param_group.h"
 #include "shard/trace.h"
 
 namespace fsdp {
@@ -49,6 +50,7 @@ void RootState::enter_forward(ModuleState& state) {
     // Step numbers are unique across roots, so a group moved between roots never mistakes
     // another root's step for its own.
     step_ = runtime.new_step();
+    refresh_float8_amax();
     forward_order_.clear();
     callback_queued_ = false;
     forward_pass_.begin_pass();
@@ -59,6 +61,17 @@ void RootState::enter_forward(ModuleState& state) {
   }
   state.start_step(step_, is_root);
   ++depth_;
+}
+
+// Float8 all-gather's scales come from the weights as the optimizer left them: one small
+// collective for all of this root's float8-gathered weights, before its first all-gather. In the
+// groups' creation order, the same on every rank (members_ may differ in order between ranks).
+void RootState::refresh_float8_amax() {
+  auto states = members();
+  std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) { return a->id_ < b->id_; });
+  std::vector<ParamGroup*> groups;
+  for (const auto& state : states) groups.push_back(&state->group());
+  ParamGroup::refresh_float8_amax(groups);
 }
 
 void RootState::exit_forward() {

@@ -1,11 +1,14 @@
 #include "shard/param_group.h"
 
 #include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/amax.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/split_with_sizes_copy.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/GradMode.h>
@@ -14,9 +17,12 @@
 #include <c10/core/StreamGuard.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 
+#include "float8/gathered_weights.h"
+#include "fsdp/float8.h"
 #include "shard/flat_copy.h"
 #include "shard/trace.h"
 
@@ -107,8 +113,24 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
     p.layout = ShardLayout::of_shape(t.sizes(), world);
     p.offset = shard_numel_;
     shard_numel_ += p.layout.shard_numel();
+    p.float8 = float8_all_gather_enabled(t);
+    if (p.float8 && cpu_offload)
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + name + "' is gathered in float8 "
+                                  "(enable_float8_all_gather), which a group with cpu_offload cannot do: "
+                                  "drop one of the two for it");
+    if (p.float8 && device_.is_cuda() && t.size(1) % 16 != 0)
+      throw std::invalid_argument("fsdp::fully_shard: parameter '" + name + "' has " + std::to_string(t.size(1)) +
+                                  " columns; float8 all-gather on GPUs needs a multiple of 16 (the float8 "
+                                  "GEMMs' rule): do not call enable_float8_all_gather on it");
     params_.push_back(std::move(p));
   }
+  // Each kind of all-gather (compute dtype, float8) lays out its parameters one after another.
+  int64_t next[2] = {0, 0};
+  for (auto& p : params_) {
+    p.gather_offset = next[p.float8];
+    next[p.float8] += p.layout.shard_numel();
+  }
+  float8_numel_ = next[1];
   // Offloaded: one flat host buffer, parameter after parameter as in the all-gather input, so the
   // copy to the device is one transfer; pinned, so that it runs asynchronously on the stream.
   if (cpu_offload)
@@ -138,16 +160,23 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
 ParamGroup::~ParamGroup() = default;
 
 void ParamGroup::allocate_unsharded() {
-  const int64_t numel = shard_numel_ * comm_->world_size();
-  const size_t bytes = numel * c10::elementSize(compute_dtype_);
+  const int64_t world = comm_->world_size(), numel = gather_numel(false) * world;
+  const size_t compute_bytes = numel * c10::elementSize(compute_dtype_);
+  // The float8 parameters follow, 16-byte aligned (the float8 GEMMs' and casts' alignment).
+  const size_t float8_start = (compute_bytes + 15) / 16 * 16;
+  const size_t bytes = float8_numel_ > 0 ? float8_start + float8_numel_ * world : compute_bytes;
   unsharded_storage_.set_data_ptr_noswap(c10::GetAllocator(device_.type())->allocate(bytes));
   unsharded_storage_.set_nbytes(bytes);
-  unsharded_flat_ = at::empty({0}, at::TensorOptions().dtype(compute_dtype_).device(device_))
-                        .set_(unsharded_storage_, 0, {numel}, {1});
+  const auto options = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  unsharded_flat_ = at::empty({0}, options).set_(unsharded_storage_, 0, {numel}, {1});
+  if (float8_numel_ > 0)
+    unsharded_float8_ = at::empty({0}, options.dtype(at::kFloat8_e4m3fn))
+                            .set_(unsharded_storage_, static_cast<int64_t>(float8_start), {float8_numel_ * world}, {1});
 }
 
 void ParamGroup::free_unsharded() {
   unsharded_flat_ = at::Tensor();
+  unsharded_float8_ = at::Tensor();
   unsharded_storage_.set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
   unsharded_storage_.set_nbytes(0);
 }
@@ -156,10 +185,18 @@ void ParamGroup::free_unsharded() {
 // consecutive elements, so its real rows are a contiguous view.
 at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
   const int world = comm_->world_size();
-  return unsharded_flat_.narrow(0, p.offset * world, p.layout.shard_numel() * world)
+  return unsharded(p.float8).narrow(0, p.gather_offset * world, p.layout.shard_numel() * world)
       .view(rows_shape(p.full_shape, p.layout.padded_rows()))
       .narrow(0, 0, p.layout.rows)
       .view(p.full_shape);
+}
+
+at::Tensor ParamGroup::float8_placeholder(const ShardedParam& p) const {
+  return at::zeros({}, at::TensorOptions().dtype(compute_dtype_).device(device_)).expand(p.full_shape);
+}
+
+int64_t ParamGroup::gather_count(bool float8) const {
+  return std::count_if(params_.begin(), params_.end(), [&](const ShardedParam& p) { return p.float8 == float8; });
 }
 
 void ParamGroup::unshard() { unshard_together({this}); }
@@ -180,10 +217,14 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   // activations share one pool and no side-stream pool keeps memory reserved.
   std::vector<GatherBuffers> buffers;
   std::vector<at::Tensor> inputs, outputs;
+  // Float8 parameters travel as bytes (the backends know no float8 dtype).
   for (ParamGroup* g : groups) {
     buffers.push_back(g->allocate_gather());
-    inputs.push_back(buffers.back().input);
-    outputs.push_back(buffers.back().output);
+    inputs.push_back(buffers.back().compute.input);
+    outputs.push_back(buffers.back().compute.output);
+    if (g->float8_numel_ == 0) continue;
+    inputs.push_back(buffers.back().float8.input.view(at::kByte));
+    outputs.push_back(buffers.back().float8.output.view(at::kByte));
   }
   // The copy-in reads the shards the optimizer last wrote on the compute
   // stream (offloaded: on the host, before this call); issue_on_side_stream's
@@ -193,39 +234,58 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
       issue_on_side_stream(streams, Trace::Track::AllGather, "all-gather " + label, [&] {
         for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(buffers[i]);
         first.comm_->all_gather_coalesced(outputs, inputs, label);
-        for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_out(outputs[i]);
+        for (size_t i = 0; i < groups.size(); ++i) {
+          groups[i]->copy_out(buffers[i].compute.output, /*float8=*/false);
+          groups[i]->copy_out(buffers[i].float8.output, /*float8=*/true);
+        }
       });
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
   for (size_t i = 0; i < groups.size(); ++i) {
     ParamGroup* g = groups[i];
+    int64_t float8_index = 0;
     for (auto& p : g->params_) {
       p.stashed_grad = p.param.grad();
       p.param.mutable_grad() = at::Tensor();
-      p.param.set_data(g->unsharded_view(p));
+      if (p.float8) {
+        p.param.set_data(g->float8_placeholder(p));
+        float8::set_gathered(p.param, {g->unsharded_view(p), buffers[i].float8_inverse_scale[float8_index++]});
+      } else {
+        p.param.set_data(g->unsharded_view(p));
+      }
     }
     g->gathered_ = gathered;
     // Compute-pool blocks the all-gather stream still uses: kept until the
     // compute stream has waited for `gathered`.
-    g->gather_buffers_ = {std::move(buffers[i].input), std::move(buffers[i].output)};
-    if (buffers[i].staging.defined()) g->gather_buffers_.push_back(std::move(buffers[i].staging));
+    GatherBuffers& b = buffers[i];
+    for (at::Tensor* t : {&b.compute.input, &b.compute.output, &b.float8.input, &b.float8.output, &b.staging,
+                          &b.float8_inverse_scale})
+      if (t->defined()) g->gather_buffers_.push_back(std::move(*t));
     g->state_ = State::Gathering;
   }
 }
 
 ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  const int world = comm_->world_size();
   allocate_unsharded();
   GatherBuffers b;
-  if (comm_->world_size() == 1) {
-    // One rank: the input's layout (each parameter's padded shard at its offset) is the unsharded
-    // storage's, so the shards are cast straight into it and nothing is copied after.
-    b.input = b.output = unsharded_flat_;
-  } else {
-    // One parameter: the rank-major gather already is the parameter's layout.
-    b.output = params_.size() == 1 ? unsharded_flat_ : at::empty({comm_->world_size() * shard_numel_}, opts);
-    b.input = at::empty({shard_numel_}, opts);
+  for (bool float8 : {false, true}) {
+    if (float8 && float8_numel_ == 0) continue;
+    Flat& flat = float8 ? b.float8 : b.compute;
+    const at::Tensor& unsharded = this->unsharded(float8);
+    if (world == 1) {
+      // One rank: the input's layout (each parameter's padded shard at its offset) is the unsharded
+      // storage's, so the shards are cast straight into it and nothing is copied after.
+      flat.input = flat.output = unsharded;
+    } else {
+      // One parameter: the rank-major gather already is the parameter's layout.
+      const int64_t numel = gather_numel(float8);
+      flat.output = gather_count(float8) == 1 ? unsharded : at::empty({world * numel}, unsharded.options());
+      flat.input = at::empty({numel}, unsharded.options());
+    }
   }
+  if (float8_numel_ > 0) b.float8_inverse_scale = at::empty({gather_count(true)}, opts.dtype(at::kFloat));
   if (needs_staging())
     b.staging = at::empty({shard_numel_}, opts.dtype(host_shards_.scalar_type()));
   return b;
@@ -235,40 +295,90 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
 // (`cat` into another dtype would cast each shard in a kernel of its own).
 // Offloaded shards are already laid out as the input: one transfer, then the
 // cast on the device (a cross-device copy that casts would cast on the host).
-void ParamGroup::copy_in(const GatherBuffers& buffers) const {
-  if (offloaded()) {
+// Float8 parameters: each shard cast with its amax over all ranks (refresh_float8_amax), one kernel
+// each, into the float8 input.
+void ParamGroup::copy_in(const GatherBuffers& buffers) {
+  const at::Tensor& input = buffers.compute.input;
+  if (offloaded()) {  // no float8 parameters (the constructor refuses them)
     if (buffers.staging.defined()) {
       buffers.staging.copy_(host_shards_, /*non_blocking=*/true);
-      buffers.input.copy_(buffers.staging);
+      input.copy_(buffers.staging);
     } else {
-      buffers.input.copy_(host_shards_, /*non_blocking=*/true);
+      input.copy_(host_shards_, /*non_blocking=*/true);
     }
     return;
   }
   std::vector<at::Tensor> shards;
   std::vector<int64_t> sizes;
   for (const auto& p : params_) {
+    if (p.float8) continue;
     shards.push_back(p.padded_shard.view(-1));
     sizes.push_back(p.layout.shard_numel());
   }
-  if (!shards.empty()) at::_foreach_copy_(buffers.input.split_with_sizes(sizes), shards);
+  if (!shards.empty()) at::_foreach_copy_(input.split_with_sizes(sizes), shards);
+  if (float8_numel_ == 0) return;
+  if (!float8_amax_.defined()) refresh_float8_amax({this});
+  int64_t index = 0;
+  for (const auto& p : params_) {
+    if (!p.float8) continue;
+    const at::Tensor out = buffers.float8.input.narrow(0, p.gather_offset, p.layout.shard_numel());
+    float8::cast_with_amax(p.padded_shard, float8_amax_[index], out.view(p.padded_shard.sizes()),
+                           buffers.float8_inverse_scale[index]);
+    ++index;
+  }
 }
 
-void ParamGroup::copy_out(const at::Tensor& gathered) {
-  if (params_.empty() || gathered.is_same(unsharded_flat_)) return;
+void ParamGroup::copy_out(const at::Tensor& gathered, bool float8) {
+  const int64_t numel = gather_numel(float8);
+  const at::Tensor& flat = unsharded(float8);
+  if (numel == 0 || gathered.data_ptr() == flat.data_ptr()) return;  // gathered in place
   const int world = comm_->world_size();
+  // Float8 as bytes: a copy needs no float8 kernels.
+  const auto as_copied = [float8](const at::Tensor& t) { return float8 ? t.view(at::kByte) : t; };
   std::vector<at::Tensor> blocks;
   std::vector<int64_t> sizes;
   for (const auto& p : params_) {
+    if (p.float8 != float8) continue;
     const int64_t n = p.layout.shard_numel();
-    blocks.push_back(unsharded_flat_.narrow(0, p.offset * world, n * world).view({world, n}));
+    blocks.push_back(as_copied(flat).narrow(0, p.gather_offset * world, n * world).view({world, n}));
     sizes.push_back(n);
   }
-  at::split_with_sizes_copy_out(blocks, gathered.view({world, shard_numel_}), sizes, /*dim=*/1);
+  at::split_with_sizes_copy_out(blocks, as_copied(gathered).view({world, numel}), sizes, /*dim=*/1);
+}
+
+void ParamGroup::refresh_float8_amax(const std::vector<ParamGroup*>& groups) {
+  c10::NoGradGuard no_grad;
+  std::vector<ParamGroup*> pending;
+  for (ParamGroup* g : groups)
+    if (g->float8_numel_ > 0) pending.push_back(g);
+  while (!pending.empty()) {
+    // The groups on the first one's communicator: one all-gather for all of them.
+    const std::shared_ptr<Communicator> comm = pending.front()->comm_;
+    std::vector<ParamGroup*> same, rest;
+    for (ParamGroup* g : pending) (g->comm_ == comm ? same : rest).push_back(g);
+    std::vector<at::Tensor> shards;
+    for (ParamGroup* g : same)
+      for (const auto& p : g->params_)
+        if (p.float8) shards.push_back(p.padded_shard);
+    at::Tensor amax = at::stack(at::_foreach_norm(shards, INFINITY)).to(at::kFloat);
+    if (comm->world_size() > 1) {
+      at::Tensor all = at::empty({comm->world_size() * amax.numel()}, amax.options());
+      comm->all_gather(all, amax);
+      amax = at::amax(all.view({comm->world_size(), amax.numel()}), {0});
+    }
+    int64_t next = 0;
+    for (ParamGroup* g : same) {
+      const int64_t count = g->gather_count(true);
+      g->float8_amax_ = amax.narrow(0, next, count);
+      next += count;
+    }
+    pending = std::move(rest);
+  }
 }
 
 size_t ParamGroup::unsharded_size_bytes() const {
-  return static_cast<size_t>(shard_numel_) * comm_->world_size() * c10::elementSize(compute_dtype_);
+  return static_cast<size_t>(comm_->world_size()) *
+         (gather_numel(false) * c10::elementSize(compute_dtype_) + float8_numel_);
 }
 
 GroupMemory ParamGroup::memory() const {
@@ -278,9 +388,13 @@ GroupMemory ParamGroup::memory() const {
   for (const auto& p : params_)
     if (p.param.requires_grad()) trainable_numel += c10::multiply_integers(p.full_shape);
   GroupMemory memory;
-  memory.param_bytes = world * shard_numel_ * compute;
-  // One rank gathers in place (allocate_gather).
-  memory.gather_buffer_bytes = world == 1 ? 0 : (shard_numel_ + (count > 1 ? world * shard_numel_ : 0)) * compute;
+  memory.param_bytes = unsharded_size_bytes();
+  // Each all-gather's input and, where it has several parameters, output (allocate_gather); one
+  // rank gathers in place.
+  for (bool float8 : {false, true}) {
+    const int64_t bytes = gather_numel(float8) * (float8 ? 1 : compute);
+    if (world > 1) memory.gather_buffer_bytes += bytes + (gather_count(float8) > 1 ? world * bytes : 0);
+  }
   if (needs_staging())
     memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
   memory.grad_bytes = trainable_numel * compute;
@@ -306,6 +420,7 @@ std::shared_ptr<c10::Event> ParamGroup::reshard() {
   for (auto& p : params_) {
     TORCH_INTERNAL_ASSERT(!p.param.grad().defined(),
                           "fsdp: resharding '", p.name, "' would drop its unreduced gradient");
+    if (p.float8) float8::clear_gathered(p.param);
     p.param.set_data(p.shard);
     p.param.mutable_grad() = std::move(p.stashed_grad);
     p.stashed_grad = at::Tensor();

@@ -29,7 +29,9 @@ struct ShardedParam {
   at::Tensor param;  // the module's tensor object
   std::vector<int64_t> full_shape;
   ShardLayout layout;
-  int64_t offset = 0;       // element offset of this parameter in a rank's flat shard
+  int64_t offset = 0;       // element offset of this parameter in a rank's flat shard (and gradients)
+  bool float8 = false;      // gathered in float8 (enable_float8_all_gather), not in the compute dtype
+  int64_t gather_offset = 0; // element offset in a rank's part of its all-gather (compute or float8)
   at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
   at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
   at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
@@ -98,6 +100,12 @@ class ParamGroup {
   const std::string& label() const { return label_; }
   // Collective. A full copy of parameter i (in its own dtype), on device().
   at::Tensor gather_full(size_t i) const;
+  // Collective over each communicator of `groups` (every rank passes its groups in the same order).
+  // The amax of each float8-gathered parameter over all ranks, from its master shards, which the
+  // following all-gathers cast with: one small all-gather for all of them. The runtime calls it at
+  // the start of each root's forward (after the optimizer step); a group never refreshed computes
+  // its own at its first unshard.
+  static void refresh_float8_amax(const std::vector<ParamGroup*>& groups);
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
@@ -105,8 +113,13 @@ class ParamGroup {
   // storage itself where the group has one parameter, allocated here), and for
   // offloaded shards of another dtype than the compute one, the device copy
   // they are cast from.
+  // One all-gather of the group: the compute-dtype parameters' or the float8 ones'.
+  struct Flat {
+    at::Tensor input, output;
+  };
   struct GatherBuffers {
-    at::Tensor input, output, staging;
+    Flat compute, float8;
+    at::Tensor staging, float8_inverse_scale;
   };
   GatherBuffers allocate_gather();
   // Offloaded shards of another dtype than the compute one, on a device: cast there, after the copy.
@@ -115,10 +128,18 @@ class ParamGroup {
   }
   // The shards, cast, into the all-gather input (offloaded: copied from the
   // host on the all-gather stream first).
-  void copy_in(const GatherBuffers& buffers) const;
+  void copy_in(const GatherBuffers& buffers);
   void add_reduced_gradients(const std::vector<bool>& had_grad);
-  // Rank-major gathered data into the parameter-major unsharded storage.
-  void copy_out(const at::Tensor& gathered);
+  // Rank-major gathered data into the parameter-major unsharded storage (of the float8 parameters,
+  // or the others).
+  void copy_out(const at::Tensor& gathered, bool float8);
+  // Per rank, the elements gathered in float8 (or in the compute dtype), and how many parameters.
+  int64_t gather_numel(bool float8) const { return float8 ? float8_numel_ : shard_numel_ - float8_numel_; }
+  int64_t gather_count(bool float8) const;
+  // The unsharded storage of the float8 parameters, or of the others.
+  const at::Tensor& unsharded(bool float8) const { return float8 ? unsharded_float8_ : unsharded_flat_; }
+  // What a float8-gathered parameter reads as while unsharded: zeros of its shape, no memory.
+  at::Tensor float8_placeholder(const ShardedParam& p) const;
   void allocate_unsharded();
   void free_unsharded();
   at::Tensor unsharded_view(const ShardedParam& p) const;
@@ -131,9 +152,12 @@ class ParamGroup {
   at::ScalarType reduce_dtype_;
   at::Device device_;
   const DeviceStreams& streams_;
-  int64_t shard_numel_ = 0;  // per rank, all parameters
+  int64_t shard_numel_ = 0;   // per rank, all parameters
+  int64_t float8_numel_ = 0;  // per rank, the float8-gathered parameters
   c10::Storage unsharded_storage_;
-  at::Tensor unsharded_flat_;  // [world * shard_numel_], parameter-major
+  at::Tensor unsharded_flat_;     // [world * gather_numel(false)] in the compute dtype, parameter-major
+  at::Tensor unsharded_float8_;   // [world * float8_numel_] float8 e4m3 after it in the same storage
+  at::Tensor float8_amax_;        // [float8 parameters] their amax over all ranks (refresh_float8_amax)
   State state_ = State::Sharded;
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited

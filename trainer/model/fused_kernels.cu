@@ -4,9 +4,10 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "model/kernel_helpers.cuh"
+#include "kernels/kernel_helpers.cuh"
+#include "model/fused_kernels.h"
 
-namespace fsdp::model::kernels {
+namespace fsdp::kernels {
 namespace {
 
 // One block per row (batch x seq position); its threads stride over the row's (head, V pairs) slots.
@@ -135,4 +136,4 @@ void swiglu_backward(const void* gate_up, const void* grad_out, void* grad_gate_
   check_launch("swiglu_backward");
 }
 
-}  // namespace fsdp::model::kernels
+}  // namespace fsdp::kernels

@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace fsdp::model::kernels {
+#include "kernels/dtype.h"  // the library's kernel element types
 
-enum class Dtype { Float, BFloat16, Half };
+namespace fsdp::kernels {
 
 // Rotary embedding of a fused QKV projection's output: `rows` rows (batch x seq, position =
 // row % seq) of `heads` heads of `head_dim` elements; the first `rotated_heads` heads (q and k)
@@ -23,16 +23,4 @@ void swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t ffn, D
 void swiglu_backward(const void* gate_up, const void* grad_out, void* grad_gate_up, int64_t rows, int64_t ffn,
                      Dtype dtype, void* stream);
 
-// x [rows, cols] cast to float8 (e4m3, or e5m2) with power-of-two scales, written as out [rows, cols]
-// and/or, transposed, out_transposed [cols, rows] (row-major both; a null pointer skips that
-// layout). Scales: the largest power of two s with amax * s <= the format's max, from amax: one
-// value (per_row false) or one per row of the layout written (per_row needs exactly one layout);
-// inverse_scale (as many values) gets 1 / s. Values scaled exactly, rounded to nearest even,
-// saturated at the max. cols must be a multiple of 16 and x and the outputs 16-byte aligned.
-void float8_cast(const void* x, Dtype dtype, int64_t rows, int64_t cols, const float* amax, bool per_row,
-                 void* out, void* out_transposed, bool e5m2, float* inverse_scale, void* stream);
-
-// The compute capability of GPU `device` as major * 10 + minor (90 for Hopper).
-int compute_capability(int device);
-
-}  // namespace fsdp::model::kernels
+}  // namespace fsdp::kernels

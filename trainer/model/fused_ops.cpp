@@ -18,7 +18,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "model/kernel_launch.h"
+#include "kernels/kernel_launch.h"
+#include "model/fused_kernels.h"
 #endif
 
 namespace fsdp::model {
@@ -66,6 +67,9 @@ void check_rope_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 }
 
 #ifdef FSDP_WITH_CUDA_KERNELS
+
+using kernels::current_stream;
+using kernels::kernel_dtype;
 
 bool use_kernels(const at::Tensor& t) { return t.is_cuda() && kernel_dtype(t).has_value(); }
 

@@ -80,9 +80,11 @@ torch::Tensor Placement::parameter(at::IntArrayRef shape) const {
   return deferred ? fsdp::deferred_parameter(shape, options) : torch::zeros(shape, options);
 }
 
-ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8)
+ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8,
+                               bool float8_all_gather)
     : float8_(float8) {
   weight = register_parameter("weight", where.parameter({out, in}));
+  if (float8 == Float8Recipe::Tensorwise && float8_all_gather) enable_float8_all_gather(weight);
 }
 
 torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) {
@@ -117,8 +119,9 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
-  wqkv = register_module("wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where, c.float8));
-  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where, c.float8));
+  wqkv = register_module(
+      "wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where, c.float8, c.float8_all_gather));
+  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where, c.float8, c.float8_all_gather));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -133,8 +136,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
 }
 
 MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) {
-  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where, c.float8));
-  w_down = register_module("w_down", Projection(c.ffn, c.dim, where, c.float8));
+  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where, c.float8, c.float8_all_gather));
+  w_down = register_module("w_down", Projection(c.ffn, c.dim, where, c.float8, c.float8_all_gather));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "model/float8.h"
+#include "fsdp/float8.h"
 #include "model/fused_ops.h"
 
 namespace fsdp::model {
@@ -40,7 +40,8 @@ struct LlamaConfig {
   bool checkpoint_blocks = false;  // recompute each block's activations in backward
   std::vector<int64_t> checkpointed_blocks;  // or only these blocks' (selective checkpointing)
   AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
-  Float8Recipe float8 = Float8Recipe::Off;  // the blocks' projections in float8 (float8.h), not the head
+  Float8Recipe float8 = Float8Recipe::Off;  // the blocks' projections in float8 (fsdp/float8.h), not the head
+  bool float8_all_gather = false;  // tensorwise: their weights all-gathered in float8 (enable_float8_all_gather)
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
   // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "3b" (Llama-3.2-3B's shapes), "8b".
@@ -66,10 +67,12 @@ struct Placement {
 };
 
 // torch::nn::Linear without bias (weight [out, in], the same parameter name), in float8 by
-// `float8` unless Off, and torch::nn::Embedding, made on a Placement.
+// `float8` unless Off (with float8_all_gather and tensorwise, its weight gathered in float8), and
+// torch::nn::Embedding, made on a Placement.
 class ProjectionImpl : public torch::nn::Module {
  public:
-  ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8 = Float8Recipe::Off);
+  ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8 = Float8Recipe::Off,
+                 bool float8_all_gather = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 

@@ -100,6 +100,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--fp8", {"the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
                  "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it) (default off)",
                  text(a.fp8)}},
+      {"--no-fp8-all-gather",
+       {"with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
+        "backward, instead of all-gathering them in float8 (on by default, off with --cpu-offload)",
+        [&a](const std::string&) { a.fp8_all_gather = false; }, false}},
       {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
@@ -245,7 +249,7 @@ void check_ranges(const TrainArgs& a) {
     throw UsageError(std::string("--attention: ") + e.what());
   }
   try {
-    model::float8_recipe_named(a.fp8);
+    float8_recipe_named(a.fp8);
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--fp8: ") + e.what());
   }
@@ -564,7 +568,8 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   if (!from_hf) config.tie_embeddings = a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
   config.attention = model::attention_kernel_named(a.attention);
-  config.float8 = model::float8_recipe_named(a.fp8);
+  config.float8 = float8_recipe_named(a.fp8);
+  config.float8_all_gather = a.fp8_all_gather && !a.cpu_offload;  // offloaded groups gather in bf16
   config.seed = a.seed;
   return config;
 }
@@ -601,7 +606,7 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
                                            "no GPU: drop it");
   if (on_gpu && a.fp8 != "off") {
     try {
-      model::check_float8_device(c10::Device(c10::kCUDA, 0));
+      check_float8_device(c10::Device(c10::kCUDA, 0));
     } catch (const std::invalid_argument& e) {
       throw UsageError(std::string("--fp8 ") + a.fp8 + ": " + e.what());
     }

@@ -36,7 +36,8 @@ struct TrainArgs {
   int replicas = 1;          // HSDP (fsdp::make_mesh): replica groups, each sharding the model over its ranks
   std::string backend = "auto";
   std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)
-  std::string fp8 = "off";  // the blocks' projections in float8: off, tensorwise, rowwise (model::Float8Recipe)
+  std::string fp8 = "off";  // the blocks' projections in float8: off, tensorwise, rowwise (fsdp::Float8Recipe)
+  bool fp8_all_gather = true;  // tensorwise: the projections' weights all-gathered in float8
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
   double timeout_s = 0;
   RuntimeOptions runtime;

@@ -1,4 +1,4 @@
-// Float8 casts with power-of-two scales (model/float8.h): one pass over the input, the scale of each
+// Float8 casts with power-of-two scales (fsdp/float8.h): one pass over the input, the scale of each
 // element computed from its amax in the kernel, the inverse scales written by the same launch.
 #include <cuda_fp8.h>
 
@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "model/kernel_helpers.cuh"
+#include "float8/float8_kernels.h"
+#include "kernels/kernel_helpers.cuh"
 
-namespace fsdp::model::kernels {
+namespace fsdp::kernels {
 namespace {
 
 // The largest power of two s with amax * s <= max (amax clamped away from zero, as float8.cpp's
@@ -26,6 +27,20 @@ __device__ __forceinline__ uint8_t to_fp8(float scaled) {
 
 constexpr int kPack = 8;  // elements a thread casts at once (16 bytes of bf16 in, 8 bytes out)
 
+// kPack consecutive elements in float32: one 16-byte load of 16-bit types, two of float32.
+template <class T>
+__device__ __forceinline__ Pack<float, kPack> load_eight(const T* p) {
+  if constexpr (sizeof(T) * kPack == 16) {
+    return load_pack<kPack>(p);
+  } else {
+    const auto a = load_pack<4>(p), b = load_pack<4>(p + 4);
+    Pack<float, kPack> v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v.v[k] = a.v[k], v.v[k + 4] = b.v[k];
+    return v;
+  }
+}
+
 // out [rows, cols] = fp8(x * scale): thread i casts elements [8 i, 8 i + 8) (cols % 8 == 0, so a
 // pack never crosses rows). Grid-stride over packs.
 template <class T, bool E5M2>
@@ -36,14 +51,7 @@ __global__ void cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, 
     const int64_t row = p / packs_per_row;
     const float scale = power_of_two_scale(amax[per_row ? row : 0], max);
     if (p % packs_per_row == 0 && (per_row || row == 0)) inverse[per_row ? row : 0] = 1.0f / scale;
-    Pack<float, kPack> v;
-    if constexpr (sizeof(T) * kPack == 16) {
-      v = load_pack<kPack>(x + p * kPack);
-    } else {  // float32: two 16-byte loads
-      const auto a = load_pack<4>(x + p * kPack), b = load_pack<4>(x + p * kPack + 4);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) v.v[k] = a.v[k], v.v[k + 4] = b.v[k];
-    }
+    const auto v = load_eight(x + p * kPack);
     Pack<uint8_t, kPack> result;
 #pragma unroll
     for (int k = 0; k < kPack; ++k) result.v[k] = to_fp8<E5M2>(v.v[k] * scale);
@@ -53,6 +61,23 @@ __global__ void cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, 
 
 constexpr int kTile = 64;  // a block of 256 threads casts a 64 x 64 tile
 constexpr int kTileThreads = 256;
+
+// Writes a staged 64 x 64 tile (rows row0.., columns col0.. of a [rows, cols] matrix) to out_t
+// [cols, rows]: out_t's rows are the tile's columns, 64 of them, each 4 runs of 16 bytes.
+__device__ __forceinline__ void write_transposed_tile(const uint8_t (&tile)[kTile][kTile + 4], uint8_t* out_t,
+                                                      int64_t row0, int64_t col0, int64_t rows, int64_t cols) {
+  const int c = threadIdx.x / (kTile / 16), r = (threadIdx.x % (kTile / 16)) * 16;
+  const int64_t out_row = col0 + c, out_col = row0 + r;
+  if (out_row >= cols || out_col >= rows) return;
+  if (rows % 16 == 0) {  // 16-byte aligned, and the run is whole
+    Pack<uint8_t, 16> run;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) run.v[k] = tile[r + k][c];
+    *reinterpret_cast<Pack<uint8_t, 16>*>(out_t + out_row * rows + out_col) = run;
+  } else {
+    for (int k = 0; k < 16 && out_col + k < rows; ++k) out_t[out_row * rows + out_col + k] = tile[r + k][c];
+  }
+}
 
 // Transposed: out_t [cols, rows] = fp8(x^T * scale), scales per row of out_t (x's columns) or one;
 // with out also written, out [rows, cols] = fp8(x * scale) from the same read (one scale only).
@@ -72,14 +97,7 @@ __global__ void cast_transposed_kernel(const T* __restrict__ x, uint8_t* __restr
     const int r = chunk / (kTile / kPack), c = (chunk % (kTile / kPack)) * kPack;
     const int64_t row = row0 + r, col = col0 + c;
     if (row >= rows || col >= cols) continue;  // cols % 16 == 0: a chunk is inside or outside
-    Pack<float, kPack> v;
-    if constexpr (sizeof(T) * kPack == 16) {
-      v = load_pack<kPack>(x + row * cols + col);
-    } else {
-      const auto a = load_pack<4>(x + row * cols + col), b = load_pack<4>(x + row * cols + col + 4);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) v.v[k] = a.v[k], v.v[k + 4] = b.v[k];
-    }
+    const auto v = load_eight(x + row * cols + col);
     Pack<uint8_t, kPack> result;
 #pragma unroll
     for (int k = 0; k < kPack; ++k)
@@ -92,18 +110,23 @@ __global__ void cast_transposed_kernel(const T* __restrict__ x, uint8_t* __restr
         inverse[per_row ? col + k : 0] = 1.0f / (per_row ? power_of_two_scale(amax[col + k], max) : whole);
   }
   __syncthreads();
-  // out_t's rows are the tile's columns: 64 of them, 4 runs of 16 bytes each.
-  const int c = threadIdx.x / (kTile / 16), r = (threadIdx.x % (kTile / 16)) * 16;
-  const int64_t out_row = col0 + c, out_col = row0 + r;
-  if (out_row >= cols || out_col >= rows) return;
-  if (rows % 16 == 0) {  // 16-byte aligned, and the run is whole
-    Pack<uint8_t, 16> run;
+  write_transposed_tile(tile, out_t, row0, col0, rows, cols);
+}
+
+// in [rows, cols] -> out_t [cols, rows], 1-byte elements (rows and cols multiples of 16): each
+// thread reads 16 bytes of a tile row into shared memory, then writes 16 bytes of a tile column.
+__global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out_t, int64_t rows,
+                                       int64_t cols) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  const int r = threadIdx.x / (kTile / 16), c = (threadIdx.x % (kTile / 16)) * 16;
+  if (row0 + r < rows && col0 + c < cols) {
+    const auto run = *reinterpret_cast<const Pack<uint8_t, 16>*>(in + (row0 + r) * cols + col0 + c);
 #pragma unroll
-    for (int k = 0; k < 16; ++k) run.v[k] = tile[r + k][c];
-    *reinterpret_cast<Pack<uint8_t, 16>*>(out_t + out_row * rows + out_col) = run;
-  } else {
-    for (int k = 0; k < 16 && out_col + k < rows; ++k) out_t[out_row * rows + out_col + k] = tile[r + k][c];
+    for (int k = 0; k < 16; ++k) tile[r][c + k] = run.v[k];
   }
+  __syncthreads();
+  write_transposed_tile(tile, out_t, row0, col0, rows, cols);
 }
 
 }  // namespace
@@ -136,6 +159,17 @@ void float8_cast(const void* x, Dtype dtype, int64_t rows, int64_t cols, const f
   check_launch(out_transposed ? "float8_cast (transposed)" : "float8_cast");
 }
 
+void transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, void* stream) {
+  if (rows * cols == 0) return;
+  if (rows % 16 != 0 || cols % 16 != 0)
+    throw std::invalid_argument("transpose_bytes: rows and columns must be multiples of 16");
+  if (rows / kTile + 1 > 65535) throw std::invalid_argument("transpose_bytes: more than 65535 * 64 rows");
+  const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
+  transpose_bytes_kernel<<<grid, kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), rows, cols);
+  check_launch("transpose_bytes");
+}
+
 int compute_capability(int device) {
   cudaDeviceProp properties;
   if (cudaGetDeviceProperties(&properties, device) != cudaSuccess)
@@ -143,4 +177,4 @@ int compute_capability(int device) {
   return properties.major * 10 + properties.minor;
 }
 
-}  // namespace fsdp::model::kernels
+}  // namespace fsdp::kernels

@@ -1,4 +1,4 @@
-#include "model/float8.h"
+#include "fsdp/float8.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/_scaled_mm.h>
@@ -19,10 +19,18 @@
 #ifdef FSDP_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAGuard.h>
 
-#include "model/kernel_launch.h"
+#include "float8/float8_kernels.h"
+#include "kernels/kernel_launch.h"
 #endif
 
-namespace fsdp::model {
+#include "float8/gathered_weights.h"
+
+namespace fsdp {
+
+#ifdef FSDP_WITH_CUDA_KERNELS
+using kernels::current_stream;
+using kernels::kernel_dtype;
+#endif
 
 Float8Recipe float8_recipe_named(const std::string& name) {
   if (name == "off") return Float8Recipe::Off;
@@ -133,6 +141,41 @@ Float8Layouts to_float8_both(const at::Tensor& x, Float8Format format, const at:
   return {reference::to_float8(x, format, false, false, a), reference::to_float8(x, format, false, true, a)};
 }
 
+namespace float8 {
+
+void cast_with_amax(const at::Tensor& x, const at::Tensor& amax, const at::Tensor& out,
+                    const at::Tensor& inverse_scale) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  if (kernels_take(x)) {
+    TORCH_INTERNAL_ASSERT(x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.is_contiguous());
+    const c10::cuda::CUDAGuard guard(x.device());
+    kernels::float8_cast(x.data_ptr(), *kernel_dtype(x), x.size(0), x.size(1), amax.data_ptr<float>(),
+                         /*per_row=*/false, out.data_ptr(), nullptr, /*e5m2=*/false,
+                         inverse_scale.data_ptr<float>(), current_stream(x));
+    return;
+  }
+#endif
+  const auto cast = reference::to_float8(x, Float8Format::E4M3, false, false, amax);
+  out.copy_(cast.data);
+  inverse_scale.copy_(cast.inverse_scale);
+}
+
+at::Tensor transpose(const at::Tensor& data) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  if (data.is_cuda() && data.is_contiguous() && data.size(0) % 16 == 0 && data.size(1) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(data.data_ptr()) % 16 == 0) {
+    const c10::cuda::CUDAGuard guard(data.device());
+    auto out = at::empty({data.size(1), data.size(0)}, data.options());
+    kernels::transpose_bytes(data.data_ptr(), out.data_ptr(), data.size(0), data.size(1), current_stream(data));
+    return out;
+  }
+#endif
+  return data.t().contiguous();
+}
+
+}  // namespace float8
+
 at::Tensor float8_mm(const Float8Operand& a, const Float8Operand& b, at::ScalarType out_dtype,
                      bool fast_accumulation) {
   // Per-row scales as _scaled_mm takes them: a's [m, 1], b's (the columns of b^T) [1, n].
@@ -187,12 +230,18 @@ void check_linear_shapes(const at::Tensor& x2, const at::Tensor& weight) {
 // cast again there. Tensorwise casts x into both layouts in forward and keeps x^T in float8 (half
 // the bytes of the bf16 activation), casts g into both layouts at once, and reuses the weight's
 // amax; rowwise scales each GEMM's operands along another axis, so it keeps x and casts again.
+// A weight gathered in float8 (enable_float8_all_gather) is used as gathered; backward keeps a
+// view of the gathered copy (the runtime gathers it again into the same storage) and transposes it.
 struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             int64_t recipe_index) {
     const bool rowwise = static_cast<Float8Recipe>(recipe_index) == Float8Recipe::Rowwise;
     const auto x2 = x.reshape({-1, x.size(-1)});
     check_linear_shapes(x2, weight);
+    const auto gathered = float8::gathered(weight);
+    if (gathered && rowwise)
+      throw std::invalid_argument("float8_linear: this weight is gathered in float8 (enable_float8_all_gather), "
+                                  "which only the tensorwise recipe reads: use tensorwise, or do not enable it");
     ctx->saved_data["rowwise"] = rowwise;
     at::Tensor y;
     if (rowwise) {
@@ -200,15 +249,21 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
                     x.scalar_type(), /*fast_accumulation=*/false);
       ctx->save_for_backward({x2, weight});
     } else {
-      const auto w_amax = float8_amax(weight, false, false);
-      const auto xs = to_float8_both(x2, Float8Format::E4M3);
-      y = float8_mm(xs.plain, to_float8(weight, Float8Format::E4M3, false, false, w_amax), x.scalar_type(),
-                    /*fast_accumulation=*/true);
       ctx->save_for_backward({weight});
+      Float8Operand w;
+      if (gathered) {
+        w = *gathered;
+        ctx->saved_data["w"] = w.data;
+        ctx->saved_data["w_inverse_scale"] = w.inverse_scale;
+      } else {
+        const auto w_amax = float8_amax(weight, false, false);
+        w = to_float8(weight, Float8Format::E4M3, false, false, w_amax);
+        ctx->saved_data["w_amax"] = w_amax;
+      }
+      const auto xs = to_float8_both(x2, Float8Format::E4M3);
+      y = float8_mm(xs.plain, w, x.scalar_type(), /*fast_accumulation=*/true);
       ctx->saved_data["x_t"] = xs.transposed.data;
       ctx->saved_data["x_t_inverse_scale"] = xs.transposed.inverse_scale;
-      ctx->saved_data["w_amax"] = w_amax;
-      ctx->saved_data["x_dtype"] = x.scalar_type();
     }
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
@@ -221,18 +276,21 @@ struct Float8LinearFunction : torch::autograd::Function<Float8LinearFunction> {
     const auto saved = ctx->get_saved_variables();
     const auto& weight = saved.back();
     const auto g = grads[0].reshape({-1, weight.size(0)}).contiguous();
+    const auto x_dtype = grads[0].scalar_type();  // forward's output took x's dtype
     at::Tensor grad_x, grad_w;
     if (d["rowwise"].toBool()) {
       const auto& x2 = saved[0];
       grad_x = float8_mm(to_float8(g, Float8Format::E4M3, true, false), to_float8(weight, Float8Format::E4M3, true, true),
-                         x2.scalar_type(), false);
+                         x_dtype, false);
       grad_w = float8_mm(to_float8(g, Float8Format::E4M3, true, true), to_float8(x2, Float8Format::E4M3, true, true),
                          weight.scalar_type(), false);
     } else {
       const auto gs = to_float8_both(g, Float8Format::E5M2);
       const Float8Operand x_t{d["x_t"].toTensor(), d["x_t_inverse_scale"].toTensor()};
-      grad_x = float8_mm(gs.plain, to_float8(weight, Float8Format::E4M3, false, true, d["w_amax"].toTensor()),
-                         d["x_dtype"].toScalarType(), false);
+      const Float8Operand w_t = d.count("w") ? Float8Operand{float8::transpose(d["w"].toTensor()),
+                                                             d["w_inverse_scale"].toTensor()}
+                                             : to_float8(weight, Float8Format::E4M3, false, true, d["w_amax"].toTensor());
+      grad_x = float8_mm(gs.plain, w_t, x_dtype, false);
       grad_w = float8_mm(gs.transposed, x_t, weight.scalar_type(), false);
     }
     auto sizes = grads[0].sizes().vec();
@@ -251,4 +309,4 @@ at::Tensor float8_linear(const at::Tensor& x, const at::Tensor& weight, Float8Re
   return Float8LinearFunction::apply(x, weight, static_cast<int64_t>(recipe));
 }
 
-}  // namespace fsdp::model
+}  // namespace fsdp

@@ -1,4 +1,4 @@
-// What the trainer's CUDA kernels share: loads and stores in float32 arithmetic, 16-byte packs,
+// What fsdp.cpp's CUDA kernels share (the library's float8 casts and the trainer's fused kernels): loads and stores in float32 arithmetic, 16-byte packs,
 // launch checks and dtype dispatch.
 #pragma once
 
@@ -9,9 +9,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "model/fused_kernels.h"
+#include "kernels/dtype.h"
 
-namespace fsdp::model::kernels {
+namespace fsdp::kernels {
 
 __device__ __forceinline__ float load(const float* p) { return *p; }
 __device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
@@ -64,4 +64,4 @@ void with_type(Dtype dtype, F&& f) {
   }
 }
 
-}  // namespace fsdp::model::kernels
+}  // namespace fsdp::kernels

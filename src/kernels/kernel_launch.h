@@ -1,4 +1,4 @@
-// What the torch side of the trainer's CUDA kernels shares (builds with FSDP_WITH_CUDA_KERNELS):
+// What the torch side of fsdp.cpp's CUDA kernels shares (builds with FSDP_WITH_CUDA_KERNELS):
 // the kernels' element type of a tensor and the stream they run on.
 #pragma once
 
@@ -7,16 +7,16 @@
 
 #include <optional>
 
-#include "model/fused_kernels.h"
+#include "kernels/dtype.h"
 
-namespace fsdp::model {
+namespace fsdp::kernels {
 
 // The kernels' element type for t's dtype; none for dtypes they do not take.
-inline std::optional<kernels::Dtype> kernel_dtype(const at::Tensor& t) {
+inline std::optional<Dtype> kernel_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kFloat: return kernels::Dtype::Float;
-    case at::kBFloat16: return kernels::Dtype::BFloat16;
-    case at::kHalf: return kernels::Dtype::Half;
+    case at::kFloat: return Dtype::Float;
+    case at::kBFloat16: return Dtype::BFloat16;
+    case at::kHalf: return Dtype::Half;
     default: return std::nullopt;
   }
 }
@@ -26,4 +26,4 @@ inline void* current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
-}  // namespace fsdp::model
+}  // namespace fsdp::kernels
