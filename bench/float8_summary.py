@@ -46,7 +46,7 @@ def speed(out):
     peak = gpu_peak(out)
     runs = {}
     for path in sorted(glob.glob(f"{out}/*-*-[0-9]*.jsonl")):
-        m = re.fullmatch(r"(1b|3b)-(off|tensorwise|rowwise|torchao-tensorwise|torchao-rowwise)-(\d+)\.jsonl",
+        m = re.fullmatch(r"(1b|3b)-(off|tensorwise|tensorwise-cast|rowwise|torchao-tensorwise|torchao-rowwise)-(\d+)\.jsonl",
                          os.path.basename(path))
         if not m:
             continue
@@ -71,7 +71,9 @@ def speed(out):
         tok_s = t["tokens"] / (t["ms"] / 1000)
         base = table.get((model, "off"))
         ao = table.get((model, "torchao-tensorwise"))
-        name = {"off": "fsdp.cpp bf16", "tensorwise": "fsdp.cpp float8 tensorwise", "rowwise": "fsdp.cpp float8 rowwise",
+        name = {"off": "fsdp.cpp bf16", "tensorwise": "fsdp.cpp float8 tensorwise (float8 all-gather)",
+                "tensorwise-cast": "fsdp.cpp float8 tensorwise (bf16 all-gather, cast after)",
+                "rowwise": "fsdp.cpp float8 rowwise",
                 "torchao-tensorwise": "FSDP2 + torchao float8 tensorwise + compile",
                 "torchao-rowwise": "FSDP2 + torchao float8 rowwise + compile"}[precision]
         ratio = lambda other: f"{other['ms'] / t['ms']:.3f}" if other else "-"

@@ -2,9 +2,10 @@
 # Issue #32's float8 records on one GPU, each phase one device call (the build stays between them
 # only within a call; every phase builds through setup.sh, a no-op when built):
 #   bash bench/gpu_float8.sh speed OUT COMMIT [ROUNDS]  the float8 GPU tests; fsdp-train's 1B (seq 2048,
-#        batch 4) and 3B (seq 2048, batch 2) in bf16, float8 tensorwise and rowwise, ROUNDS rounds
-#        (default 3) alternating; FSDP2 + torchao float8 tensorwise + compile on the same models (the
-#        torchao wheel in .whl/); a profile of each model's fsdp-train float8 step
+#        batch 4) and 3B (seq 2048, batch 2) in each of FLOAT8_VARIANTS (default: off = bf16, tensorwise
+#        with float8 all-gather, tensorwise-cast = tensorwise with --no-fp8-all-gather, rowwise), ROUNDS
+#        rounds (default 3) alternating; FSDP2 + torchao float8 tensorwise + compile on the same models
+#        (the torchao wheel in .whl/); a profile of each model's fsdp-train float8 step
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
 #   bash bench/gpu_float8.sh loss-1b OUT COMMIT [STEPS]  the 1B alone, STEPS steps (default 600)
@@ -32,9 +33,11 @@ case $phase in
     }
     for round in $(seq 1 "$rounds"); do
       for model in 1b 3b; do
-        for fp8 in off tensorwise rowwise; do
-          train --model "$model" ${shape[$model]} --steps 15 --fp8 "$fp8" --log "$out/$model-$fp8-$round.jsonl" \
-            > "$out/$model-$fp8-$round.log" 2>&1 || status=1
+        for variant in ${FLOAT8_VARIANTS:-off tensorwise tensorwise-cast rowwise}; do
+          flags=(--fp8 "${variant%-cast}")
+          [ "$variant" = tensorwise-cast ] && flags+=(--no-fp8-all-gather)
+          train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
+            > "$out/$model-$variant-$round.log" 2>&1 || status=1
         done
         torchao "$model" tensorwise "$round"
       done

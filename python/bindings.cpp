@@ -164,6 +164,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("clip_grad_norm_", [](const fsdp::NamedTensors& params, double max_norm) {
     return fsdp::clip_grad_norm_(params, max_norm);
   });
+  // Float8 linears (fsdp/float8.h) for fsdpcpp.float8; std::invalid_argument becomes ValueError.
+  m.def("float8_linear", [](const at::Tensor& x, const at::Tensor& weight, const std::string& recipe) {
+    return fsdp::float8_linear(x, weight, fsdp::float8_recipe_named(recipe));
+  });
+  m.def("enable_float8_all_gather", &fsdp::enable_float8_all_gather);
+  m.def("float8_all_gather_enabled", &fsdp::float8_all_gather_enabled);
+  m.def("check_float8_device", [](const std::string& device) { fsdp::check_float8_device(c10::Device(device)); });
 
   // The structs bound field by field: Python reads their fields' names from the class.
   py::class_<fsdp::RuntimeOptions>(m, "RuntimeOptions")

@@ -4,6 +4,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "helpers.h"
+#include "float8/gathered_weights.h"
 #include "fsdp/float8.h"
 #include "model/fused_ops.h"
 #include "model/linear_cross_entropy.h"
@@ -234,6 +235,26 @@ TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
       EXPECT_TRUE(((got - want).abs() <= (fast ? 0x1p-7 : 0x1p-8) * scale).all().item<bool>())
           << "fast " << fast << " per_row " << per_row << ": worst " << ((got - want).abs() / scale).max().item<double>();
     }
+}
+
+// The float8 all-gather's kernels: a shard cast with a given amax equals the reference's cast
+// with it, and the float8 transpose (backward's weight) equals ATen's transposed copy, byte for
+// byte, partial 64 x 64 tiles included.
+TEST(Gpu, Float8AllGatherCastAndTransposeAreExact) {
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{96, 160}, {256, 64}, {16, 1040}}) {
+    const auto shard = torch::randn({rows, cols}, on_device(torch::kFloat));
+    const auto amax = shard.abs().max() * 3;  // the other ranks' shards hold larger values
+    const auto out = torch::empty({rows, cols}, on_device(torch::kFloat8_e4m3fn));
+    const auto inverse_scale = torch::empty({}, on_device(torch::kFloat));
+    float8::cast_with_amax(shard, amax, out, inverse_scale);
+    const auto want = reference::to_float8(shard, Float8Format::E4M3, false, false, amax);
+    const std::string what = std::to_string(rows) + " x " + std::to_string(cols);
+    EXPECT_TRUE(torch::equal(out.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what;
+    EXPECT_TRUE(torch::equal(inverse_scale, want.inverse_scale)) << what;
+    EXPECT_TRUE(torch::equal(float8::transpose(out).view(torch::kUInt8).cpu(),
+                             out.view(torch::kUInt8).cpu().t().contiguous()))
+        << what << " transposed";
+  }
 }
 
 // A float8 linear on the GPU, forward and both gradients, against the same function on CPU

@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.utils.checkpoint
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdpcpp  # noqa: E402
@@ -443,7 +444,55 @@ def case_plan(args):
         print(f"plan: smallest budget {smallest} bytes; {plan}; measured peak {measured}")
 
 
-CASES = {"plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+def case_float8(args):
+    """fsdpcpp.float8 on a model nobody here wrote. Gathering the converted weights in float8 gives
+    the run of gathering them in float32 and casting after, bit for bit (the same values cast with
+    the same power-of-two scale, from the amax over all ranks); each weight's last row is made its
+    largest (a rank's own amax would give another scale) and before step 2 every weight doubles (a
+    scale not refreshed from the weights would saturate). The float8 linears really run: the losses
+    differ from the float32 model's, by float8's rounding only. And converting after fully_shard
+    is refused."""
+    from fsdpcpp.float8 import Float8Linear, convert_to_float8_training
+
+    def converted(float8, all_gather=True):
+        model = build(args.model)
+        if float8:
+            convert_to_float8_training(model, enable_fsdp_float8_all_gather=all_gather,
+                                       module_filter_fn=lambda mod, fqn: fqn not in ("lm_head", "head"))
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.in_features % 16 == 0]
+        with torch.no_grad():
+            for m in linears:
+                m.weight[-1].mul_(8)
+        return model, linears
+
+    def run(float8, all_gather=True):
+        model, linears = converted(float8, all_gather)
+        float8_linears = [m for m in linears if isinstance(m, Float8Linear)]
+        assert float8 == bool(float8_linears), "convert_to_float8_training converted nothing"
+        assert all(fsdpcpp._C.float8_all_gather_enabled(m.weight) == all_gather for m in float8_linears)
+        shard(model)
+        opt = optimizer_for(model)
+        losses = train_sharded(model, 2, optimizer=opt)[0]
+        with torch.no_grad():
+            for m in linears:
+                m.weight.mul_(2)  # the shards, between steps
+        losses += train_sharded(model, 2, first_step=2, optimizer=opt)[0]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    gathered, cast_after, plain = run(True, True), run(True, False), run(False)
+    assert gathered[0] == cast_after[0], f"losses {gathered[0]} vs {cast_after[0]}"
+    for i, (a, b) in enumerate(zip(gathered[1], cast_after[1])):
+        assert torch.equal(a, b), f"parameter {i} differs"
+    assert gathered[0] != plain[0], "the float8 model's losses equal the float32 one's: float8 did not run"
+    # e4m3 rounds each operand by at most 2^-4 relative; a loss of these tiny models moves far less.
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(gathered[0], plain[0])), (gathered[0], plain[0])
+    model = shard(build(args.model))
+    expect_error(ValueError, "before fully_shard", lambda: convert_to_float8_training(model))
+    if fsdpcpp.rank() == 0:
+        print(f"float8: losses {gathered[0]} (float32 {plain[0]})")
+
+
+CASES = {"float8": case_float8, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 

@@ -115,6 +115,12 @@ def test_memory_budget_planner(model, ranks, accum, bf16):
     run(ranks, "plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else []))
 
 
+@cpu_only
+@pytest.mark.parametrize("model,ranks", [("llama", 2), ("plain", 3)])
+def test_float8(model, ranks):
+    run(ranks, "float8", "--model", model)
+
+
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
 @gpu_only
 @pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
@@ -151,3 +157,8 @@ def test_gpu_memory_budget_planner():
 def test_gpu_compiled_blocks_and_trace(tmp_path):
     run(1, "compile", "--model", "plain")
     run(1, "trace", "--dir", tmp_path)
+
+
+@gpu_only
+def test_gpu_float8():
+    run(1, "float8", "--model", "llama")

@@ -210,7 +210,9 @@ void Trainer::print_banner() const {
   if (args_.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args_.replicas, comm_->world_size() / args_.replicas);
   if (args_.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
   if (args_.optimizer_in_backward) std::printf(" | optimizer in backward");
-  if (args_.fp8 != "off") std::printf(" | float8 %s", args_.fp8.c_str());
+  if (config_.float8 != Float8Recipe::Off)
+    std::printf(" | float8 %s (weights gathered in %s)", args_.fp8.c_str(),
+                config_.float8 == Float8Recipe::Tensorwise && config_.float8_all_gather ? "float8" : "the param dtype");
   if (device_.is_cuda())
     std::printf(" | attention %s | allocator '%s'", args_.attention.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF"));
   std::printf("\n");
