@@ -249,7 +249,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
       p.param.mutable_grad() = at::Tensor();
       if (p.float8) {
         p.param.set_data(g->float8_placeholder(p));
-        float8::set_gathered(p.param, {g->unsharded_view(p), buffers[i].float8_inverse_scale[float8_index++]});
+        float8::set_gathered(p.param, {g->unsharded_view(p), buffers[i].float8_inverse_scale[float8_index++][0]});
       } else {
         p.param.set_data(g->unsharded_view(p));
       }
@@ -285,7 +285,8 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
       flat.input = at::empty({numel}, unsharded.options());
     }
   }
-  if (float8_numel_ > 0) b.float8_inverse_scale = at::empty({gather_count(true)}, opts.dtype(at::kFloat));
+  // One row of 16 bytes per weight: cuBLASLt takes a scale only at a 16-byte aligned address.
+  if (float8_numel_ > 0) b.float8_inverse_scale = at::empty({gather_count(true), 4}, opts.dtype(at::kFloat));
   if (needs_staging())
     b.staging = at::empty({shard_numel_}, opts.dtype(host_shards_.scalar_type()));
   return b;
@@ -323,7 +324,7 @@ void ParamGroup::copy_in(const GatherBuffers& buffers) {
     if (!p.float8) continue;
     const at::Tensor out = buffers.float8.input.narrow(0, p.gather_offset, p.layout.shard_numel());
     float8::cast_with_amax(p.padded_shard, float8_amax_[index], out.view(p.padded_shard.sizes()),
-                           buffers.float8_inverse_scale[index]);
+                           buffers.float8_inverse_scale[index][0]);
     ++index;
   }
 }

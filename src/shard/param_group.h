@@ -119,7 +119,7 @@ class ParamGroup {
   };
   struct GatherBuffers {
     Flat compute, float8;
-    at::Tensor staging, float8_inverse_scale;
+    at::Tensor staging, float8_inverse_scale;  // [float8 parameters, 4]: each one's in column 0
   };
   GatherBuffers allocate_gather();
   // Offloaded shards of another dtype than the compute one, on a device: cast there, after the copy.
