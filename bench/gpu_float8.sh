@@ -5,7 +5,8 @@
 #        batch 4) and 3B (seq 2048, batch 2) in each of FLOAT8_VARIANTS (default: off = bf16, tensorwise
 #        with float8 all-gather, tensorwise-cast = tensorwise with --no-fp8-all-gather, rowwise), ROUNDS
 #        rounds (default 3) alternating; FSDP2 + torchao float8 tensorwise + compile on the same models
-#        (the torchao wheel in .whl/); a profile of each model's fsdp-train float8 step
+#        (the torchao wheel in .whl/); a profile of each model's fsdp-train float8 step (FLOAT8_PROFILES:
+#        the models profiled, default "1b 3b")
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
 #   bash bench/gpu_float8.sh loss-1b OUT COMMIT [STEPS]  the 1B alone, STEPS steps (default 600)
@@ -42,7 +43,7 @@ case $phase in
         torchao "$model" tensorwise "$round"
       done
     done
-    for model in 1b 3b; do
+    for model in ${FLOAT8_PROFILES-1b 3b}; do  # FLOAT8_PROFILES="" skips the profiles
       train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --profile "$out/profile-$model-tensorwise" \
         --log "$out/profile-$model.jsonl" > "$out/profile-$model.log" 2>&1 || status=1
       python3 bench/profile_summary.py "$out/profile-$model-tensorwise-rank0.json" --top 25 \

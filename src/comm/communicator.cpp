@@ -138,7 +138,8 @@ void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outpu
   check_same_on_all_ranks(
       [&] { return signature(std::string("reduce_scatter(") + op_name(op) + ")", outputs, tag); });
   if (world_size_ == 1) {
-    for (auto& s : ops) s.output.copy_(s.input);  // sum and average of one are the input
+    for (auto& s : ops)  // sum and average of one are the input (the same memory: reduced in place)
+      if (s.output.data_ptr() != s.input.data_ptr()) s.output.copy_(s.input);
     return;
   }
   do_reduce_scatter(ops, op);

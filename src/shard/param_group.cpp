@@ -401,9 +401,11 @@ GroupMemory ParamGroup::memory() const {
   memory.grad_bytes = trainable_numel * compute;
   memory.unsynced_grad_bytes = trainable_numel * reduce;
   const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
-  // Offloaded: the sharded result leaves the device with its reduce-scatter input.
+  // Offloaded: the sharded result leaves the device with its reduce-scatter input. One rank
+  // reduces in place (reduce_scatter_together): the input is the result.
   memory.sharded_grad_bytes = offloaded() ? 0 : sharded_grads;
-  memory.reduce_input_bytes = world * sharded_grads + (offloaded() ? sharded_grads : 0);
+  memory.reduce_input_bytes = world == 1 ? (offloaded() ? sharded_grads : 0)
+                                         : world * sharded_grads + (offloaded() ? sharded_grads : 0);
   return memory;
 }
 
@@ -503,11 +505,13 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   c10::NoGradGuard no_grad;
   // Outputs from the compute stream's pool, like every buffer (see unshard_together).
   std::vector<at::Tensor> inputs, outputs;
+  // One rank reduces in place: its input is its output, and becomes the sharded gradients.
+  const bool in_place = first.comm_->world_size() == 1;
   for (ParamGroup* g : groups) {
     TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
     inputs.push_back(g->reduce_input_.view(-1));
-    outputs.push_back(at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
+    outputs.push_back(in_place ? inputs.back() : at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   const std::string label = bucket_label(groups);
   std::vector<at::Tensor> results = outputs;
