@@ -191,7 +191,8 @@ TEST(Gpu, FlashAttentionIsTakenWhereItAppliesAndMatchesAtensChoice) {
 
 // The float8 casts' CUDA kernels equal the ATen reference bit for bit (scaling by a power of two
 // is exact and both round to nearest even, saturating), for every layout, format and input dtype,
-// row counts that are not multiples of the 64-row tiles included. The scaled GEMMs on the float8
+// row counts that are not multiples of the 64-row tiles included; the per-tensor amax kernel equals
+// ATen's maximum. The scaled GEMMs on the float8
 // tensor cores equal the dequantised operands' float32 product within its accumulation order and
 // the bf16 output's rounding (2^-8), 2^-7 with the forward's fast accumulation. to_float8_both's
 // two layouts equal the separate casts.
@@ -218,6 +219,14 @@ TEST(Gpu, Float8CastsEqualTheReferenceAndScaledGemmsTheDequantisedProducts) {
             EXPECT_TRUE(torch::equal(one.data.view(torch::kUInt8), want.data.view(torch::kUInt8))) << what << " (both)";
             EXPECT_TRUE(torch::equal(one.inverse_scale, want.inverse_scale)) << what << " (both)";
           }
+  // The amax kernel (per tensor) against ATen's: a maximum is exact, so equal; sizes with a tail
+  // beyond the 8-element packs and large enough for many blocks.
+  for (auto dtype : {torch::kFloat, torch::kBFloat16})
+    for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{37, 20}, {4096, 3072}, {1, 4}}) {
+      const auto x = (torch::randn({rows, cols}, on_device(torch::kFloat)) * 3).to(dtype);
+      EXPECT_TRUE(torch::equal(float8_amax(x, false, false), x.abs().max().to(torch::kFloat)))
+          << c10::toString(dtype) << " " << rows << " x " << cols;
+    }
   for (bool fast : {false, true})
     for (bool per_row : {false, true}) {
       const auto a = to_float8(torch::randn({128, 256}, on_device(torch::kBFloat16)),

@@ -8,6 +8,7 @@
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -69,6 +70,17 @@ void check_matrix(const at::Tensor& x, const char* what) {
 
 at::Tensor float8_amax(const at::Tensor& x, bool per_row, bool transposed) {
   check_matrix(x, "float8_amax");
+#ifdef FSDP_WITH_CUDA_KERNELS
+  // One tensor's amax by our kernel: one pass near the memory bandwidth (ATen's reduction ran at
+  // about half of it on the H200's activations).
+  if (!per_row && x.is_cuda() && x.is_contiguous() && kernel_dtype(x) &&
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto amax = at::zeros({}, x.options().dtype(at::kFloat));
+    kernels::amax(x.data_ptr(), *kernel_dtype(x), x.numel(), amax.data_ptr<float>(), current_stream(x));
+    return amax;
+  }
+#endif
   if (!per_row) return at::linalg_vector_norm(x, INFINITY, at::OptionalIntArrayRef{}, false, at::kFloat);
   return at::linalg_vector_norm(x, INFINITY, at::IntArrayRef{transposed ? 0 : 1}, false, at::kFloat);
 }

@@ -62,6 +62,32 @@ __global__ void cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, 
 constexpr int kTile = 64;  // a block of 256 threads casts a 64 x 64 tile
 constexpr int kTileThreads = 256;
 
+// The largest |x| of each block into *out: packs of 8 elements in a grid-stride loop, the tail
+// (n % 8 elements) by the first threads, then a warp and a block reduction and one atomicMax on the
+// float's bits (for non-negative floats their order as integers).
+template <class T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ out) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  float m = 0.0f;
+  for (int64_t p = first; p < n / kPack; p += stride) {
+    const auto v = load_eight(x + p * kPack);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) m = fmaxf(m, fabsf(v.v[k]));
+  }
+  for (int64_t i = n / kPack * kPack + first; i < n; i += stride) m = fmaxf(m, fabsf(load(x + i)));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  __shared__ float warp_max[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  if (warp != 0) return;
+  m = lane < kThreads / 32 ? warp_max[lane] : 0.0f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (lane == 0) atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));
+}
+
 // Writes a staged 64 x 64 tile (rows row0.., columns col0.. of a [rows, cols] matrix) to out_t
 // [cols, rows]: out_t's rows are the tile's columns, 64 of them, each 4 runs of 16 bytes.
 __device__ __forceinline__ void write_transposed_tile(const uint8_t (&tile)[kTile][kTile + 4], uint8_t* out_t,
@@ -157,6 +183,17 @@ void float8_cast(const void* x, Dtype dtype, int64_t rows, int64_t cols, const f
     }
   });
   check_launch(out_transposed ? "float8_cast (transposed)" : "float8_cast");
+}
+
+void amax(const void* x, Dtype dtype, int64_t n, float* amax, void* stream) {
+  if (n == 0) return;
+  // Enough blocks to fill the GPU several times over; each thread then loops.
+  const auto blocks = static_cast<unsigned>(std::clamp<int64_t>((n / kPack + kThreads - 1) / kThreads, 1, 1024));
+  with_type(dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    amax_kernel<T><<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const T*>(x), n, amax);
+  });
+  check_launch("amax");
 }
 
 void transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, void* stream) {

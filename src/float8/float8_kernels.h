@@ -21,6 +21,10 @@ void float8_cast(const void* x, Dtype dtype, int64_t rows, int64_t cols, const f
 // The compute capability of GPU `device` as major * 10 + minor (90 for Hopper).
 int compute_capability(int device);
 
+// *amax = max(*amax, the largest |x[i]|) over x's n elements (16-byte aligned), as float32: one pass,
+// one atomic per block (*amax starts at 0 or any smaller non-negative value).
+void amax(const void* x, Dtype dtype, int64_t n, float* amax, void* stream);
+
 // out [cols, rows] = in [rows, cols]^T for 1-byte elements (float8 data), row-major both. rows and
 // cols must be multiples of 16, in and out 16-byte aligned.
 void transpose_bytes(const void* in, void* out, int64_t rows, int64_t cols, void* stream);
