@@ -19,8 +19,8 @@ struct GroupMemory {
   /// The unsharded gradients autograd leaves (compute dtype), from the group's backward until its
   /// reduce-scatter copies them out.
   int64_t grad_bytes = 0;
-  /// The reduce-scatter's input, until the reduce-scatter is done. On one rank the input itself
-  /// becomes the sharded gradients (counted there; offloaded: until the copy to the host).
+  /// The reduce-scatter's input, until the reduce-scatter is done (on one rank it is reduced in
+  /// place and then becomes the sharded gradients).
   int64_t reduce_input_bytes = 0;
   /// The reduce-scatter's result, to the end of the step (offloaded: none on the device).
   int64_t sharded_grad_bytes = 0;

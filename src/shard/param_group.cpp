@@ -402,10 +402,10 @@ GroupMemory ParamGroup::memory() const {
   memory.unsynced_grad_bytes = trainable_numel * reduce;
   const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
   // Offloaded: the sharded result leaves the device with its reduce-scatter input. One rank
-  // reduces in place (reduce_scatter_together): the input is the result.
+  // reduces in place (reduce_scatter_together): the input, counted from the hand-off to the end of
+  // the reduce-scatter, then is the result, counted from there on (no device copy to offload from).
   memory.sharded_grad_bytes = offloaded() ? 0 : sharded_grads;
-  memory.reduce_input_bytes = world == 1 ? (offloaded() ? sharded_grads : 0)
-                                         : world * sharded_grads + (offloaded() ? sharded_grads : 0);
+  memory.reduce_input_bytes = world * sharded_grads + (offloaded() && world > 1 ? sharded_grads : 0);
   return memory;
 }
 
