@@ -9,6 +9,7 @@
 #        the models profiled, default "1b 3b")
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
+#        (FLOAT8_LOSS_VARIANTS: the --fp8 values run, default "off tensorwise rowwise")
 #   bash bench/gpu_float8.sh loss-1b OUT COMMIT [STEPS]  the 1B alone, STEPS steps (default 600)
 # Logs, JSON lines and summaries to OUT.
 set -uo pipefail
@@ -63,7 +64,7 @@ case $phase in
       models=(1b)
       run[1b]="${run[1b]/--steps 200/--steps ${4:-600}}"
     fi
-    for fp8 in off tensorwise rowwise; do
+    for fp8 in ${FLOAT8_LOSS_VARIANTS:-off tensorwise rowwise}; do
       for model in "${models[@]}"; do
         train --model "$model" ${run[$model]} "${data[@]}" --fp8 "$fp8" --log "$out/loss-$model-$fp8.jsonl" \
           > "$out/loss-$model-$fp8.log" 2>&1 || status=1
