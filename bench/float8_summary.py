@@ -89,7 +89,7 @@ def loss(out):
     curves = {}
     for model in ("small", "1b"):
         base = None
-        for precision in ("off", "tensorwise", "rowwise"):
+        for precision in ("off", "tensorwise", "tensorwise-cast", "rowwise"):
             path = f"{out}/loss-{model}-{precision}.jsonl"
             if not os.path.exists(path):
                 continue

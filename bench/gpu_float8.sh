@@ -9,7 +9,7 @@
 #        the models profiled, default "1b 3b")
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
-#        (FLOAT8_LOSS_VARIANTS: the --fp8 values run, default "off tensorwise rowwise")
+#        (FLOAT8_LOSS_VARIANTS: the variants run, as FLOAT8_VARIANTS; default "off tensorwise rowwise")
 #   bash bench/gpu_float8.sh loss-1b OUT COMMIT [STEPS]  the 1B alone, STEPS steps (default 600)
 # Logs, JSON lines and summaries to OUT.
 set -uo pipefail
@@ -21,6 +21,11 @@ record_env "$out/env-$phase.txt" "$commit"
 cat "$out/env-$phase.txt"
 FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
 train() { build/fsdp-run --gpu -n 1 build/fsdp-train --param-dtype bf16 "$@"; }
+# fsdp-train's flags for a variant: off, tensorwise, rowwise, or tensorwise-cast (--no-fp8-all-gather).
+variant_flags() {
+  flags=(--fp8 "${1%-cast}")
+  [ "$1" = tensorwise-cast ] && flags+=(--no-fp8-all-gather)
+}
 status=0
 declare -A shape=([1b]="--seq 2048 --batch 4" [3b]="--seq 2048 --batch 2")
 case $phase in
@@ -36,8 +41,7 @@ case $phase in
     for round in $(seq 1 "$rounds"); do
       for model in 1b 3b; do
         for variant in ${FLOAT8_VARIANTS:-off tensorwise tensorwise-cast rowwise}; do
-          flags=(--fp8 "${variant%-cast}")
-          [ "$variant" = tensorwise-cast ] && flags+=(--no-fp8-all-gather)
+          variant_flags "$variant"
           train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
             > "$out/$model-$variant-$round.log" 2>&1 || status=1
         done
@@ -65,8 +69,9 @@ case $phase in
       run[1b]="${run[1b]/--steps 200/--steps ${4:-600}}"
     fi
     for fp8 in ${FLOAT8_LOSS_VARIANTS:-off tensorwise rowwise}; do
+      variant_flags "$fp8"
       for model in "${models[@]}"; do
-        train --model "$model" ${run[$model]} "${data[@]}" --fp8 "$fp8" --log "$out/loss-$model-$fp8.jsonl" \
+        train --model "$model" ${run[$model]} "${data[@]}" "${flags[@]}" --log "$out/loss-$model-$fp8.jsonl" \
           > "$out/loss-$model-$fp8.log" 2>&1 || status=1
       done
     done
