@@ -17,6 +17,7 @@ import re
 import statistics
 import sys
 
+PRECISIONS = ("off", "tensorwise", "tensorwise-cast", "rowwise")  # the loss runs' variants, in order
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of SXM Hopper parts
 # Model dims (fsdp-train's presets) for the FLOPs of FSDP2 runs, whose logs lack flops_per_token.
 DIMS = {"1b": dict(vocab=32000, dim=2048, layers=16, kv=16, heads=16, ffn=5632, tied=False),
@@ -89,7 +90,7 @@ def loss(out):
     curves = {}
     for model in ("small", "1b"):
         base = None
-        for precision in ("off", "tensorwise", "tensorwise-cast", "rowwise"):
+        for precision in PRECISIONS:
             path = f"{out}/loss-{model}-{precision}.jsonl"
             if not os.path.exists(path):
                 continue
@@ -109,10 +110,10 @@ def loss(out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    models = [m for m in ("small", "1b") if (m, "off") in curves]
+    models = sorted({m for m, _ in curves}, key=("small", "1b").index)
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for precision in ("off", "tensorwise", "rowwise"):
+        for precision in PRECISIONS:
             r = curves.get((model, precision))
             if not r:
                 continue
