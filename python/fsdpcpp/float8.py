@@ -17,7 +17,10 @@ With ``enable_fsdp_float8_all_gather`` (tensorwise only) fully_shard all-gathers
 weight as float8, one byte per element, with a scale from its amax over all ranks that the runtime
 refreshes at the start of every forward of the root: nothing like torchao's
 ``precompute_float8_dynamic_scale_for_fsdp`` is needed. While its module is unsharded such a
-weight's own value is not materialised (it reads as zeros): only its Float8Linear may use it.
+weight's own value is not materialised (it reads as zeros): only its Float8Linear may use it. So
+``convert_to_float8_training`` gathers a weight that another module also holds (an output head
+tied to the token embedding, as in GPT-2 and Llama 3.2) in its compute dtype and casts it in the
+linear, as with ``enable_fsdp_float8_all_gather=False``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ class Float8Linear(nn.Linear):
     @classmethod
     def from_float(cls, linear: nn.Linear, recipe: str = "tensorwise",
                    enable_fsdp_float8_all_gather: bool = True) -> "Float8Linear":
-        """A Float8Linear holding `linear`'s own parameters (the same tensors)."""
+        """A Float8Linear holding `linear`'s own parameters (the same tensors). With
+        enable_fsdp_float8_all_gather its weight is marked for float8 all-gather, after which
+        nothing but this linear may read it while unsharded: pass False for a weight that other
+        code reads too (convert_to_float8_training decides this by itself)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe)
         new.weight = linear.weight
@@ -74,8 +80,11 @@ def convert_to_float8_training(module: nn.Module, *, recipe: str = "tensorwise",
     """Replaces, in place, every nn.Linear under `module` that module_filter_fn(linear, its
     qualified name) accepts (all by default) and whose in_features and out_features are multiples
     of 16 (the float8 GEMMs' rule; others stay as they are) by a Float8Linear holding the same
-    parameters. Call it before fully_shard (float8 all-gather is decided when a group is made)
-    and before making the optimizer or anything else that keeps the modules. Returns `module`."""
+    parameters. With enable_fsdp_float8_all_gather, each converted weight that no other module
+    holds is gathered in float8; a shared one (a tied output head) is gathered in its compute dtype,
+    because the other module reads its value. Call it before fully_shard (float8 all-gather is
+    decided when a group is made) and before making the optimizer or anything else that keeps the
+    modules. Returns `module`."""
     _checked_recipe(recipe)
     params = list(module.named_parameters())
     sharded = [name for name, param in params if _C.is_sharded_parameter(param)]
@@ -84,13 +93,20 @@ def convert_to_float8_training(module: nn.Module, *, recipe: str = "tensorwise",
                          "before fully_shard")
     for device in {param.device for _, param in params if param.device.type == "cuda"}:
         _C.check_float8_device(str(device))
+    # How many modules hold each parameter: a weight held by another module too (an embedding it
+    # is tied to) would read as zeros there while gathered in float8.
+    holders = {}
+    for holder in module.modules():
+        for param in holder.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
 
     def convert(parent: nn.Module, prefix: str) -> None:
         for name, child in parent.named_children():
             fqn = prefix + name
             if (type(child) is nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0
                     and (module_filter_fn is None or module_filter_fn(child, fqn))):
-                setattr(parent, name, Float8Linear.from_float(child, recipe, enable_fsdp_float8_all_gather))
+                all_gather = enable_fsdp_float8_all_gather and holders[id(child.weight)] == 1
+                setattr(parent, name, Float8Linear.from_float(child, recipe, all_gather))
             else:
                 convert(child, fqn + ".")
 

@@ -492,7 +492,36 @@ def case_float8(args):
         print(f"float8: losses {gathered[0]} (float32 {plain[0]})")
 
 
-CASES = {"float8": case_float8, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+def case_float8_tied(args):
+    """An output head tied to the token embedding (transformers' GPT-2), converted with float8
+    all-gather asked for: the head runs in float8, but its weight, which the embedding reads too,
+    is gathered in float32 and cast in the linear (gathered in float8 it would read as zeros in the
+    embedding). So the run equals the one converted with float8 all-gather off, bit for bit, and
+    differs from the float32 model's by float8's rounding only."""
+    from fsdpcpp.float8 import Float8Linear, convert_to_float8_training
+
+    def run(convert, all_gather=True):
+        model = build("gpt2")
+        if convert:
+            convert_to_float8_training(model, enable_fsdp_float8_all_gather=all_gather)
+            head = model.lm_head
+            assert isinstance(head, Float8Linear) and head.weight is model.transformer.wte.weight
+            assert not fsdpcpp._C.float8_all_gather_enabled(head.weight), "the tied head is gathered in float8"
+        shard(model)
+        losses = train_sharded(model, 3)[0]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    asked, off, plain = run(True), run(True, all_gather=False), run(False)
+    assert asked[0] == off[0], f"losses {asked[0]} vs {off[0]}"
+    for i, (a, b) in enumerate(zip(asked[1], off[1])):
+        assert torch.equal(a, b), f"parameter {i} differs"
+    assert asked[0] != plain[0], "the float8 head's losses equal the float32 one's: float8 did not run"
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(asked[0], plain[0])), (asked[0], plain[0])
+    if fsdpcpp.rank() == 0:
+        print(f"float8_tied: losses {asked[0]} (float32 {plain[0]})")
+
+
+CASES = {"float8": case_float8, "float8_tied": case_float8_tied, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 

@@ -121,6 +121,11 @@ def test_float8(model, ranks):
     run(ranks, "float8", "--model", model)
 
 
+@cpu_only
+def test_float8_tied_head():
+    run(2, "float8_tied")
+
+
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
 @gpu_only
 @pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
@@ -162,3 +167,4 @@ def test_gpu_compiled_blocks_and_trace(tmp_path):
 @gpu_only
 def test_gpu_float8():
     run(1, "float8", "--model", "llama")
+    run(1, "float8_tied")
