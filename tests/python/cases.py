@@ -453,6 +453,17 @@ def case_plan(args):
         print(f"plan: smallest budget {smallest} bytes; {plan}; measured peak {measured}")
 
 
+def check_float8_runs(tested, expected, plain):
+    """Runs as (losses, parameters): `tested` equals `expected` bit for bit, and differs from the
+    float32 model's `plain` run by float8's rounding only."""
+    assert tested[0] == expected[0], f"losses {tested[0]} vs {expected[0]}"
+    for i, (a, b) in enumerate(zip(tested[1], expected[1])):
+        assert torch.equal(a, b), f"parameter {i} differs"
+    assert tested[0] != plain[0], "the float8 model's losses equal the float32 one's: float8 did not run"
+    # e4m3 rounds each operand by at most 2^-4 relative; a loss of these tiny models moves far less.
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(tested[0], plain[0])), (tested[0], plain[0])
+
+
 def case_float8(args):
     """fsdpcpp.float8 on a model nobody here wrote. Gathering the converted weights in float8 gives
     the run of gathering them in float32 and casting after, bit for bit (the same values cast with
@@ -489,12 +500,7 @@ def case_float8(args):
         return losses, [p.detach().clone() for p in model.parameters()]
 
     gathered, cast_after, plain = run(True, True), run(True, False), run(False)
-    assert gathered[0] == cast_after[0], f"losses {gathered[0]} vs {cast_after[0]}"
-    for i, (a, b) in enumerate(zip(gathered[1], cast_after[1])):
-        assert torch.equal(a, b), f"parameter {i} differs"
-    assert gathered[0] != plain[0], "the float8 model's losses equal the float32 one's: float8 did not run"
-    # e4m3 rounds each operand by at most 2^-4 relative; a loss of these tiny models moves far less.
-    assert all(abs(a - b) < 0.05 * b for a, b in zip(gathered[0], plain[0])), (gathered[0], plain[0])
+    check_float8_runs(gathered, cast_after, plain)
     model = shard(build(args.model))
     expect_error(ValueError, "before fully_shard", lambda: convert_to_float8_training(model))
     if fsdpcpp.rank() == 0:
@@ -521,11 +527,7 @@ def case_float8_tied(args):
         return losses, [p.detach().clone() for p in model.parameters()]
 
     asked, off, plain = run(True), run(True, all_gather=False), run(False)
-    assert asked[0] == off[0], f"losses {asked[0]} vs {off[0]}"
-    for i, (a, b) in enumerate(zip(asked[1], off[1])):
-        assert torch.equal(a, b), f"parameter {i} differs"
-    assert asked[0] != plain[0], "the float8 head's losses equal the float32 one's: float8 did not run"
-    assert all(abs(a - b) < 0.05 * b for a, b in zip(asked[0], plain[0])), (asked[0], plain[0])
+    check_float8_runs(asked, off, plain)
     if fsdpcpp.rank() == 0:
         print(f"float8_tied: losses {asked[0]} (float32 {plain[0]})")
 
