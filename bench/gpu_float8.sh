@@ -6,7 +6,9 @@
 #        with float8 all-gather, tensorwise-cast = tensorwise with --no-fp8-all-gather, rowwise), ROUNDS
 #        rounds (default 3) alternating; FSDP2 + torchao float8 tensorwise + compile on the same models
 #        (the torchao wheel in .whl/); a profile of each model's fsdp-train float8 step (FLOAT8_PROFILES:
-#        the models profiled, default "1b 3b")
+#        the models profiled, default "1b 3b"). FLOAT8_MODELS: the models run (default "1b 3b");
+#        FLOAT8_SNAPSHOTS: models whose float8 tensorwise run also records the allocator's history
+#        (default none), and where reserved-but-free memory sits at its peak (bench/snapshot_holes.py)
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
 #        (FLOAT8_LOSS_VARIANTS: the variants run, as FLOAT8_VARIANTS; default "off tensorwise rowwise")
@@ -39,7 +41,7 @@ case $phase in
         > "$out/$1-torchao-$2-$3.log" 2>&1 || status=1
     }
     for round in $(seq 1 "$rounds"); do
-      for model in 1b 3b; do
+      for model in ${FLOAT8_MODELS:-1b 3b}; do
         for variant in ${FLOAT8_VARIANTS:-off tensorwise tensorwise-cast rowwise}; do
           variant_flags "$variant"
           train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
@@ -54,6 +56,13 @@ case $phase in
       python3 bench/profile_summary.py "$out/profile-$model-tensorwise-rank0.json" --top 25 \
         > "$out/profile-$model-tensorwise.txt" 2>&1
       rm -f "$out/profile-$model-tensorwise-rank0.json"  # the summary is kept; the trace is ~100 MB
+    done
+    for model in ${FLOAT8_SNAPSHOTS-}; do
+      train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --memory-snapshot "$out/snapshot-$model" \
+        --log "$out/snapshot-$model.jsonl" > "$out/snapshot-$model.log" 2>&1 || status=1
+      python3 bench/snapshot_holes.py "$out/snapshot-$model-rank0.pickle" --step 5 \
+        > "$out/snapshot-$model-holes.txt" 2>&1 || status=1
+      rm -f "$out/snapshot-$model-rank0.pickle"  # the holes are kept; the history is large
     done
     python3 bench/float8_summary.py "$out" > "$out/summary.md" || status=1
     cat "$out/summary.md" ;;

@@ -107,6 +107,18 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_TRUE(a.checkpoint && a.dry_run);
 }
 
+// The 3b preset is Llama-3.2-3B, whose head is the embedding: 3.21B parameters, the flag's
+// default (off) notwithstanding; --tie-embeddings ties the presets that do not tie.
+TEST(TrainArgs, PresetTiesSurviveTheFlagsDefault) {
+  const auto config = [](const std::vector<std::string>& argv) {
+    return fsdp::train::model_config(fsdp::train::parse_train_args(argv));
+  };
+  EXPECT_TRUE(config({"--model", "3b"}).tie_embeddings);
+  EXPECT_EQ(config({"--model", "3b"}).parameter_count(), 3212749824);  // Llama-3.2-3B's safetensors count
+  EXPECT_FALSE(config({"--model", "1b"}).tie_embeddings);
+  EXPECT_TRUE(config({"--model", "1b", "--tie-embeddings"}).tie_embeddings);
+}
+
 // Random command lines built from real flags, real and mangled values and junk: each is accepted
 // or refused with a UsageError, never anything else. Seeded, so a failure repeats.
 // The host-memory check's share for gradients waiting for the host's step: the largest group's or

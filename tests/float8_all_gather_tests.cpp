@@ -15,6 +15,8 @@ model::LlamaConfig float8_llama(bool all_gather, Float8Recipe recipe = Float8Rec
   return c;
 }
 
+int64_t qkv_rows(const model::LlamaConfig& c) { return (c.n_heads + 2 * c.n_kv_heads) * (c.dim / c.n_heads); }
+
 std::vector<torch::Tensor> projection_weights(model::Llama& llama) {
   std::vector<torch::Tensor> out;
   for (auto& b : llama->blocks)
@@ -70,8 +72,7 @@ TEST(Float8AllGather, CountsOneBytePerGatheredElement) {
   const int64_t ranks = world()->world_size();
   auto padded = [ranks](int64_t rows, int64_t cols) { return (rows + ranks - 1) / ranks * ranks * cols; };
   const auto c = tiny_llama();
-  const int64_t qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * (c.dim / c.n_heads);
-  const int64_t projections = padded(qkv_rows, c.dim) + padded(c.dim, c.dim) + padded(2 * c.ffn, c.dim) +
+  const int64_t projections = padded(qkv_rows(c), c.dim) + padded(c.dim, c.dim) + padded(2 * c.ffn, c.dim) +
                               padded(c.dim, c.ffn);
   EXPECT_EQ(gathered.param_bytes, cast_after.param_bytes - projections);  // 2 bytes -> 1
   if (ranks > 1) {
@@ -81,6 +82,25 @@ TEST(Float8AllGather, CountsOneBytePerGatheredElement) {
     EXPECT_EQ(gathered.gather_buffer_bytes, 0);  // one rank gathers in place
   }
   EXPECT_EQ(gathered.grad_bytes, cast_after.grad_bytes);  // gradients keep the compute dtype
+}
+
+// While its group is unsharded, a weight gathered in float8 holds no values of its own: any reader
+// but float8_linear gets NaN (a loud loss), not zeros (a plausible wrong one). The norms beside it
+// are gathered as they are.
+TEST(Float8AllGather, AWeightGatheredInFloat8ReadsAsNaNOutsideTheLinear) {
+  auto llama = seeded_llama(float8_llama(true));
+  ShardOptions kept;
+  kept.reshard_after_forward = false;  // stays unsharded after forward
+  shard_blocks_and_root(llama, kept);
+  const auto tokens = torch::zeros({2, kLlamaSeq}, torch::TensorOptions().dtype(torch::kLong).device(device()));
+  const auto logits = fsdp::forward(llama, tokens);
+  EXPECT_TRUE(logits.isfinite().all().item<bool>());
+  const auto& block = llama->blocks[0];
+  const auto c = tiny_llama();
+  EXPECT_EQ(block->attn->wqkv->weight.sizes(), torch::IntArrayRef({qkv_rows(c), c.dim}));
+  EXPECT_TRUE(block->attn->wqkv->weight.isnan().all().item<bool>());
+  EXPECT_TRUE(block->mlp->w_down->weight.isnan().all().item<bool>());
+  EXPECT_TRUE(block->attn_norm->weight.isfinite().all().item<bool>());
 }
 
 TEST(Float8AllGather, RefusesWhatItCannotDo) {
@@ -104,6 +124,16 @@ TEST(Float8AllGather, RefusesWhatItCannotDo) {
     } catch (const std::invalid_argument& e) {
       EXPECT_THAT(e.what(), ::testing::HasSubstr("attn.wqkv.weight' is gathered in float8"));
       EXPECT_THAT(e.what(), ::testing::HasSubstr("cpu_offload"));
+    }
+  }
+  if (world()->world_size() > 1) {  // marked on one rank only: the buffers would differ in size
+    auto llama = seeded_llama(float8_llama(world()->rank() == 0));
+    try {
+      fully_shard(llama->blocks[0]);
+      ADD_FAILURE() << "fully_shard took float8 marks that differ across ranks";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("the model differs across ranks"));
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("enable_float8_all_gather"));
     }
   }
   {  // rowwise would read the parameter, which holds no values while gathered in float8

@@ -17,7 +17,7 @@ With ``enable_fsdp_float8_all_gather`` (tensorwise only) fully_shard all-gathers
 weight as float8, one byte per element, with a scale from its amax over all ranks that the runtime
 refreshes at the start of every forward of the root: nothing like torchao's
 ``precompute_float8_dynamic_scale_for_fsdp`` is needed. While its module is unsharded such a
-weight's own value is not materialised (it reads as zeros): only its Float8Linear may use it. So
+weight's own value is not materialised (it reads as NaN): only its Float8Linear may use it. So
 ``convert_to_float8_training`` gathers a weight that another module also holds (an output head
 tied to the token embedding, as in GPT-2 and Llama 3.2) in its compute dtype and casts it in the
 linear, as with ``enable_fsdp_float8_all_gather=False``.
@@ -94,7 +94,7 @@ def convert_to_float8_training(module: nn.Module, *, recipe: str = "tensorwise",
     for device in {param.device for _, param in params if param.device.type == "cuda"}:
         _C.check_float8_device(str(device))
     # How many modules hold each parameter: a weight held by another module too (an embedding it
-    # is tied to) would read as zeros there while gathered in float8.
+    # is tied to) would read as NaN there while gathered in float8.
     holders = {}
     for holder in module.modules():
         for param in holder.parameters(recurse=False):

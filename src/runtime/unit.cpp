@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "fsdp/float8.h"
 #include "fsdp/launch.h"
 #include "runtime/module_state.h"
 #include "runtime/runtime.h"
@@ -38,6 +39,10 @@ uint64_t structure_hash(const NamedTensors& params) {
     int64_t dtype = static_cast<int64_t>(t.scalar_type());
     mix(&dtype, sizeof(dtype));
     for (int64_t d : t.sizes()) mix(&d, sizeof(d));
+    // Gathered in float8 on one rank and in the compute dtype on another, the all-gather's
+    // buffers would differ in size: a hang, caught here instead.
+    const uint8_t float8 = float8_all_gather_enabled(t);
+    mix(&float8, sizeof(float8));
   }
   return h;
 }
@@ -47,11 +52,13 @@ std::invalid_argument structure_error(const UnitSpec& spec, int64_t first_hash, 
   char hashes[64];
   std::snprintf(hashes, sizeof(hashes), "%llx on rank 0 but %llx", static_cast<unsigned long long>(first_hash),
                 static_cast<unsigned long long>(other_hash));
-  return shard_error(spec, "the model differs across ranks: the parameters (names, shapes, dtypes) hash to " +
+  return shard_error(spec, "the model differs across ranks: the parameters (names, shapes, dtypes, float8 "
+                               "all-gather marks) hash to " +
                                std::string(hashes) + " on rank " + std::to_string(other_rank) + " of '" +
                                comm.group_name() + "' (this is rank " + std::to_string(comm.rank()) + ", " +
                                std::to_string(spec.params.size()) + " parameters here). Build the same model on "
-                               "every rank before sharding.");
+                               "every rank, with the same weights marked by enable_float8_all_gather, before "
+                               "sharding.");
 }
 
 // Every rank must shard the same parameters in the same order, or the collectives would exchange

@@ -5,6 +5,7 @@
 #include <ATen/ops/amax.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/split_with_sizes_copy.h>
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -191,8 +193,11 @@ at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
       .view(p.full_shape);
 }
 
+// NaN, not zero: a reader other than float8_linear (a weight tied to another module, a hook) gets a
+// NaN loss that stops training rather than a plausible wrong one.
 at::Tensor ParamGroup::float8_placeholder(const ShardedParam& p) const {
-  return at::zeros({}, at::TensorOptions().dtype(compute_dtype_).device(device_)).expand(p.full_shape);
+  const auto options = at::TensorOptions().dtype(compute_dtype_).device(device_);
+  return at::full({}, std::numeric_limits<double>::quiet_NaN(), options).expand(p.full_shape);
 }
 
 int64_t ParamGroup::gather_count(bool float8) const {

@@ -82,7 +82,7 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--no-reshard-after-forward",
        {"keep blocks unsharded from forward to backward",
         [&a](const std::string&) { a.reshard_after_forward = false; }, false}},
-      {"--tie-embeddings", {"share the embedding matrix with the output head", set_true(a.tie_embeddings), false}},
+      {"--tie-embeddings", {"share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
       {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
                          "optimizer on the CPU: the GPU holds only what forward and backward use",
@@ -565,7 +565,8 @@ std::string train_help_text() {
 model::LlamaConfig model_config(const TrainArgs& a) {
   const bool from_hf = model::has_hf_config(a.init_from);
   auto config = from_hf ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
-  if (!from_hf) config.tie_embeddings = a.tie_embeddings;
+  // The flag ties any preset's head; it never unties one whose model ties (3b, as Llama-3.2-3B).
+  if (!from_hf) config.tie_embeddings = config.tie_embeddings || a.tie_embeddings;
   config.checkpoint_blocks = a.checkpoint;
   config.attention = model::attention_kernel_named(a.attention);
   config.float8 = float8_recipe_named(a.fp8);
