@@ -20,17 +20,17 @@ import sys
 PRECISIONS = ("off", "tensorwise", "tensorwise-cast", "rowwise")  # the loss runs' variants, in order
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of SXM Hopper parts
 # Model dims (fsdp-train's presets) for the FLOPs of FSDP2 runs, whose logs lack flops_per_token.
-DIMS = {"1b": dict(vocab=32000, dim=2048, layers=16, kv=16, heads=16, ffn=5632, tied=False),
-        "3b": dict(vocab=128256, dim=3072, layers=28, kv=8, heads=24, ffn=8192, tied=True),
-        "small": dict(vocab=32000, dim=512, layers=24, kv=8, heads=8, ffn=1408, tied=False)}
+DIMS = {"1b": dict(vocab=32000, dim=2048, layers=16, kv=16, heads=16, ffn=5632),
+        "3b": dict(vocab=128256, dim=3072, layers=28, kv=8, heads=24, ffn=8192),
+        "small": dict(vocab=32000, dim=512, layers=24, kv=8, heads=8, ffn=1408)}
 
 
 def flops_per_token(model, seq):
     d = DIMS[model]
     kv = d["kv"] * d["dim"] // d["heads"]
-    block = 2 * d["dim"] + 2 * d["dim"] ** 2 + 2 * d["dim"] * kv + 3 * d["dim"] * d["ffn"]
-    params = d["vocab"] * d["dim"] * (1 if d["tied"] else 2) + d["layers"] * block + d["dim"]
-    return 6.0 * params + 6.0 * d["layers"] * seq * d["dim"]
+    block = 2 * d["dim"] ** 2 + 2 * d["dim"] * kv + 3 * d["dim"] * d["ffn"]
+    # As LlamaConfig::flops_per_token: matrix products' weights, the head once, tied or not.
+    return 6.0 * (d["layers"] * block + d["vocab"] * d["dim"]) + 6.0 * d["layers"] * seq * d["dim"]
 
 
 def rows(path):

@@ -170,6 +170,18 @@ TEST(LlamaPresets, ThreeBIsLlama32ThreeBsConfig) {
   EXPECT_NEAR(preset.parameter_count() / 1e9, 3.21, 0.01);  // Llama-3.2-3B's 3.21 billion
 }
 
+// Model FLOPs count the weights of matrix products: a tied and an untied head cost the same, the
+// embedding's lookup nothing. 3b: 28 blocks of 2 x 3072^2 + 2 x 3072 x 1024 + 3 x 3072 x 8192
+// weights and a 128256 x 3072 head, plus 6 x 28 x seq x 3072 for attention.
+TEST(LlamaPresets, FlopsPerTokenCountMatrixProductsOnce) {
+  auto c = LlamaConfig::preset("3b");
+  const double expected = 6.0 * (28 * (2.0 * 3072 * 3072 + 2.0 * 3072 * 1024 + 3.0 * 3072 * 8192) + 128256.0 * 3072) +
+                          6.0 * 28 * 2048 * 3072;
+  EXPECT_EQ(c.flops_per_token(2048), expected);
+  c.tie_embeddings = false;
+  EXPECT_EQ(c.flops_per_token(2048), expected);
+}
+
 // Llama 3's scaling keeps the short wavelengths, divides the long ones by the factor and blends
 // between (frequencies fall monotonically either way).
 TEST(LlamaPresets, Llama3RopeScalingKeepsHighFrequenciesAndDividesLowOnes) {

@@ -69,10 +69,13 @@ int64_t LlamaConfig::parameter_count() const {
 }
 
 double LlamaConfig::flops_per_token(int64_t seq) const {
-  // 6 FLOPs per parameter per token, plus causal attention scores and values
-  // (QK^T and AV: 2 * 2 * seq * dim per layer forward, halved for causality,
-  // times 3 for forward + backward).
-  return 6.0 * parameter_count() + 6.0 * n_layers * seq * dim;
+  // 6 FLOPs per token (forward + backward) for each weight of a matrix product: the blocks'
+  // projections and the head, counted once whether or not it is tied (the embedding's lookup is a
+  // gather, no FLOPs; nor are the norms). Plus causal attention's scores and values (QK^T and AV:
+  // 2 * 2 * seq * dim per layer forward, halved for causality, times 3 for forward + backward).
+  const int64_t kv = n_kv_heads * head_dim();
+  const int64_t block_matmul_weights = dim * dim * 2 + 2 * dim * kv + 3 * dim * ffn;
+  return 6.0 * (n_layers * block_matmul_weights + vocab * dim) + 6.0 * n_layers * seq * dim;
 }
 
 torch::Tensor Placement::parameter(at::IntArrayRef shape) const {
