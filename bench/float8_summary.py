@@ -4,7 +4,7 @@
   python3 bench/float8_summary.py OUT          speed: per model and precision, the median over
       rounds of each run's median step time (steps 6-15: the first five include compilation and
       the allocator's warm-up), tokens/s, MFU in bf16-equivalent FLOPs (the same FLOPs whatever the
-      operands' format: fsdp-train's flops_per_token, against the GPU's dense bf16 peak), peak
+      operands' format: fsdp-train's flops_per_token, against each GPU's dense bf16 peak), peak
       allocated/reserved and the ratios to fsdp.cpp bf16 and to FSDP2 + torchao float8 + compile
   python3 bench/float8_summary.py --loss OUT   loss: training loss (mean of the last 50 steps) and
       held-out loss of float8 against bf16, and a plot (loss-curves.png)
@@ -65,7 +65,7 @@ def speed(out):
         tokens = last.get("tokens_per_step") or (last["tok_s"] * last["step_ms"] / 1000)
         seq = 2048
         fpt = last.get("flops_per_token") or flops_per_token(model, seq)
-        table[(model, precision)] = dict(ms=ms, tokens=tokens, fpt=fpt, alloc=max(s[-1]["peak_alloc_gib"] for s in runs_of),
+        table[(model, precision)] = dict(ms=ms, tokens=tokens, fpt=fpt, world=last.get("world", 1), alloc=max(s[-1]["peak_alloc_gib"] for s in runs_of),
                                          reserved=max(s[-1]["peak_reserved_gib"] for s in runs_of), loss=last["loss"],
                                          runs=len(runs_of))
     for (model, precision), t in sorted(table.items()):
@@ -78,7 +78,7 @@ def speed(out):
                 "torchao-tensorwise": "FSDP2 + torchao float8 tensorwise + compile",
                 "torchao-rowwise": "FSDP2 + torchao float8 rowwise + compile"}[precision]
         ratio = lambda other: f"{other['ms'] / t['ms']:.3f}" if other else "-"
-        print(f"| {model} | {name} | {t['runs']} | {t['ms']:.1f} | {tok_s:,.0f} | {t['fpt'] * tok_s / peak:.1%} | "
+        print(f"| {model} | {name} | {t['runs']} | {t['ms']:.1f} | {tok_s:,.0f} | {t['fpt'] * tok_s / (peak * t['world']):.1%} | "
               f"{ratio(base)} | {ratio(ao)} | {t['alloc']:.2f} / {t['reserved']:.2f} | "
               f"{t['reserved'] / t['alloc']:.3f} | {t['loss']:.4f} |")
 

@@ -8,7 +8,9 @@
 #        (the torchao wheel in .whl/); a profile of each model's fsdp-train float8 step (FLOAT8_PROFILES:
 #        the models profiled, default "1b 3b"). FLOAT8_MODELS: the models run (default "1b 3b");
 #        FLOAT8_SNAPSHOTS: models whose float8 tensorwise run also records the allocator's history
-#        (default none), and where reserved-but-free memory sits at its peak (bench/snapshot_holes.py)
+#        (default none), and where reserved-but-free memory sits at its peak (bench/snapshot_holes.py);
+#        FLOAT8_GPUS: GPUs each run uses (default 1; more shard over them, the batch per GPU the same);
+#        FLOAT8_TORCHAO=0 skips FSDP2 + torchao
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
 #        (FLOAT8_LOSS_VARIANTS: the variants run, as FLOAT8_VARIANTS; default "off tensorwise rowwise")
@@ -22,7 +24,8 @@ mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
 cat "$out/env-$phase.txt"
 FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
-train() { build/fsdp-run --gpu -n 1 build/fsdp-train --param-dtype bf16 "$@"; }
+gpus=${FLOAT8_GPUS:-1}
+train() { build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 "$@"; }
 # fsdp-train's flags for a variant: off, tensorwise, rowwise, or tensorwise-cast (--no-fp8-all-gather).
 variant_flags() {
   flags=(--fp8 "${1%-cast}")
@@ -36,7 +39,7 @@ case $phase in
     grep -E "OK|FAILED|PASSED" "$out/float8-gpu-tests.log"
     build/python -m pip install -q --no-index --no-deps .whl/torchao-*.whl > "$out/torchao-install.log" 2>&1 || status=1
     torchao() {  # model, float8 recipe, round
-      PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py \
+      PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/fsdp2_llama.py \
         --model "$1" ${shape[$1]} --steps 15 --compile --float8 "$2" --jsonl "$out/$1-torchao-$2-$3.jsonl" \
         > "$out/$1-torchao-$2-$3.log" 2>&1 || status=1
     }
@@ -47,7 +50,7 @@ case $phase in
           train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
             > "$out/$model-$variant-$round.log" 2>&1 || status=1
         done
-        torchao "$model" tensorwise "$round"
+        [ "${FLOAT8_TORCHAO:-1}" = 0 ] || torchao "$model" tensorwise "$round"
       done
     done
     for model in ${FLOAT8_PROFILES-1b 3b}; do  # FLOAT8_PROFILES="" skips the profiles
@@ -60,7 +63,7 @@ case $phase in
     for model in ${FLOAT8_SNAPSHOTS-}; do
       train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --memory-snapshot "$out/snapshot-$model" \
         --log "$out/snapshot-$model.jsonl" > "$out/snapshot-$model.log" 2>&1 || status=1
-      python3 bench/snapshot_holes.py "$out/snapshot-$model-rank0.pickle" --step 5 \
+      python3 bench/snapshot_holes.py "$out/snapshot-$model-rank0.pickle" --step 5 --explain 6 \
         > "$out/snapshot-$model-holes.txt" 2>&1 || status=1
       rm -f "$out/snapshot-$model-rank0.pickle"  # the holes are kept; the history is large
     done

@@ -2,7 +2,7 @@
 CUDA caching-allocator snapshot (fsdp-train --memory-snapshot, or PyTorch's
 torch.cuda.memory._dump_snapshot) recorded with its allocation history.
 
-    python3 bench/snapshot_holes.py SNAPSHOT.pickle[.gz] [--step N] [--min-mib 8] [--top 12]
+    python3 bench/snapshot_holes.py SNAPSHOT.pickle[.gz] [--step N] [--min-mib 8] [--top 12] [--explain K]
 
 Replays the trace of device 0 to the moment the most memory was allocated
 (within step N when the snapshot has ProfilerStep#N markers, as fsdp-train's
@@ -10,7 +10,10 @@ do), then lists the free ranges between live blocks inside each segment, the
 largest first, with the blocks on either side: their size and the step that
 allocated them ("before" = allocated before recording started). A free range
 smaller than a later large request cannot serve it, so the segment grows;
-long-lived blocks allocated mid-step are the usual cause.
+long-lived blocks allocated mid-step are the usual cause. --explain K lists, for the K
+largest ranges, the blocks that used the range in the peak's step and were freed before the
+peak (their sizes in allocation order): the temporaries whose space the live blocks around them
+strand.
 """
 import argparse
 import gzip
@@ -40,7 +43,8 @@ def step_at(marks, time_us):
 
 
 def live_at_peak(snapshot, step=None, device=0):
-    """(allocated bytes, {address: (size, event index or None)}) at the peak, and the trace."""
+    """(allocated bytes, {address: (size, event index or None)}, the peak's event index) at the
+    peak, the trace and the step markers."""
     trace = snapshot["device_traces"][device]
     marks = step_starts(snapshot)
     seen, initial = set(), {}
@@ -56,7 +60,7 @@ def live_at_peak(snapshot, step=None, device=0):
                     initial[b["address"]] = (b["size"], None)
     live = dict(initial)
     allocated = sum(size for size, _ in live.values())
-    best = (allocated, dict(live))
+    best = (allocated, dict(live), -1)
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], i)
@@ -66,8 +70,8 @@ def live_at_peak(snapshot, step=None, device=0):
         else:
             continue
         if allocated > best[0] and (step is None or step_at(marks, e["time_us"]) == step):
-            best = (allocated, dict(live))
-    return best[0], best[1], trace, marks
+            best = (allocated, dict(live), i)
+    return best[0], best[1], best[2], trace, marks
 
 
 def holes(snapshot, live, device=0):
@@ -94,15 +98,32 @@ def describe(block, trace, marks):
     return f"{size / MIB:.0f} MiB ({when})"
 
 
+def temporaries(trace, marks, peak, start, size):
+    """Sizes of the blocks inside [start, start + size) allocated in the peak's step and freed
+    before the peak, in allocation order."""
+    step = step_at(marks, trace[peak]["time_us"])
+    allocated, out = {}, []
+    for e in trace[:peak + 1]:
+        if step_at(marks, e["time_us"]) != step or not start <= e["addr"] < start + size:
+            continue
+        if e["action"] == "alloc":
+            allocated[e["addr"]] = len(out)
+            out.append([e["size"], False])
+        elif e["action"] == "free_completed" and e["addr"] in allocated:
+            out[allocated.pop(e["addr"])][1] = True
+    return [s for s, freed in out if freed]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("snapshot")
     p.add_argument("--step", type=int, help="look for the peak within this step (ProfilerStep#N)")
     p.add_argument("--min-mib", type=float, default=8, help="list free ranges at least this large")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--explain", type=int, default=0, help="the freed blocks inside the K largest ranges")
     args = p.parse_args()
     snapshot = load(args.snapshot)
-    allocated, live, trace, marks = live_at_peak(snapshot, args.step)
+    allocated, live, peak, trace, marks = live_at_peak(snapshot, args.step)
     reserved = sum(s["total_size"] for s in snapshot["segments"] if s["device"] == 0)
     free = holes(snapshot, live)
     listed = [h for h in free if h[0] >= args.min_mib * MIB]
@@ -116,6 +137,10 @@ def main():
               f"{seg['total_size'] / MIB:,.0f} MiB {seg['segment_type']} segment: after "
               f"{describe(before, trace, marks) if before else 'segment start'}, before "
               f"{describe(after, trace, marks)}")
+    for size, seg, start, _, _ in listed[:args.explain]:
+        sizes = temporaries(trace, marks, peak, start, size)
+        print(f"  the {size / MIB:.0f} MiB range at +{(start - seg['address']) / MIB:,.0f} MiB held, in the peak's step: "
+              + (", ".join(f"{s / MIB:.1f}" for s in sizes) + " MiB" if sizes else "nothing freed before the peak"))
 
 
 if __name__ == "__main__":
