@@ -119,8 +119,6 @@ TEST(TrainArgs, PresetTiesSurviveTheFlagsDefault) {
   EXPECT_TRUE(config({"--model", "1b", "--tie-embeddings"}).tie_embeddings);
 }
 
-// Random command lines built from real flags, real and mangled values and junk: each is accepted
-// or refused with a UsageError, never anything else. Seeded, so a failure repeats.
 // The host-memory check's share for gradients waiting for the host's step: the largest group's or
 // --max-pending-host-steps blocks' (at most every block), in the reduce dtype, over the shard ranks.
 TEST(TrainArgs, HostGradientsWaitingForTheStepCountTheLargerOfRootAndPendingBlocks) {
@@ -146,6 +144,8 @@ TEST(TrainArgs, HostGradientsWaitingForTheStepCountTheLargerOfRootAndPendingBloc
   EXPECT_EQ(bytes({"--model", "8b", "--cpu-offload"}, 1), 0);
 }
 
+// Random command lines built from real flags, real and mangled values and junk: each is accepted
+// or refused with a UsageError, never anything else. Seeded, so a failure repeats.
 TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
   TrainArgs defaults;
   const std::string text = ::testing::TempDir() + "fsdp_cli_fuzz.txt";

@@ -94,9 +94,11 @@ void check_float8_device(c10::Device device);
 /// weights of a root, at the start of each forward of the root: after the optimizer step), and
 /// float8_linear reads the gathered float8 weight directly: no weight cast in forward, a float8
 /// transpose in backward. The parameter's own unsharded value is not materialised: while its group
-/// is unsharded it reads as NaN of its shape (a reader other than float8_linear gets a NaN loss, not a
-/// plausible wrong one), so nothing but float8_linear may read it (rowwise throws). Gradients, the sharded master weight and the optimizer are unchanged. On GPUs the
-/// weight's columns must be a multiple of 16; groups with cpu_offload cannot take it.
+/// is unsharded it reads as NaN of its shape (a reader other than float8_linear gets a NaN loss,
+/// not a plausible wrong one), so nothing but float8_linear may read it (rowwise throws). Every
+/// rank must mark the same weights (fully_shard checks). Gradients, the sharded master weight and
+/// the optimizer are unchanged. On GPUs the weight's columns must be a multiple of 16; groups with
+/// cpu_offload cannot take it.
 void enable_float8_all_gather(const at::Tensor& weight);
 /// Whether enable_float8_all_gather was called on `weight` (the same tensor object).
 bool float8_all_gather_enabled(const at::Tensor& weight);
