@@ -271,6 +271,15 @@ def case_errors(args):
     different = torch.nn.Linear(4, 4 + fsdpcpp.rank() % 2, device=fsdpcpp.device())
     if fsdpcpp.world_size() > 1:
         expect_error(ValueError, "the model differs across ranks", lambda: fsdpcpp.fully_shard(different))
+    # Float8 all-gather asked for on one rank only: the all-gather's buffers would differ in size
+    # (a timeout blaming another rank), so fully_shard names it.
+    if fsdpcpp.world_size() > 1:
+        from fsdpcpp.float8 import convert_to_float8_training
+        marked = build("plain")
+        if fsdpcpp.rank() == 0:
+            convert_to_float8_training(marked)
+        expect_error(ValueError, "with the same weights marked by enable_float8_all_gather",
+                     lambda: fsdpcpp.fully_shard(blocks_of(marked)[0]))
     # clip_grad_norm_ over a parameter no fully_shard took.
     expect_error(ValueError, "is not sharded: apply fully_shard to the root module too",
                  lambda: fsdpcpp.clip_grad_norm_(torch.nn.Linear(2, 2, device=fsdpcpp.device()).parameters(), 1.0))
@@ -510,7 +519,7 @@ def case_float8(args):
 def case_float8_tied(args):
     """An output head tied to the token embedding (transformers' GPT-2), converted with float8
     all-gather asked for: the head runs in float8, but its weight, which the embedding reads too,
-    is gathered in float32 and cast in the linear (gathered in float8 it would read as zeros in the
+    is gathered in float32 and cast in the linear (gathered in float8 it would read as NaN in the
     embedding). So the run equals the one converted with float8 all-gather off, bit for bit, and
     differs from the float32 model's by float8's rounding only."""
     from fsdpcpp.float8 import Float8Linear, convert_to_float8_training
