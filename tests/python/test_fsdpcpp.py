@@ -126,6 +126,10 @@ def test_float8_tied_head():
     run(2, "float8_tied")
 
 
+def test_float8_compiled_blocks():
+    run(2, "float8_compile", "--model", "plain")
+
+
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
 @gpu_only
 @pytest.mark.parametrize("model", ["plain", "llama", "gpt2"])
