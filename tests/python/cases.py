@@ -271,9 +271,8 @@ def case_errors(args):
     different = torch.nn.Linear(4, 4 + fsdpcpp.rank() % 2, device=fsdpcpp.device())
     if fsdpcpp.world_size() > 1:
         expect_error(ValueError, "the model differs across ranks", lambda: fsdpcpp.fully_shard(different))
-    # Float8 all-gather asked for on one rank only: the all-gather's buffers would differ in size
-    # (a timeout blaming another rank), so fully_shard names it.
-    if fsdpcpp.world_size() > 1:
+        # Float8 all-gather asked for on one rank only: the all-gather's buffers would differ in
+        # size (a timeout blaming another rank), so fully_shard names it.
         from fsdpcpp.float8 import convert_to_float8_training
         marked = build("plain")
         if fsdpcpp.rank() == 0:

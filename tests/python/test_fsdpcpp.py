@@ -126,6 +126,7 @@ def test_float8_tied_head():
     run(2, "float8_tied")
 
 
+@cpu_only
 def test_float8_compiled_blocks():
     run(2, "float8_compile", "--model", "plain")
 

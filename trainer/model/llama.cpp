@@ -73,8 +73,7 @@ double LlamaConfig::flops_per_token(int64_t seq) const {
   // projections and the head, counted once whether or not it is tied (the embedding's lookup is a
   // gather, no FLOPs; nor are the norms). Plus causal attention's scores and values (QK^T and AV:
   // 2 * 2 * seq * dim per layer forward, halved for causality, times 3 for forward + backward).
-  const int64_t kv = n_kv_heads * head_dim();
-  const int64_t block_matmul_weights = dim * dim * 2 + 2 * dim * kv + 3 * dim * ffn;
+  const int64_t block_matmul_weights = block_parameter_count() - 2 * dim;  // less its two norms' weights
   return 6.0 * (n_layers * block_matmul_weights + vocab * dim) + 6.0 * n_layers * seq * dim;
 }
 
