@@ -52,7 +52,14 @@ def is_nccl(name):
     return "nccl" in name.lower()
 
 
-def summarize(path, top=15):
+def short_name(name, width):
+    """The kernel's name less ATen's namespace noise, which would fill the width before the functor."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::"):
+        name = name.replace(noise, "")
+    return name[:width]
+
+
+def summarize(path, top=15, width=90):
     events = json.load((gzip.open if path.endswith(".gz") else open)(path, "rt"))["traceEvents"]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
@@ -77,7 +84,7 @@ def summarize(path, top=15):
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     summary["steps"] = len(rows)
     summary["top_kernels"] = [
-        dict(name=name[:90], calls=n / len(rows), ms=ms / len(rows))
+        dict(name=short_name(name, width), calls=n / len(rows), ms=ms / len(rows))
         for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
     return summary
 
@@ -86,9 +93,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("traces", nargs="+")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--name-width", type=int, default=90, help="characters of each kernel's name shown")
     args = p.parse_args()
     for path in args.traces:
-        s = summarize(path, args.top)
+        s = summarize(path, args.top, args.name_width)
         if s is None:
             print(f"{path}: no ProfilerStep spans")
             continue

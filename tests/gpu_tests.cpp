@@ -1,4 +1,6 @@
 // GPU-only checks, in fsdp_gpu_tests next to the shared parity/API/comm tests.
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -8,6 +10,7 @@
 #include "fsdp/float8.h"
 #include "model/fused_ops.h"
 #include "model/linear_cross_entropy.h"
+#include "train/fused_adamw.h"
 
 namespace fsdp::testing {
 namespace {
@@ -131,6 +134,57 @@ TEST(Gpu, FusedRopeAndSwigluMatchTheirReferencesInValuesAndGradients) {
     // The reference's backward rounds silu(g) and its derivative to the dtype on the way (ATen's
     // silu and mul kernels): two more roundings, so two more ulps.
     expect_close(fused_mlp_grad, plain_mlp_grad, 3 * rtol, "swiglu gradient " + name);
+  }
+}
+
+// FusedAdamW's own GPU kernel against ATen's fused AdamW (what it runs on CPUs), which divides
+// the gradients by grad_scale as ours does by its divisor. The same float32 operations in the
+// same order: within an ulp or two where the compilers contract a multiply-add differently.
+// 40 tensors (two launches of at most 32), sizes with tails and several blocks' chunks, and one
+// parameter and one gradient 4 bytes off 16-byte alignment (the one-element path).
+TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
+  ASSERT_TRUE(model::have_fused_kernels()) << "this GPU build was made without the fused kernels (no nvcc?)";
+  torch::manual_seed(11);
+  std::vector<int64_t> sizes = {1, 3, 4, 5, 4096 * 4 + 5, 70001};
+  while (sizes.size() < 40) sizes.push_back(97 * static_cast<int64_t>(sizes.size()));
+  std::vector<at::Tensor> ours, reference, grads;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    const bool unaligned = i == 4;
+    auto storage = torch::randn({n + 1}, on_device(torch::kFloat));
+    auto param = unaligned ? storage.narrow(0, 1, n) : storage.narrow(0, 0, n);
+    ours.push_back(param.requires_grad_(false));
+    reference.push_back(param.clone());
+  }
+  const auto options = torch::optim::AdamWOptions(3e-2).betas({0.9, 0.95}).weight_decay(0.1);
+  train::FusedAdamW fused(ours, options);
+  std::vector<at::Tensor> exp_avgs, exp_avg_sqs, steps;
+  for (const auto& p : reference) {
+    exp_avgs.push_back(torch::zeros_like(p));
+    exp_avg_sqs.push_back(torch::zeros_like(p));
+    steps.push_back(torch::zeros({}, on_device(torch::kFloat)));
+  }
+  for (int step = 0; step < 3; ++step) {
+    const bool divided = step != 1;
+    const at::Tensor divisor = torch::full({}, 2.5, on_device(torch::kFloat));
+    std::vector<at::Tensor> reference_grads;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      auto storage = torch::randn({sizes[i] + 1}, on_device(torch::kFloat));
+      ours[i].mutable_grad() = i == 5 ? storage.narrow(0, 1, sizes[i]) : storage.narrow(0, 0, sizes[i]);
+      reference_grads.push_back(ours[i].grad().clone());
+    }
+    fused.step_with_grad_divisor(divided ? divisor : at::Tensor());
+    at::_foreach_add_(steps, 1);
+    at::_fused_adamw_(reference, reference_grads, exp_avgs, exp_avg_sqs, {}, steps, 3e-2, 0.9, 0.95, 0.1, 1e-8,
+                      false, false, divided ? std::optional(divisor) : std::nullopt);
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const auto& state = static_cast<const train::FusedAdamWState&>(*fused.state().at(ours[i].unsafeGetTensorImpl()));
+    const std::string what = "tensor " + std::to_string(i) + " of " + std::to_string(sizes[i]);
+    expect_close(ours[i], reference[i], 4e-7, "parameter, " + what);
+    expect_close(state.exp_avg, exp_avgs[i], 4e-7, "exp_avg, " + what);
+    expect_close(state.exp_avg_sq, exp_avg_sqs[i], 4e-7, "exp_avg_sq, " + what);
+    EXPECT_EQ(state.step.item<float>(), 3.0f) << what;
   }
 }
 

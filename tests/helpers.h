@@ -190,7 +190,10 @@ class Trainer {
     }
     if (s_.clip > 0) {
       if (sharded_) {
+        // grad_norm leaves the gradients as they are: the clip then takes the same norm.
+        const double unclipped = grad_norm(*s_.module).item<double>();
         result_.grad_norms.push_back(clip_grad_norm_(*s_.module, s_.clip).item<double>());
+        EXPECT_EQ(unclipped, result_.grad_norms.back()) << "step " << step;
       } else {
         result_.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(s_.module->parameters(), s_.clip));
       }

@@ -78,6 +78,14 @@ TEST(RankMajor, SeveralTensorsWholeRanksOfPaddingZeroDimAndCast) {
   EXPECT_TRUE(torch::equal(out, expected)) << out;
 }
 
+// One rank (its own kernel: the tensors one after another, cast).
+TEST(RankMajor, OneRankTakesTheTensorsInOrderCast) {
+  auto out = torch::empty({1, 6 + 1 + 2}, torch::kFloat);
+  fsdp::rank_major_into(out, {torch::arange(6, torch::kBFloat16).view({3, 2}), torch::tensor(9.0).to(torch::kBFloat16),
+                              torch::empty({0, 4}, torch::kBFloat16), torch::full({2}, 0.5, torch::kBFloat16)});
+  EXPECT_TRUE(torch::equal(out, torch::tensor({0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 0.5, 0.5}, torch::kFloat).view({1, 9}))) << out;
+}
+
 TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {
   fsdp::ExecutionOrder order;
   order.begin_pass();
@@ -379,6 +387,26 @@ TEST(FusedAdamW, MatchesLibtorchAdamW) {
     EXPECT_TRUE(torch::allclose(fused_params[i], plain_params[i], 1e-6, 1e-6))
         << i << ": " << (fused_params[i] - plain_params[i]).abs().max().item<double>();
   }
+}
+
+// A step with a gradient divisor is the step after dividing the gradients (the clip in the update).
+TEST(FusedAdamW, GradDivisorIsTheGradientsDividedFirst) {
+  torch::manual_seed(5);
+  const auto init = torch::randn({9, 4});
+  auto divided = init.clone().requires_grad_(true), plain = init.clone().requires_grad_(true);
+  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  fsdp::train::FusedAdamW with_divisor({divided}, options), after_dividing({plain}, options);
+  for (int step = 0; step < 3; ++step) {
+    const auto grad = torch::randn({9, 4});
+    const double by = step == 1 ? 1.0 : 4.0 + step;
+    divided.mutable_grad() = grad.clone();
+    plain.mutable_grad() = grad / by;
+    with_divisor.step_with_grad_divisor(step == 1 ? at::Tensor() : torch::full({}, by));
+    after_dividing.step();
+  }
+  EXPECT_FALSE(torch::allclose(divided, init));
+  EXPECT_TRUE(torch::allclose(divided, plain, 1e-6, 1e-7)) << (divided - plain).abs().max().item<double>();
+  EXPECT_THROW(with_divisor.step_with_grad_divisor(torch::ones({2})), std::invalid_argument);
 }
 
 // init_state() allocates the moments up front in the parameters' current

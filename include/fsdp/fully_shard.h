@@ -141,6 +141,9 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
 /// scalar tensor on the device. Like PyTorch's clip_grad_norm_ it never waits
 /// for the device; call .item() only where the number is needed.
 at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm);
+/// Collective. The global L2 norm of the sharded gradients of `root`, left unscaled
+/// (clip_grad_norm_ without the clip; see grad_norm(const NamedTensors&)).
+at::Tensor grad_norm(torch::nn::Module& root);
 /// Not collective: moves nothing between ranks. An exponential moving average kept as shards:
 /// every parameter of `ema` becomes decay * itself + (1 - decay) * the same parameter of
 /// `model`, on the rows this rank holds (buffers are left as they are). `ema` must be sharded as

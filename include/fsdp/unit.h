@@ -93,5 +93,9 @@ at::Tensor full_parameter(const at::Tensor& param);
 /// their global L2 norm is at most max_norm; returns the norm before clipping (float32 scalar on
 /// the device) without waiting for the device. Errors name the parameters by their names here.
 at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm);
+/// Collective. clip_grad_norm_ without the clip: the global L2 norm of the sharded gradients of
+/// `params`, which it leaves as they are. For an optimizer that applies the clip as it reads the
+/// gradients (a divisor of max(1, norm / max_norm)), saving clip_grad_norm_'s pass over them.
+at::Tensor grad_norm(const NamedTensors& params);
 
 }  // namespace fsdp

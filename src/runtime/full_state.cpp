@@ -28,4 +28,6 @@ at::Tensor clip_grad_norm_(torch::nn::Module& root, double max_norm) {
   return clip_grad_norm_(root.named_parameters(/*recurse=*/true).pairs(), max_norm);
 }
 
+at::Tensor grad_norm(torch::nn::Module& root) { return grad_norm(root.named_parameters(/*recurse=*/true).pairs()); }
+
 }  // namespace fsdp

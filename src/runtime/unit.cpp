@@ -166,41 +166,67 @@ at::Tensor full_parameter(const at::Tensor& param) {
   return param.detach().clone();
 }
 
-at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm) {
-  c10::NoGradGuard no_grad;
-  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> grads;  // by device: offloaded ones on the host
+namespace {
+
+// The sharded gradients of `params` (each tensor once) by device, offloaded ones on the host, and
+// the communicator their norm is summed over (null: no parameter). `caller` names the API in errors.
+struct ShardedGradients {
   Communicator* comm = nullptr;
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
+};
+
+ShardedGradients sharded_gradients(const NamedTensors& params, const char* caller) {
+  ShardedGradients out;
   std::unordered_set<const void*> seen;
   for (const auto& [name, p] : params) {
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     auto owner = Runtime::get().owner_of(p);
     if (!owner)
-      throw std::invalid_argument("fsdp::clip_grad_norm_: parameter '" + name +
+      throw std::invalid_argument(std::string(caller) + ": parameter '" + name +
                                   "' is not sharded: apply fully_shard to the root module too");
     if (owner->state->group().is_unsharded())
-      throw std::logic_error("fsdp::clip_grad_norm_: call it after backward, not between "
+      throw std::logic_error(std::string(caller) + ": call it after backward, not between "
                              "forward and backward ('" + name + "' is unsharded)");
     if (owner->state->steps_in_backward())
-      throw std::logic_error("fsdp::clip_grad_norm_: the optimizer steps in backward (set_step_in_backward), so the "
+      throw std::logic_error(std::string(caller) + ": the optimizer steps in backward (set_step_in_backward), so the "
                              "gradients are applied and gone before the norm could be taken; clip without it");
-    comm = &owner->state->group().comm();
+    out.comm = &owner->state->group().comm();
     if (!p.grad().defined()) continue;
-    auto it = std::find_if(grads.begin(), grads.end(), [&](const auto& g) { return g.first == p.grad().device(); });
-    if (it == grads.end()) it = grads.insert(grads.end(), {p.grad().device(), {}});
+    auto& lists = out.by_device;
+    auto it = std::find_if(lists.begin(), lists.end(), [&](const auto& g) { return g.first == p.grad().device(); });
+    if (it == lists.end()) it = lists.insert(lists.end(), {p.grad().device(), {}});
     it->second.push_back(p.grad());
   }
-  if (!comm) return at::zeros({});
-  // Shards hold disjoint rows (padding excluded), so the squared norms add up. Gradients on the
-  // device stay there: no host sync, so the optimizer's kernels can be queued while backward
-  // still runs.
-  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(comm->device());
+  return out;
+}
+
+// Shards hold disjoint rows (padding excluded), so the squared norms add up. Gradients on the
+// device stay there: no host sync, so the optimizer's kernels can be queued while backward
+// still runs.
+at::Tensor global_norm(const ShardedGradients& grads) {
+  if (!grads.comm) return at::zeros({});
+  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(grads.comm->device());
   at::Tensor sum_sq = at::zeros({1}, on_device);
-  for (const auto& [device, list] : grads)
-    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(comm->device());
-  comm->all_reduce(sum_sq, ReduceOp::Sum);
-  at::Tensor norm = sum_sq.sqrt().reshape({});
+  for (const auto& [device, list] : grads.by_device)
+    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(grads.comm->device());
+  grads.comm->all_reduce(sum_sq, ReduceOp::Sum);
+  return sum_sq.sqrt().reshape({});
+}
+
+}  // namespace
+
+at::Tensor grad_norm(const NamedTensors& params) {
+  c10::NoGradGuard no_grad;
+  return global_norm(sharded_gradients(params, "fsdp::grad_norm"));
+}
+
+at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm) {
+  c10::NoGradGuard no_grad;
+  const ShardedGradients grads = sharded_gradients(params, "fsdp::clip_grad_norm_");
+  const at::Tensor norm = global_norm(grads);
+  if (!grads.comm) return norm;
   const at::Tensor scale = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-  for (auto& [device, list] : grads) at::_foreach_mul_(list, scale.to(device));
+  for (const auto& [device, list] : grads.by_device) at::_foreach_mul_(list, scale.to(device));
   return norm;
 }
 

@@ -2,7 +2,13 @@
 
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/StringUtil.h>
+
+#ifdef FSDP_WITH_CUDA_KERNELS
+#include "kernels/kernel_launch.h"
+#include "train/adamw_kernel.h"
+#endif
 
 #include <map>
 #include <stdexcept>
@@ -53,9 +59,16 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode enable(true);
     loss = closure();
   }
-  for (auto& group : param_groups_)
-    update(static_cast<const torch::optim::AdamWOptions&>(group.options()), group.params());
+  step_with_grad_divisor(at::Tensor());
   return loss;
+}
+
+void FusedAdamW::step_with_grad_divisor(const at::Tensor& grad_divisor) {
+  if (grad_divisor.defined() && (grad_divisor.numel() != 1 || grad_divisor.scalar_type() != at::kFloat))
+    throw std::invalid_argument("FusedAdamW: the gradient divisor must be one float32 element, not " +
+                                c10::str(grad_divisor.sizes()) + " " + c10::toString(grad_divisor.scalar_type()));
+  for (auto& group : param_groups_)
+    update(static_cast<const torch::optim::AdamWOptions&>(group.options()), group.params(), grad_divisor);
 }
 
 void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
@@ -66,14 +79,15 @@ void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
       for (const auto& q : group.params())
         if (p.is_same(q)) in_group.push_back(p);
     found += in_group.size();
-    if (!in_group.empty()) update(static_cast<const torch::optim::AdamWOptions&>(group.options()), in_group);
+    if (!in_group.empty()) update(static_cast<const torch::optim::AdamWOptions&>(group.options()), in_group, {});
   }
   if (found != params.size())
     throw std::invalid_argument("FusedAdamW::step_params: " + std::to_string(params.size() - found) +
                                 " of the parameters were not given to this optimizer");
 }
 
-void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params) {
+void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                        const at::Tensor& grad_divisor) {
   at::NoGradGuard no_grad;
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
@@ -97,10 +111,37 @@ void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<a
   }
   for (auto& [key, l] : batches) {
     at::_foreach_add_(l.steps, 1);
+    const at::Tensor divisor = grad_divisor.defined() ? grad_divisor.to(l.params.front().device()) : at::Tensor();
+    if (step_with_kernel(o, l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps, divisor)) continue;
     at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                      /*amsgrad=*/false, /*maximize=*/false);
+                      /*amsgrad=*/false, /*maximize=*/false, divisor.defined() ? std::optional(divisor) : std::nullopt);
   }
+}
+
+// Float32 contiguous tensors on a GPU: the trainer's AdamW kernel (train/adamw_kernel.h), which
+// runs near the memory bandwidth where ATen's fused kernel does not. False: not taken.
+bool FusedAdamW::step_with_kernel(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                                  const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
+                                  const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                                  const at::Tensor& grad_divisor) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  const auto takes = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
+  for (size_t i = 0; i < params.size(); ++i)
+    if (!takes(params[i]) || !takes(grads[i]) || !takes(exp_avgs[i]) || !takes(exp_avg_sqs[i]) || !takes(steps[i]))
+      return false;
+  const c10::DeviceGuard on_device(params.front().device());
+  std::vector<kernels::AdamWTensor> tensors;
+  for (size_t i = 0; i < params.size(); ++i)
+    tensors.push_back({params[i].data_ptr<float>(), grads[i].data_ptr<float>(), exp_avgs[i].data_ptr<float>(),
+                       exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(), params[i].numel()});
+  kernels::adamw_step(tensors, {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps()},
+                      grad_divisor.defined() ? grad_divisor.data_ptr<float>() : nullptr,
+                      kernels::current_stream(params.front()));
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace fsdp::train

@@ -1,6 +1,7 @@
 // AdamW whose update is one fused kernel per (device, dtype) over all
-// parameters (ATen's _fused_adamw_, the kernel behind PyTorch's
-// `AdamW(fused=True)`), instead of libtorch's ~10 kernels per parameter.
+// parameters instead of libtorch's ~10 kernels per parameter: on GPUs, for
+// float32 parameters, the trainer's own (train/adamw_kernel.h), elsewhere
+// ATen's _fused_adamw_ (the kernel behind PyTorch's `AdamW(fused=True)`).
 // Same options and same arithmetic as torch::optim::AdamW (no amsgrad).
 #pragma once
 
@@ -20,6 +21,12 @@ class FusedAdamW : public torch::optim::Optimizer {
  public:
   FusedAdamW(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options);
   at::Tensor step(LossClosure closure = nullptr) override;
+  // A step that reads every gradient divided by `grad_divisor` (one float32 element, on any
+  // device), as if the gradients had been divided first: the global-norm clip applied in the
+  // update, with no pass over the gradients of its own (fsdp::grad_norm gives the norm; the
+  // divisor is max(1, norm / max_norm)). Undefined: divided by nothing. Whether the gradients are
+  // left divided afterwards is unspecified (ATen's kernel, used on CPUs, writes them back).
+  void step_with_grad_divisor(const at::Tensor& grad_divisor);
   // The step of only these parameters (each with its group's options): a step in backward
   // (fsdp::set_step_in_backward). Throws std::invalid_argument for a parameter it was not given.
   void step_params(const std::vector<at::Tensor>& params);
@@ -38,7 +45,12 @@ class FusedAdamW : public torch::optim::Optimizer {
 
  private:
   FusedAdamWState& state_of(const at::Tensor& param);
-  void update(const torch::optim::AdamWOptions& options, const std::vector<at::Tensor>& params);
+  void update(const torch::optim::AdamWOptions& options, const std::vector<at::Tensor>& params,
+              const at::Tensor& grad_divisor);
+  static bool step_with_kernel(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
+                               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                               const at::Tensor& grad_divisor);
 };
 
 }  // namespace fsdp::train
