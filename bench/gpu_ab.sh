@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A/B of fsdp-train's 1B step time on one GPU between this checkout's build and another commit's
+# A/B of fsdp-train's step time on one GPU between this checkout's build and another commit's
 # sources (a change's "step time unchanged" check), in one device call: builds BASE_SRC's
 # fsdp-train alone with this build's torch and nlohmann/json, then alternates RUNS runs of each,
-# 30 steps, and prints each run's median step (steps 6-30) and the medians of both.
+# 30 steps, and prints each run's median step (steps 6-30) and the medians of both. AB_MODEL:
+# the model and its shape (default "--model 1b --seq 2048 --batch 4").
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
+model=${AB_MODEL:---model 1b --seq 2048 --batch 4}
 mkdir -p "$out"
 source bench/gpu_env.sh
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
@@ -18,15 +20,15 @@ cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -
 for i in $(seq "$runs"); do
   for side in new base; do
     train=build/fsdp-train; [ "$side" = base ] && train=$base/build/fsdp-train
-    build/fsdp-run --gpu -n 1 "$train" --model 1b --seq 2048 --batch 4 --param-dtype bf16 --steps 30 \
+    build/fsdp-run --gpu -n 1 "$train" $model --param-dtype bf16 --steps 30 \
       --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1 || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
   done
 done
-python3 - "$out" "$runs" <<'PY'
+python3 - "$out" "$runs" "$model" <<'PY'
 import json, statistics, sys
-out, runs = sys.argv[1], int(sys.argv[2])
+out, runs, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 median = lambda side, i: statistics.median(json.loads(l)["step_ms"] for l in list(open(f"{out}/ab-{side}-{i}.jsonl"))[5:])
 for side in ("new", "base"):
     each = [median(side, i) for i in range(1, runs + 1)]
-    print(f"1b on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)})")
+    print(f"{model} on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)})")
 PY

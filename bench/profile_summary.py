@@ -13,6 +13,8 @@ compute, whatever stream it ran on. Per step:
   exposed_comm_ms  time an NCCL kernel ran and no compute did: communication
                    the step waited for
   idle_ms          time nothing ran on the GPU (CPU-bound gaps)
+--gaps N lists each step's N longest idle gaps: where in the step, the kernels either side, and
+the innermost CPU op running as the gap began (what the host was doing while the GPU waited).
 """
 import argparse
 import collections
@@ -59,19 +61,49 @@ def short_name(name, width):
     return name[:width]
 
 
-def summarize(path, top=15, width=90):
+def idle_gaps(busy, lo, hi):
+    """The stretches of [lo, hi) that no interval of `busy` (merged, sorted) covers."""
+    gaps, at = [], lo
+    for start, end in busy:
+        if start > at:
+            gaps.append((at, min(start, hi)))
+        at = max(at, end)
+    if at < hi:
+        gaps.append((at, hi))
+    return [g for g in gaps if g[1] > g[0]]
+
+
+def describe_gap(gap, lo, inside, cpu_ops, width):
+    start, end = gap
+    before = max((e for e in inside if e["ts"] + e["dur"] <= start), key=lambda e: e["ts"] + e["dur"], default=None)
+    after = min((e for e in inside if e["ts"] >= end), key=lambda e: e["ts"], default=None)
+    running = [e for e in cpu_ops if e["ts"] <= start < e["ts"] + e["dur"]]
+    host = min(running, key=lambda e: e["dur"], default=None)
+    return dict(at_ms=(start - lo) / 1e3, ms=(end - start) / 1e3,
+                before=short_name(before["name"], width) if before else "",
+                after=short_name(after["name"], width) if after else "",
+                host=short_name(host["name"], width) if host else "")
+
+
+def summarize(path, top=15, width=90, gaps=0):
     events = json.load((gzip.open if path.endswith(".gz") else open)(path, "rt"))["traceEvents"]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    rows, totals = [], collections.defaultdict(lambda: [0, 0.0])
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+               and not e.get("name", "").startswith("ProfilerStep#")] if gaps else []
+    rows, totals, step_gaps = [], collections.defaultdict(lambda: [0, 0.0]), []
     for step in steps:
         lo, hi = step["ts"], step["ts"] + step["dur"]
         inside = [e for e in gpu if lo <= e["ts"] < hi]
         clip = lambda e: (e["ts"], min(e["ts"] + e["dur"], hi))
         comm = union(clip(e) for e in inside if is_nccl(e["name"]))
         compute = union(clip(e) for e in inside if not is_nccl(e["name"]))
-        busy = length(union([*comm, *compute]))
+        merged = union([*comm, *compute])
+        busy = length(merged)
+        if gaps:
+            longest = sorted(idle_gaps(merged, lo, hi), key=lambda g: g[0] - g[1])[:gaps]
+            step_gaps.append([describe_gap(g, lo, inside, cpu_ops, width) for g in longest])
         rows.append(dict(step_ms=step["dur"] / 1e3, compute_ms=length(compute) / 1e3,
                          nccl_ms=length(comm) / 1e3,
                          exposed_comm_ms=(length(comm) - length(intersection(comm, compute))) / 1e3,
@@ -83,6 +115,7 @@ def summarize(path, top=15, width=90):
         return None
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     summary["steps"] = len(rows)
+    summary["gaps"] = step_gaps
     summary["top_kernels"] = [
         dict(name=short_name(name, width), calls=n / len(rows), ms=ms / len(rows))
         for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
@@ -94,9 +127,10 @@ def main():
     p.add_argument("traces", nargs="+")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--name-width", type=int, default=90, help="characters of each kernel's name shown")
+    p.add_argument("--gaps", type=int, default=0, help="list each step's N longest idle gaps")
     args = p.parse_args()
     for path in args.traces:
-        s = summarize(path, args.top, args.name_width)
+        s = summarize(path, args.top, args.name_width, args.gaps)
         if s is None:
             print(f"{path}: no ProfilerStep spans")
             continue
@@ -105,6 +139,11 @@ def main():
               f"idle {s['idle_ms']:.1f} | {s['kernels']:.0f} kernels")
         for k in s["top_kernels"]:
             print(f"    {k['ms']:8.2f} ms {k['calls']:6.0f}x  {k['name']}")
+        for step, gaps in enumerate(s["gaps"]):
+            print(f"  idle gaps of profiled step {step + 1}, longest first:")
+            for g in gaps:
+                print(f"    {g['ms']:7.2f} ms at {g['at_ms']:7.2f} ms | after {g['before'] or '(step start)'} | "
+                      f"before {g['after'] or '(step end)'} | host in {g['host'] or '(nothing traced)'}")
 
 
 if __name__ == "__main__":

@@ -27,4 +27,15 @@ expected = dict(step_ms=0.1, compute_ms=0.055, nccl_ms=0.05, exposed_comm_ms=0.0
 for key, want in expected.items():
     assert abs(s[key] - want) < 1e-9, (key, s[key], want)
 assert s["top_kernels"][0]["name"] == "ncclDevKernel_AllGather", s["top_kernels"]
+assert s["gaps"] == [], s["gaps"]
+# The idle gaps, longest first, with their neighbours and the host op running as each began.
+trace["traceEvents"].append(dict(ph="X", cat="cpu_op", name="aten::item", ts=82, dur=20))
+trace["traceEvents"].append(dict(ph="X", cat="cpu_op", name="train_step", ts=0, dur=150))
+with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(trace, f)
+s = profile_summary.summarize(f.name, gaps=5)
+os.unlink(f.name)
+assert [(g["at_ms"], g["ms"]) for g in s["gaps"][0]] == [(0.08, 0.01), (0.095, 0.005)], s["gaps"]
+assert s["gaps"][0][0]["before"] == "ncclDevKernel_AllGather" and s["gaps"][0][0]["after"] == "copy", s["gaps"]
+assert [g["host"] for g in s["gaps"][0]] == ["train_step", "aten::item"] and s["gaps"][0][1]["after"] == "", s["gaps"]
 print("profile_summary: ok")

@@ -192,7 +192,9 @@ TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
 // logits + cross_entropy; bf16 logits may differ by an ulp where cuBLAS picks another kernel
 // for a chunk's row count, which moves a mean loss of ~ln(vocab) by far less than 1e-3.
 TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
-  const int64_t rows = 1000, dim = 64, vocab = 3001;
+  const int64_t rows = 1000, dim = 64;
+  // An odd vocabulary takes the kernel's one-element path, a multiple of 8 its 16-byte one.
+  for (int64_t vocab : {3001, 3008})
   for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
     auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
     auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * 0.1).requires_grad_();
@@ -206,8 +208,10 @@ TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
     for (int i = 0; i < 2; ++i) {
       const double error = (fused_grads[i].to(torch::kDouble) - plain_grads[i].to(torch::kDouble)).norm().item<double>();
       EXPECT_LE(error, (bf16 ? 1e-2 : 1e-5) * plain_grads[i].to(torch::kDouble).norm().item<double>())
-          << (i ? "weight" : "hidden") << " gradient, " << c10::toString(dtype);
+          << (i ? "weight" : "hidden") << " gradient, " << c10::toString(dtype) << ", vocab " << vocab;
     }
+    targets[7] = vocab;  // outside the vocabulary: a NaN loss, not a device assert
+    EXPECT_TRUE(std::isnan(model::linear_cross_entropy(hidden, weight, targets).item<double>()));
   }
 }
 

@@ -77,6 +77,75 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ gate_up, const T* _
   }
 }
 
+// A row's running softmax denominator: its largest value so far and the sum of exp(x - max).
+struct Softmax {
+  float max = -INFINITY, sum = 0;
+  __device__ void add(float x) {
+    if (x > max) {
+      sum = sum * expf(max - x) + 1.0f;
+      max = x;
+    } else {
+      sum += expf(x - max);  // NaN stays NaN: a NaN logit gives a NaN loss
+    }
+  }
+  __device__ void merge(const Softmax& o) {
+    if (o.max == -INFINITY) return;
+    if (max == -INFINITY) {
+      *this = o;
+      return;
+    }
+    const float m = fmaxf(max, o.max);
+    sum = sum * expf(max - m) + o.sum * expf(o.max - m);
+    max = m;
+  }
+};
+
+// One block per row of logits: the row's cross-entropy in float32, and where `gradients`, the row
+// overwritten (in place) with the gradient of the mean loss, (softmax - one_hot(target)) / rows,
+// rounded once. Two reads of the row and one write, where the unfused float32 operations made ten
+// passes over a float32 copy.
+template <class T, int V>
+__global__ void cross_entropy_kernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
+                                     float* __restrict__ row_loss, int64_t vocab, float rows, bool gradients) {
+  T* row = logits + int64_t(blockIdx.x) * vocab;
+  Softmax local;
+  for (int64_t j = int64_t(threadIdx.x) * V; j < vocab; j += int64_t(blockDim.x) * V) {
+    const auto x = load_pack<V>(row + j);
+#pragma unroll
+    for (int k = 0; k < V; ++k) local.add(x.v[k]);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    Softmax other;
+    other.max = __shfl_down_sync(0xffffffff, local.max, offset);
+    other.sum = __shfl_down_sync(0xffffffff, local.sum, offset);
+    local.merge(other);
+  }
+  __shared__ Softmax warps[32];
+  __shared__ Softmax whole;
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < blockDim.x / 32; ++w) warps[0].merge(warps[w]);
+    whole = warps[0];
+    const int64_t target = targets[blockIdx.x];
+    // A target outside the vocabulary has no loss: NaN, which the trainer reports, not a crash.
+    row_loss[blockIdx.x] = target < 0 || target >= vocab ? NAN : logf(whole.sum) - (load(row + target) - whole.max);
+  }
+  __syncthreads();  // the target's logit is read before the row is overwritten
+  if (!gradients) return;
+  const int64_t target = targets[blockIdx.x];
+  const float denominator = whole.sum * rows, minus_inv_rows = -1.0f / rows;
+  for (int64_t j = int64_t(threadIdx.x) * V; j < vocab; j += int64_t(blockDim.x) * V) {
+    auto x = load_pack<V>(row + j);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      x.v[k] = expf(x.v[k] - whole.max) / denominator;
+      if (j + k == target) x.v[k] += minus_inv_rows;
+    }
+    store_pack<V>(row + j, x);
+  }
+}
+
 // Whether every pointer is aligned to `bytes` (row lengths are checked by the callers).
 bool aligned(int64_t bytes, std::initializer_list<const void*> pointers) {
   for (const void* p : pointers)
@@ -134,6 +203,20 @@ void swiglu_backward(const void* gate_up, const void* grad_out, void* grad_gate_
         static_cast<int>(ffn));
   });
   check_launch("swiglu_backward");
+}
+
+void cross_entropy(void* logits, const int64_t* targets, float* row_loss, int64_t rows, int64_t vocab,
+                   int64_t mean_over, bool gradients, Dtype dtype, void* stream) {
+  if (rows * vocab == 0) return;
+  with_type(dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    constexpr int V = kVector<T>;
+    const auto kernel = vocab % V == 0 && aligned(16, {logits}) ? cross_entropy_kernel<T, V>
+                                                                 : cross_entropy_kernel<T, 1>;
+    kernel<<<grid_of(rows), 2 * kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<T*>(logits), targets, row_loss, vocab, static_cast<float>(mean_over), gradients);
+  });
+  check_launch("cross_entropy");
 }
 
 }  // namespace fsdp::kernels

@@ -23,4 +23,12 @@ void swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t ffn, D
 void swiglu_backward(const void* gate_up, const void* grad_out, void* grad_gate_up, int64_t rows, int64_t ffn,
                      Dtype dtype, void* stream);
 
+// Cross-entropy of each of `rows` rows of logits [rows, vocab] against targets [rows] (int64, on
+// the device): row_loss[r] = log sum exp(row) - row[target] in float32 (NaN for a target outside
+// [0, vocab)). Where `gradients`, each row is then overwritten with the gradient of a mean over
+// `mean_over` rows, (softmax(row) - one_hot(target)) / mean_over, computed in float32 and rounded
+// once to the logits' dtype.
+void cross_entropy(void* logits, const int64_t* targets, float* row_loss, int64_t rows, int64_t vocab,
+                   int64_t mean_over, bool gradients, Dtype dtype, void* stream);
+
 }  // namespace fsdp::kernels

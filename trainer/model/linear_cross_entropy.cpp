@@ -13,8 +13,59 @@
 #include <algorithm>
 #include <stdexcept>
 
+#ifdef FSDP_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAGuard.h>
+
+#include "kernels/kernel_launch.h"
+#include "model/fused_kernels.h"
+#endif
+
 namespace fsdp::model {
 namespace {
+
+// A chunk's summed loss and, where asked, the gradient of the mean loss in its logits' dtype.
+struct ChunkResult {
+  at::Tensor loss_sum, grad_logits;
+};
+
+// The unfused path (CPUs, float64): a float32 copy of the chunk's logits, turned in place into
+// exp(logit - max), then into (softmax - one_hot(target)) / rows.
+ChunkResult chunk_in_aten_ops(const at::Tensor& logits_in, const at::Tensor& target, int64_t rows,
+                              const at::Tensor& minus_inv_rows, bool with_gradients) {
+  auto logits = logits_in.to(c10::promoteTypes(logits_in.scalar_type(), at::kFloat));  // [n, vocab]
+  const auto target_logit = logits.gather(1, target);
+  const auto max = logits.amax(1, /*keepdim=*/true);
+  const auto sum_exp = logits.sub_(max).exp_().sum(1, /*keepdim=*/true);
+  ChunkResult out{(sum_exp.log() - (target_logit - max)).sum(), at::Tensor()};
+  if (!with_gradients) return out;
+  logits.div_(sum_exp * static_cast<double>(rows));
+  logits.scatter_add_(1, target, minus_inv_rows.narrow(0, 0, logits.size(0)));
+  out.grad_logits = logits.to(logits_in.scalar_type());
+  return out;
+}
+
+// The GPU kernel (model/fused_kernels.h): the loss and the gradient in two reads of the logits,
+// the gradient written over them.
+bool takes_kernel(const at::Tensor& hidden) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  return hidden.is_cuda() && kernels::kernel_dtype(hidden).has_value();
+#else
+  return false;
+#endif
+}
+
+ChunkResult chunk_in_kernel(at::Tensor logits, const at::Tensor& target, int64_t rows, bool with_gradients) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor row_loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  kernels::cross_entropy(logits.data_ptr(), target.data_ptr<int64_t>(), row_loss.data_ptr<float>(), logits.size(0),
+                         logits.size(1), rows, with_gradients, *kernels::kernel_dtype(logits),
+                         kernels::current_stream(logits));
+  return {row_loss.sum(), with_gradients ? logits : at::Tensor()};
+#else
+  throw std::logic_error("linear_cross_entropy: built without the CUDA kernels");
+#endif
+}
 
 struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
@@ -27,27 +78,24 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       grad_hidden = at::empty_like(hidden);
       grad_weight = at::zeros_like(weight);
     }
-    // Each chunk holds one float32 [n, vocab] buffer, turned in place into exp(logit - max),
-    // then into the gradient of the mean loss: (softmax - one_hot(target)) / rows.
     const double inv_rows = 1.0 / static_cast<double>(rows);
-    const at::Tensor minus_inv_rows =
-        with_gradients ? at::full({chunk_rows, 1}, -inv_rows, hidden.options().dtype(compute)) : at::Tensor();
+    const bool kernel = takes_kernel(hidden);
+    const at::Tensor minus_inv_rows = with_gradients && !kernel
+                                          ? at::full({chunk_rows, 1}, -inv_rows, hidden.options().dtype(compute))
+                                          : at::Tensor();
     for (int64_t first = 0; first < rows; first += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - first);
       const auto h = hidden.narrow(0, first, n);
-      const auto target = targets.narrow(0, first, n).unsqueeze(1);
-      auto logits = at::mm(h, weight.t()).to(compute);  // [n, vocab]
-      const auto target_logit = logits.gather(1, target);
-      const auto max = logits.amax(1, /*keepdim=*/true);
-      const auto sum_exp = logits.sub_(max).exp_().sum(1, /*keepdim=*/true);
-      loss_sum += (sum_exp.log() - (target_logit - max)).sum();
+      const auto target = targets.narrow(0, first, n);
+      const at::Tensor logits = at::mm(h, weight.t());  // [n, vocab]
+      const ChunkResult chunk = kernel ? chunk_in_kernel(logits, target.contiguous(), rows, with_gradients)
+                                       : chunk_in_aten_ops(logits, target.unsqueeze(1), rows, minus_inv_rows,
+                                                           with_gradients);
+      loss_sum += chunk.loss_sum;
       if (!with_gradients) continue;
-      logits.div_(sum_exp * static_cast<double>(rows));
-      logits.scatter_add_(1, target, minus_inv_rows.narrow(0, 0, n));
-      const auto grad_logits = logits.to(hidden.scalar_type());
       auto grad_rows = grad_hidden.narrow(0, first, n);
-      at::mm_out(grad_rows, grad_logits, weight);
-      grad_weight.addmm_(grad_logits.t(), h);
+      at::mm_out(grad_rows, chunk.grad_logits, weight);
+      grad_weight.addmm_(chunk.grad_logits.t(), h);
     }
     ctx->saved_data["grad_hidden"] = grad_hidden;
     ctx->saved_data["grad_weight"] = grad_weight;
@@ -70,11 +118,12 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 int64_t chunk_bytes) {
   if (hidden.dim() != 2 || weight.dim() != 2 || hidden.size(1) != weight.size(1) || targets.dim() != 1 ||
       targets.size(0) != hidden.size(0) || hidden.scalar_type() != weight.scalar_type() ||
-      targets.scalar_type() != at::kLong || hidden.size(0) == 0)
+      targets.scalar_type() != at::kLong || hidden.size(0) == 0 || targets.device() != hidden.device() ||
+      weight.device() != hidden.device())
     throw std::invalid_argument(c10::str("linear_cross_entropy: hidden ", hidden.sizes(), " ", hidden.scalar_type(),
                                          ", weight ", weight.sizes(), " ", weight.scalar_type(), ", targets ",
                                          targets.sizes(), " ", targets.scalar_type(),
-                                         ": need [rows > 0, dim], [vocab, dim] of one dtype and [rows] int64"));
+                                         ": need [rows > 0, dim], [vocab, dim] of one dtype and [rows] int64, on one device"));
   const int64_t chunk_rows = std::max<int64_t>(1, chunk_bytes / (weight.size(0) * int64_t(sizeof(float))));
   const int64_t chunks = (hidden.size(0) + chunk_rows - 1) / chunk_rows;
   const int64_t balanced_rows = (hidden.size(0) + chunks - 1) / chunks;  // equal chunks, not one short tail

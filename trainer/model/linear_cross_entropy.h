@@ -13,7 +13,9 @@ namespace fsdp::model {
 // The mean over rows of -log softmax(hidden @ weight^T)[target], in float32 (float64 for float64
 // inputs).
 // hidden [rows, dim] and weight [vocab, dim] of one dtype, targets [rows] int64 in [0, vocab).
-// Each chunk's float32 logits take at most `chunk_bytes` (at least one row). The gradients
+// Each chunk's float32 logits take at most `chunk_bytes` (at least one row; on GPUs a kernel
+// reads the chunk's logits in their own dtype, makes no float32 copy, and gives a target outside
+// [0, vocab) a NaN loss rather than a device assert). The gradients
 // (hidden's [rows, dim] and weight's [vocab, dim], in their dtype) are made only where grad mode
 // is on and an input requires them; they live from the forward to the backward.
 constexpr int64_t kLossChunkBytes = int64_t(256) << 20;
