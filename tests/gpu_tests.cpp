@@ -215,6 +215,44 @@ TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
   }
 }
 
+// The kernel against the ATen operations it replaced, on the same logits (one chunk, so the
+// same GEMMs before and after): the float32 arithmetic is the same but for the order in which exp is summed, so
+// the loss agrees to float32 rounding and the gradient's elements to their last bit but where a
+// sum differing in its last bits moves one across a rounding boundary. A bias in the gradient of
+// 0.1% would show as 1e-3 here.
+TEST(Gpu, CrossEntropyKernelMatchesTheAtenOperationsOnTheSameLogits) {
+  const int64_t rows = 1000, dim = 64;
+  for (int64_t vocab : {3001, 3008})
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
+    auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * 0.3).requires_grad_();
+    auto targets = torch::randint(0, vocab, {rows}, on_device(torch::kLong));
+    auto fused = model::linear_cross_entropy(hidden, weight, targets, /*chunk_bytes=*/2 * rows * vocab * 4);
+    auto fused_grads = torch::autograd::grad({fused}, {hidden, weight});
+    torch::NoGradGuard no_grad;
+    auto x = torch::mm(hidden, weight.t()).to(torch::kFloat);
+    auto max = x.amax(1, true);
+    auto e = (x - max).exp();
+    auto sum = e.sum(1, true);
+    auto loss = (sum.log() - (x.gather(1, targets.unsqueeze(1)) - max)).sum() / rows;
+    auto grad_logits = (e / (sum * rows))
+                           .scatter_add(1, targets.unsqueeze(1), torch::full({rows, 1}, -1.0 / rows, on_device()))
+                           .to(dtype);
+    // The products as linear_cross_entropy makes them (an addmm into zeros for the weight's).
+    const std::vector<at::Tensor> want = {torch::mm(grad_logits, weight),
+                                          torch::zeros_like(weight).addmm_(grad_logits.t(), hidden)};
+    const std::string what = std::string(c10::toString(dtype)) + ", vocab " + std::to_string(vocab);
+    EXPECT_NEAR(fused.item<double>(), loss.item<double>(), 1e-6 * loss.item<double>()) << what;
+    for (int i = 0; i < 2; ++i) {
+      const auto got = fused_grads[i].to(torch::kDouble), expected = want[i].to(torch::kDouble);
+      const double relative = ((got - expected).norm() / expected.norm()).item<double>();
+      std::cout << "cross-entropy kernel against ATen, " << what << ", " << (i ? "weight" : "hidden")
+                << " gradient: relative L2 difference " << relative << "\n";
+      EXPECT_LE(relative, dtype == torch::kFloat ? 1e-6 : 1e-3) << (i ? "weight" : "hidden") << " gradient, " << what;
+    }
+  }
+}
+
 // FlashAttention when asked for, in bf16, against ATen's choice (cuDNN on Hopper). Both keep the
 // scores and the softmax in float32 and round the probabilities and the output to bf16, in
 // different blockings: a relative error of a few 2^-8 in norm, below 2e-2. Where flash does not
