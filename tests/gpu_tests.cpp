@@ -188,17 +188,27 @@ TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
   }
 }
 
+// The loss tests' inputs: hidden [1000, 64] (requiring gradients), weight [vocab, 64] ~ N(0,
+// weight_scale^2) and targets, in float32 and bf16, for an odd vocabulary (the kernel's
+// one-element path) and a multiple of 8 (its 16-byte one).
+template <class F>
+void for_each_loss_case(double weight_scale, F&& check) {
+  const int64_t rows = 1000, dim = 64;
+  for (int64_t vocab : {3001, 3008})
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
+      auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * weight_scale).requires_grad_();
+      auto targets = torch::randint(0, vocab, {rows}, on_device(torch::kLong));
+      check(rows, vocab, dtype, hidden, weight, targets);
+    }
+}
+
 // The chunked output projection + loss on the GPU: float32 within float32 summation error of
 // logits + cross_entropy; bf16 logits may differ by an ulp where cuBLAS picks another kernel
 // for a chunk's row count, which moves a mean loss of ~ln(vocab) by far less than 1e-3.
 TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
-  const int64_t rows = 1000, dim = 64;
-  // An odd vocabulary takes the kernel's one-element path, a multiple of 8 its 16-byte one.
-  for (int64_t vocab : {3001, 3008})
-  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
-    auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * 0.1).requires_grad_();
-    auto targets = torch::randint(0, vocab, {rows}, on_device(torch::kLong));
+  for_each_loss_case(0.1, [](int64_t rows, int64_t vocab, torch::Dtype dtype, at::Tensor hidden, at::Tensor weight,
+                             at::Tensor targets) {
     auto fused = model::linear_cross_entropy(hidden, weight, targets, /*chunk_bytes=*/300 * vocab * 4);
     auto fused_grads = torch::autograd::grad({fused}, {hidden, weight});
     auto plain = torch::nn::functional::cross_entropy(torch::mm(hidden, weight.t()).to(torch::kFloat), targets);
@@ -212,21 +222,17 @@ TEST(Gpu, LinearCrossEntropyMatchesLogitsThenCrossEntropy) {
     }
     targets[7] = vocab;  // outside the vocabulary: a NaN loss, not a device assert
     EXPECT_TRUE(std::isnan(model::linear_cross_entropy(hidden, weight, targets).item<double>()));
-  }
+  });
 }
 
 // The kernel against the ATen operations it replaced, on the same logits (one chunk, so the
-// same GEMMs before and after): the float32 arithmetic is the same but for the order in which exp is summed, so
-// the loss agrees to float32 rounding and the gradient's elements to their last bit but where a
-// sum differing in its last bits moves one across a rounding boundary. A bias in the gradient of
-// 0.1% would show as 1e-3 here.
+// same GEMMs before and after): the float32 arithmetic is the same but for the order in which
+// exp is summed, so the loss agrees to float32 rounding and the gradient's elements to their last
+// bit but where a sum differing in its last bits moves one across a rounding boundary. A bias in
+// the gradient of 0.1% would show as 1e-3 here.
 TEST(Gpu, CrossEntropyKernelMatchesTheAtenOperationsOnTheSameLogits) {
-  const int64_t rows = 1000, dim = 64;
-  for (int64_t vocab : {3001, 3008})
-  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    auto hidden = torch::randn({rows, dim}, on_device(dtype)).requires_grad_();
-    auto weight = (torch::randn({vocab, dim}, on_device(dtype)) * 0.3).requires_grad_();
-    auto targets = torch::randint(0, vocab, {rows}, on_device(torch::kLong));
+  for_each_loss_case(0.3, [](int64_t rows, int64_t vocab, torch::Dtype dtype, at::Tensor hidden, at::Tensor weight,
+                             at::Tensor targets) {
     auto fused = model::linear_cross_entropy(hidden, weight, targets, /*chunk_bytes=*/2 * rows * vocab * 4);
     auto fused_grads = torch::autograd::grad({fused}, {hidden, weight});
     torch::NoGradGuard no_grad;
@@ -250,7 +256,7 @@ TEST(Gpu, CrossEntropyKernelMatchesTheAtenOperationsOnTheSameLogits) {
                 << " gradient: relative L2 difference " << relative << "\n";
       EXPECT_LE(relative, dtype == torch::kFloat ? 1e-6 : 1e-3) << (i ? "weight" : "hidden") << " gradient, " << what;
     }
-  }
+  });
 }
 
 // FlashAttention when asked for, in bf16, against ATen's choice (cuDNN on Hopper). Both keep the

@@ -71,8 +71,6 @@ void check_rope_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 using kernels::current_stream;
 using kernels::kernel_dtype;
 
-bool use_kernels(const at::Tensor& t) { return t.is_cuda() && kernel_dtype(t).has_value(); }
-
 // Rotation is orthogonal: the backward rotates the gradient by minus the angle.
 at::Tensor launch_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                        int64_t rotated_heads, bool inverse) {
@@ -169,11 +167,19 @@ bool have_fused_kernels() {
 #endif
 }
 
+bool takes_fused_kernels(const at::Tensor& t) {
+#ifdef FSDP_WITH_CUDA_KERNELS
+  return t.is_cuda() && kernels::kernel_dtype(t).has_value();
+#else
+  return false;
+#endif
+}
+
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                     int64_t rotated_heads) {
   check_rope_shapes(qkv, cos, sin, heads, rotated_heads);
 #ifdef FSDP_WITH_CUDA_KERNELS
-  if (use_kernels(qkv)) return RopeFunction::apply(qkv, cos.contiguous(), sin.contiguous(), heads, rotated_heads);
+  if (takes_fused_kernels(qkv)) return RopeFunction::apply(qkv, cos.contiguous(), sin.contiguous(), heads, rotated_heads);
 #endif
   return reference::rope_qkv(qkv, cos, sin, heads, rotated_heads);
 }
@@ -182,7 +188,7 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   if (gate_up.dim() < 1 || gate_up.size(-1) % 2 != 0)
     throw std::invalid_argument("swiglu: the last dimension must hold gate and up, two equal halves");
 #ifdef FSDP_WITH_CUDA_KERNELS
-  if (use_kernels(gate_up) && gate_up.numel() > 0) return SwigluFunction::apply(gate_up);
+  if (takes_fused_kernels(gate_up) && gate_up.numel() > 0) return SwigluFunction::apply(gate_up);
 #endif
   return reference::swiglu(gate_up);
 }

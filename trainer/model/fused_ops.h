@@ -12,6 +12,8 @@ namespace fsdp::model {
 
 // Whether CUDA tensors use the fused kernels (built when CMake found nvcc).
 bool have_fused_kernels();
+// Whether the fused kernels take `t`: a CUDA tensor of a dtype they have, in a build with them.
+bool takes_fused_kernels(const at::Tensor& t);
 
 // Rotary embedding applied to a fused QKV projection's output qkv [batch, seq, heads * head_dim]:
 // the first `rotated_heads` heads (q, then k) have pairs (i, i + head_dim / 2) rotated by the

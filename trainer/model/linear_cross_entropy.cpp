@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "model/fused_ops.h"
+
 #ifdef FSDP_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAGuard.h>
 
@@ -46,14 +48,6 @@ ChunkResult chunk_in_aten_ops(const at::Tensor& logits_in, const at::Tensor& tar
 
 // The GPU kernel (model/fused_kernels.h): the loss and the gradient in two reads of the logits,
 // the gradient written over them.
-bool takes_kernel(const at::Tensor& hidden) {
-#ifdef FSDP_WITH_CUDA_KERNELS
-  return hidden.is_cuda() && kernels::kernel_dtype(hidden).has_value();
-#else
-  return false;
-#endif
-}
-
 ChunkResult chunk_in_kernel(at::Tensor logits, const at::Tensor& target, int64_t rows, bool with_gradients) {
 #ifdef FSDP_WITH_CUDA_KERNELS
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -79,7 +73,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       grad_weight = at::zeros_like(weight);
     }
     const double inv_rows = 1.0 / static_cast<double>(rows);
-    const bool kernel = takes_kernel(hidden);
+    const bool kernel = takes_fused_kernels(hidden);
     const at::Tensor minus_inv_rows = with_gradients && !kernel
                                           ? at::full({chunk_rows, 1}, -inv_rows, hidden.options().dtype(compute))
                                           : at::Tensor();
