@@ -82,6 +82,43 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
   }
 }
 
+// Parameters of two dtypes in one group, gathered in a common param_dtype: their shards cannot
+// share one flat buffer, so the copy-in casts each on its own. Each keeps its dtype, and the
+// output and gradients are the unsharded module's.
+struct TwoDtypes : torch::nn::Module {
+  at::Tensor weight, scale;
+  TwoDtypes() {
+    weight = register_parameter("weight", torch::randn({7, 3}, on_device(torch::kFloat)));
+    scale = register_parameter("scale", torch::randn({7}, on_device(torch::kDouble)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::mv(weight, x) * scale; }
+};
+
+TEST(Api, ParametersOfTwoDtypesGatherInTheComputeDtype) {
+  torch::manual_seed(3);
+  auto sharded = std::make_shared<TwoDtypes>(), plain = std::make_shared<TwoDtypes>();
+  plain->weight.data().copy_(sharded->weight), plain->scale.data().copy_(sharded->scale);
+  ShardOptions options;
+  options.mixed_precision.param_dtype = at::kFloat;
+  fully_shard(sharded, options);
+  EXPECT_EQ(sharded->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(sharded->scale.scalar_type(), at::kDouble);
+  const auto x = torch::randn({3}, on_device(torch::kFloat));
+  const auto got = fsdp::forward(sharded, x);
+  const auto want = torch::mv(plain->weight, x) * plain->scale.to(torch::kFloat);
+  EXPECT_TRUE(torch::allclose(got, want)) << got << want;
+  got.sum().backward();
+  want.sum().backward();
+  const int w = world()->world_size(), r = world()->rank();
+  const auto own_rows = [&](const at::Tensor& full) {  // this rank's rows, as in the first test
+    const int64_t rows = full.size(0), shard = (rows + w - 1) / w;
+    return full.narrow(0, std::min(r * shard, rows), std::clamp<int64_t>(rows - r * shard, 0, shard));
+  };
+  EXPECT_TRUE(torch::allclose(sharded->weight.grad(), own_rows(plain->weight.grad())));
+  // The float64 parameter's gradient was computed in float32: float32's rounding.
+  EXPECT_TRUE(torch::allclose(sharded->scale.grad(), own_rows(plain->scale.grad()), 1e-5, 1e-6));
+}
+
 size_t count(const std::string& text, const std::string& needle) {
   size_t n = 0;
   for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
