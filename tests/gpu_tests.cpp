@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "comm/mpi_communicator.h"
+#include "runtime/module_state.h"
 #include "helpers.h"
 #include "float8/gathered_weights.h"
 #include "fsdp/float8.h"
@@ -56,6 +57,39 @@ TEST(Gpu, AllocatedMemoryReturnsToTheSameBaselineEveryStep) {
     after_step.push_back(allocated_bytes());
   }
   for (int step = 2; step < 5; ++step) EXPECT_EQ(after_step[step], after_step[1]) << "step " << step;
+}
+
+// The groups' own buffers come from a pool apart from the model's tensors (src/shard/buffer_pool.h):
+// the root's unsharded parameters between forward and backward and the sharded gradients after
+// it lie in segments of a private pool, the logits in the allocator's common pool.
+TEST(Gpu, GroupBuffersComeFromAPoolApartFromTheModelsTensors) {
+  auto m = seeded_llama(tiny_llama());
+  ShardOptions bf16;
+  bf16.mixed_precision.param_dtype = torch::kBFloat16;
+  bf16.mixed_precision.reduce_dtype = torch::kFloat;
+  shard_blocks_and_root(m, bf16);
+  const auto pool_of = [](const void* ptr) {
+    const auto address = reinterpret_cast<size_t>(ptr);
+    for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments)
+      if (segment.address <= address && address < segment.address + segment.total_size)
+        return segment.owner_private_pool_id;
+    ADD_FAILURE() << "no segment holds " << ptr;
+    return c10::MempoolId_t{0, 0};
+  };
+  const c10::MempoolId_t common{0, 0};
+  auto tokens = torch::randint(0, 64, {2, 17}, on_device(torch::kLong));
+  auto logits = fsdp::forward(m, tokens.narrow(1, 0, 16));
+  ASSERT_TRUE(state_of(*m)->group().is_unsharded());  // the root stays gathered for backward
+  const at::Tensor& embedding = m->tok_emb->weight;
+  EXPECT_NE(pool_of(embedding.data_ptr()), common) << "the root's unsharded parameters";
+  EXPECT_EQ(pool_of(logits.data_ptr()), common) << "the logits";
+  torch::nn::functional::cross_entropy(logits.reshape({-1, 64}).to(torch::kFloat),
+                                       tokens.narrow(1, 1, 16).reshape({-1}))
+      .backward();
+  for (const auto& p : m->parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_NE(pool_of(p.grad().data_ptr()), common) << "a sharded gradient";
+  }
 }
 
 // CPU offload: what stays allocated on the GPU between steps is the sharded state less the
