@@ -1,12 +1,13 @@
-// The parameter groups' own device buffers in a memory pool of their own.
+// The parameter groups' all-gather buffers (the unsharded parameters) in a memory pool of their own.
 //
-// A group allocates its unsharded parameters, its all-gather and reduce-scatter buffers and the
-// sharded gradients these become once per pass, in the same sizes every step, while the model
-// allocates the activations autograd saves around them. In the CUDA caching allocator's common
-// pool each buffer freed between saved activations left a hole that later, smaller tensors split,
-// and the pool grew past it: the 3B in bf16 on one H200 reserved 54.8 GiB for a peak of 49.5 GiB
-// allocated (bench/results/2026-11-26-h200-1d9f0b0/). In a pool of their own the buffers come
-// back in the same sizes every step, and the activations pack.
+// A group allocates its unsharded parameters before each forward and backward and frees them after,
+// in the same sizes every step, while the model allocates the activations autograd saves around
+// them. In the CUDA caching allocator's common pool each buffer freed between saved activations
+// left a hole that later, smaller tensors split, and the pool grew past it. In a pool of their own
+// the buffers come back in the same sizes every step. Only these: the sharded gradients in the
+// pool as well (measured, bench/results/2026-11-26-h200-79381d3/) raised the reserved memory by
+// 3.6-5.4 GiB, since two pools peak apart (activations at backward's start, gradients at its end)
+// where one pool reuses the activations' memory for the gradients.
 #pragma once
 
 #include <c10/core/Device.h>

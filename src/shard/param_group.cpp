@@ -499,10 +499,7 @@ void ParamGroup::prepare_reduce_scatter() {
   all_local_grads_ = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
   pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
                                     : at::tensor(flags).to(grad_opts).expand({world, count}));
-  {
-    const GroupBufferScope own_pool(device_);  // with one rank it becomes the sharded gradients
-    reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
-  }
+  reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
   rank_major_into(reduce_input_, pieces);
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
 }
@@ -531,14 +528,11 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   std::vector<at::Tensor> inputs, outputs;
   // One rank reduces in place: its input is its output, and becomes the sharded gradients.
   const bool in_place = first.comm_->world_size() == 1;
-  {
-    const GroupBufferScope own_pool(first.device_);  // the outputs become the sharded gradients
-    for (ParamGroup* g : groups) {
-      TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
-                            "fsdp: reduce-scatter of a group without prepared gradients");
-      inputs.push_back(g->reduce_input_.view(-1));
-      outputs.push_back(in_place ? inputs.back() : at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
-    }
+  for (ParamGroup* g : groups) {
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
+                          "fsdp: reduce-scatter of a group without prepared gradients");
+    inputs.push_back(g->reduce_input_.view(-1));
+    outputs.push_back(in_place ? inputs.back() : at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
   }
   const std::string label = bucket_label(groups);
   std::vector<at::Tensor> results = outputs;
@@ -620,12 +614,8 @@ void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
     at::Tensor rows = reduced_.narrow(0, p.offset, p.layout.shard_numel())
                           .view(p.padded_shard.sizes())
                           .narrow(0, 0, p.layout.local_rows(rank));
-    if (rows.scalar_type() == p.shard.scalar_type()) {
-      rows = alias_without_view(rows);
-    } else {
-      const GroupBufferScope own_pool(device_);  // the sharded gradient, kept until the optimizer's zero_grad
-      rows = rows.to(p.shard.scalar_type());
-    }
+    rows = rows.scalar_type() == p.shard.scalar_type() ? alias_without_view(rows)
+                                                      : rows.to(p.shard.scalar_type());
     if (p.param.grad().defined())
       p.param.mutable_grad().add_(rows);
     else
