@@ -82,9 +82,8 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
   }
 }
 
-// Parameters of two dtypes in one group, gathered in a common param_dtype: their shards cannot
-// share one flat buffer, so the copy-in casts each on its own. Each keeps its dtype, and the
-// output and gradients are the unsharded module's.
+// Parameters of two dtypes in one group, gathered in a common param_dtype (the copy-in casts each
+// shard into it): each keeps its dtype, and the output and gradients are the unsharded module's.
 struct TwoDtypes : torch::nn::Module {
   at::Tensor weight, scale;
   TwoDtypes() {

@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "comm/mpi_communicator.h"
-#include "runtime/module_state.h"
 #include "helpers.h"
 #include "float8/gathered_weights.h"
 #include "fsdp/float8.h"
@@ -57,32 +56,6 @@ TEST(Gpu, AllocatedMemoryReturnsToTheSameBaselineEveryStep) {
     after_step.push_back(allocated_bytes());
   }
   for (int step = 2; step < 5; ++step) EXPECT_EQ(after_step[step], after_step[1]) << "step " << step;
-}
-
-// The unsharded parameters come from a pool apart from the model's tensors (src/shard/buffer_pool.h):
-// the root's, kept from forward to backward, lie in a private pool's segment, the logits in the
-// allocator's common pool.
-TEST(Gpu, UnshardedParametersComeFromAPoolApartFromTheModelsTensors) {
-  auto m = seeded_llama(tiny_llama());
-  ShardOptions bf16;
-  bf16.mixed_precision.param_dtype = torch::kBFloat16;
-  bf16.mixed_precision.reduce_dtype = torch::kFloat;
-  shard_blocks_and_root(m, bf16);
-  const auto pool_of = [](const void* ptr) {
-    const auto address = reinterpret_cast<size_t>(ptr);
-    for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments)
-      if (segment.address <= address && address < segment.address + segment.total_size)
-        return segment.owner_private_pool_id;
-    ADD_FAILURE() << "no segment holds " << ptr;
-    return c10::MempoolId_t{0, 0};
-  };
-  const c10::MempoolId_t common{0, 0};
-  auto tokens = torch::randint(0, 64, {2, 17}, on_device(torch::kLong));
-  auto logits = fsdp::forward(m, tokens.narrow(1, 0, 16));
-  ASSERT_TRUE(state_of(*m)->group().is_unsharded());  // the root stays gathered for backward
-  const at::Tensor& embedding = m->tok_emb->weight;
-  EXPECT_NE(pool_of(embedding.data_ptr()), common) << "the root's unsharded parameters";
-  EXPECT_EQ(pool_of(logits.data_ptr()), common) << "the logits";
 }
 
 // CPU offload: what stays allocated on the GPU between steps is the sharded state less the

@@ -25,7 +25,6 @@
 
 #include "float8/gathered_weights.h"
 #include "fsdp/float8.h"
-#include "shard/buffer_pool.h"
 #include "shard/flat_copy.h"
 #include "shard/trace.h"
 
@@ -134,26 +133,17 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
     next[p.float8] += p.layout.shard_numel();
   }
   float8_numel_ = next[1];
-  // The shards lie in one flat buffer, parameter after parameter as in the all-gather input, where
-  // they can: offloaded, in host memory (pinned, so that the copy to the device is one
-  // asynchronous transfer); on the device when they share a dtype, so that the copy-in casts
-  // them in one flat kernel (4.2 TB/s on an H200 against a multi-tensor kernel's 3.4 over a
-  // block's parameters: bench/step_kernel_rates.py).
+  // Offloaded: one flat host buffer, parameter after parameter as in the all-gather input, so the
+  // copy to the device is one transfer; pinned, so that it runs asynchronously on the stream.
   if (cpu_offload)
     host_shards_ = at::zeros({shard_numel_}, at::TensorOptions()
                                                  .dtype(common_dtype.value_or(at::kFloat))
                                                  .pinned_memory(device_.type() != at::kCPU));
-  else if (!params_.empty() && std::all_of(params_.begin(), params_.end(), [&](const ShardedParam& p) {
-             return p.param.scalar_type() == params_.front().param.scalar_type();
-           }))
-    device_shards_ = at::zeros({shard_numel_}, params_.front().param.options());
-  const at::Tensor& flat_shards = offloaded() ? host_shards_ : device_shards_;
   for (auto& p : params_) {
     const at::Tensor& t = p.param;
     const auto padded_shape = rows_shape(p.full_shape, p.layout.shard_rows());
-    p.padded_shard = flat_shards.defined()
-                         ? flat_shards.narrow(0, p.offset, p.layout.shard_numel()).view(padded_shape)
-                         : at::zeros(padded_shape, t.options());
+    p.padded_shard = offloaded() ? host_shards_.narrow(0, p.offset, p.layout.shard_numel()).view(padded_shape)
+                                 : at::zeros(padded_shape, t.options());
     const int64_t local = p.layout.local_rows(rank);
     p.shard = p.padded_shard.narrow(0, 0, local);
     // A rank past the last row owns none (start clamped so narrow accepts it).
@@ -283,7 +273,6 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
 ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   const auto opts = at::TensorOptions().dtype(compute_dtype_).device(device_);
   const int world = comm_->world_size();
-  const GroupBufferScope own_pool(device_);  // every buffer below, the unsharded storage first
   allocate_unsharded();
   GatherBuffers b;
   for (bool float8 : {false, true}) {
@@ -308,9 +297,8 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   return b;
 }
 
-// The copy-in (and cast) of the whole group as one kernel: flat where the shards lie in one
-// device buffer, else one multi-tensor kernel (`cat` into another dtype would cast each shard in a
-// kernel of its own).
+// The copy-in (and cast) of the whole group as one multi-tensor kernel
+// (`cat` into another dtype would cast each shard in a kernel of its own).
 // Offloaded shards are already laid out as the input: one transfer, then the
 // cast on the device (a cross-device copy that casts would cast on the host).
 // Float8 parameters: each shard cast with its amax over all ranks (refresh_float8_amax), one kernel
@@ -324,10 +312,6 @@ void ParamGroup::copy_in(const GatherBuffers& buffers) {
     } else {
       input.copy_(host_shards_, /*non_blocking=*/true);
     }
-    return;
-  }
-  if (device_shards_.defined() && float8_numel_ == 0) {  // the input's layout is the shards'
-    input.copy_(device_shards_);
     return;
   }
   std::vector<at::Tensor> shards;

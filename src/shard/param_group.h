@@ -162,7 +162,6 @@ class ParamGroup {
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
   at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
-  at::Tensor device_shards_;                 // else, where they share a dtype: every padded shard, flat
   at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
   at::Tensor reduced_;                       // reduce-scatter output (offloaded: its host copy) awaiting commit
