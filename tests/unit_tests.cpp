@@ -11,6 +11,7 @@
 
 #include "fsdp/checkpoint.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/unit.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
 #include "sched/execution_order.h"
@@ -387,6 +388,13 @@ TEST(FusedAdamW, MatchesLibtorchAdamW) {
     EXPECT_TRUE(torch::allclose(fused_params[i], plain_params[i], 1e-6, 1e-6))
         << i << ": " << (fused_params[i] - plain_params[i]).abs().max().item<double>();
   }
+}
+
+// The clip as a divisor: norm / max_norm (plus clip_grad_norm_'s 1e-6) above max_norm, 1 below it.
+TEST(ClipDivisor, IsTheNormOverMaxNormAtLeastOne) {
+  EXPECT_FLOAT_EQ(fsdp::clip_divisor(torch::full({}, 3.0f), 1.5).item<float>(), 2.0f);
+  EXPECT_FLOAT_EQ(fsdp::clip_divisor(torch::full({}, 2e-6f), 1e-6).item<float>(), 3.0f);  // the 1e-6 counts
+  EXPECT_EQ(fsdp::clip_divisor(torch::full({}, 0.5f), 2.0).item<float>(), 1.0f);
 }
 
 // A step with a gradient divisor is the step after dividing the gradients (the clip in the update).

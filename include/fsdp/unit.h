@@ -97,5 +97,8 @@ at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm);
 /// `params`, which it leaves as they are. For an optimizer that applies the clip as it reads the
 /// gradients (a divisor of max(1, norm / max_norm)), saving clip_grad_norm_'s pass over them.
 at::Tensor grad_norm(const NamedTensors& params);
+/// The divisor that clips gradients of global norm `norm` to max_norm: max(1, (norm + 1e-6) /
+/// max_norm), the inverse of the scale clip_grad_norm_ multiplies them by. Not collective.
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);
 
 }  // namespace fsdp

@@ -169,12 +169,13 @@ at::Tensor full_parameter(const at::Tensor& param) {
 namespace {
 
 // The sharded gradients of `params` (each tensor once) by device, offloaded ones on the host, and
-// the communicator their norm is summed over (null: no parameter). `caller` names the API in errors.
+// the communicator their norm is summed over (null: no parameter).
 struct ShardedGradients {
   Communicator* comm = nullptr;
   std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
 };
 
+// `caller` names the API in errors.
 ShardedGradients sharded_gradients(const NamedTensors& params, const char* caller) {
   ShardedGradients out;
   std::unordered_set<const void*> seen;
@@ -213,7 +214,14 @@ at::Tensor global_norm(const ShardedGradients& grads) {
   return sum_sq.sqrt().reshape({});
 }
 
+// Added to the norm before dividing by it, as PyTorch's clip_grad_norm_ does.
+constexpr double kClipEpsilon = 1e-6;
+
 }  // namespace
+
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm) {
+  return ((norm + kClipEpsilon) / max_norm).clamp_min(1.0);
+}
 
 at::Tensor grad_norm(const NamedTensors& params) {
   c10::NoGradGuard no_grad;
@@ -225,7 +233,7 @@ at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm) {
   const ShardedGradients grads = sharded_gradients(params, "fsdp::clip_grad_norm_");
   const at::Tensor norm = global_norm(grads);
   if (!grads.comm) return norm;
-  const at::Tensor scale = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  const at::Tensor scale = (max_norm / (norm + kClipEpsilon)).clamp_max(1.0);
   for (const auto& [device, list] : grads.by_device) at::_foreach_mul_(list, scale.to(device));
   return norm;
 }

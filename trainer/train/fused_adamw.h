@@ -23,8 +23,8 @@ class FusedAdamW : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
   // A step that reads every gradient divided by `grad_divisor` (one float32 element, on any
   // device), as if the gradients had been divided first: the global-norm clip applied in the
-  // update, with no pass over the gradients of its own (fsdp::grad_norm gives the norm; the
-  // divisor is max(1, norm / max_norm)). Undefined: divided by nothing. Whether the gradients are
+  // update, with no pass over the gradients of its own (fsdp::grad_norm gives the norm,
+  // fsdp::clip_divisor the divisor). Undefined: divided by nothing. Whether the gradients are
   // left divided afterwards is unspecified (ATen's kernel, used on CPUs, writes them back).
   void step_with_grad_divisor(const at::Tensor& grad_divisor);
   // The step of only these parameters (each with its group's options): a step in backward

@@ -281,8 +281,7 @@ Trainer::StepResult Trainer::train_step(int step, PlannedRun::StartRecording sta
   }
   // The clip is applied by the optimizer as it reads the gradients: a divisor instead of a pass.
   StepResult result{loss, clip_norm_ > 0 ? grad_norm(*model_) : at::Tensor()};
-  const at::Tensor grad_divisor =
-      result.grad_norm.defined() ? ((result.grad_norm + 1e-6) / clip_norm_).clamp_min(1.0) : at::Tensor();
+  const at::Tensor grad_divisor = result.grad_norm.defined() ? clip_divisor(result.grad_norm, clip_norm_) : at::Tensor();
   if (skips_nonfinite_steps(args_)) {  // one host wait: step only where every rank's loss and the global norm are finite
     at::Tensor bad = (loss.isfinite() & result.grad_norm.isfinite()).logical_not().to(at::kFloat).reshape({1});
     comm_->all_reduce(bad, ReduceOp::Sum);
