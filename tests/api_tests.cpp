@@ -1,6 +1,7 @@
 // What fully_shard does to a module, and the errors it gives for bad input.
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "helpers.h"
 #include "runtime/module_state.h"
@@ -116,6 +117,30 @@ TEST(Api, ParametersOfTwoDtypesGatherInTheComputeDtype) {
   EXPECT_TRUE(torch::allclose(sharded->weight.grad(), own_rows(plain->weight.grad())));
   // The float64 parameter's gradient was computed in float32: float32's rounding.
   EXPECT_TRUE(torch::allclose(sharded->scale.grad(), own_rows(plain->scale.grad()), 1e-5, 1e-6));
+}
+
+// Where the gradients' memory lies after backward. Several ranks: each group's sharded gradients
+// are views of its one reduce-scatter output. One rank: each parameter's gradient is a buffer of its
+// own, which the allocator can fit where a block's activations were (ParamGroup::
+// reduces_each_in_place; the 3B's reserved memory depends on it).
+TEST(Api, ShardedGradientsLieInOneBufferPerGroupOrOnOneRankEachInItsOwn) {
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
+  torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
+                                       tokens.narrow(1, 1, 8).reshape({-1}))
+      .backward();
+  std::set<const void*> buffers;
+  size_t grads = 0;
+  for (const auto& p : m->parameters()) {
+    if (!p.grad().defined() || p.grad().numel() == 0) continue;  // a rank may hold no rows of a parameter
+    ++grads;
+    buffers.insert(p.grad().storage().data());
+    if (world()->world_size() == 1) EXPECT_EQ(p.grad().storage().nbytes(), p.grad().nbytes());
+  }
+  ASSERT_GT(grads, 0u);
+  const size_t groups = m->blocks.size() + 1;
+  EXPECT_EQ(buffers.size(), world()->world_size() == 1 ? grads : groups);
 }
 
 size_t count(const std::string& text, const std::string& needle) {

@@ -405,7 +405,8 @@ GroupMemory ParamGroup::memory() const {
     memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
   memory.grad_bytes = trainable_numel * compute;
   memory.unsynced_grad_bytes = trainable_numel * reduce;
-  const int64_t sharded_grads = (shard_numel_ + count) * reduce;  // with one has-gradient flag per parameter
+  // With one has-gradient flag per parameter, except where each gradient is reduced alone.
+  const int64_t sharded_grads = (shard_numel_ + (reduces_each_in_place() ? 0 : count)) * reduce;
   // Offloaded: the sharded result leaves the device with its reduce-scatter input. One rank
   // reduces in place (reduce_scatter_together): the input, counted from the hand-off to the end of
   // the reduce-scatter, then is the result, counted from there on (no device copy to offload from).
@@ -448,44 +449,54 @@ std::shared_ptr<c10::Event> ParamGroup::reshard() {
 
 void ParamGroup::prepare_reduce_scatter() {
   TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: reduce-scatter needs unsharded parameters");
-  TORCH_INTERNAL_ASSERT(!reduced_.defined() && !reduce_input_.defined(),
-                        "fsdp: the previous reduce-scatter was not committed");
+  TORCH_INTERNAL_ASSERT(reduced_.empty() && reduce_input_.empty(), "fsdp: the previous reduce-scatter was not committed");
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
   const int64_t count = static_cast<int64_t>(params_.size());
-  // Each rank's chunk carries, after the gradients, one flag per parameter:
-  // 1 where this rank has a gradient. Reduced with the gradients, a flag
-  // above zero means some rank had one, so all ranks agree on which
-  // gradients exist without another collective.
-  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
-  // Copy-in on the compute stream, where autograd made the gradients: they
-  // can then be freed at once. One kernel writes (and casts) every
-  // parameter's rank-major rows and the flags (a [world, count] tensor, so
-  // each rank's chunk ends with them); the input itself lives until its
-  // reduce-scatter is done (reduce_scatter_together's work holds it).
-  // Gradients held unsynced over earlier backward passes are sums in the reduce dtype: this
-  // backward's are added to them, and every piece goes in that dtype (one kernel takes one).
-  const bool summed = std::any_of(params_.begin(), params_.end(),
-                                  [](const ShardedParam& p) { return p.unsynced_grad.defined(); });
-  const auto grad_opts = at::TensorOptions().dtype(summed ? reduce_dtype_ : compute_dtype_).device(device_);
-  std::vector<at::Tensor> pieces;
-  std::vector<float> flags;
+  // Copy-in on the compute stream, where autograd made the gradients: they can then be freed at
+  // once. The input lives until its reduce-scatter is done (reduce_scatter_together's work holds
+  // it). Gradients held unsynced over earlier backward passes are sums in the reduce dtype: this
+  // backward's are added to them.
+  std::vector<at::Tensor> grads;
+  bool summed = false;
   for (auto& p : params_) {
     at::Tensor grad = p.param.grad();
     if (p.unsynced_grad.defined()) {
+      summed = true;
       if (grad.defined()) p.unsynced_grad.add_(grad);
       grad = std::move(p.unsynced_grad);
       p.unsynced_grad = at::Tensor();
     }
-    flags.push_back(grad.defined() ? 1.0f : 0.0f);
-    pieces.push_back(grad.defined() ? grad.to(grad_opts.dtype()) : at::zeros(p.full_shape, grad_opts));
+    grads.push_back(std::move(grad));
+    p.param.mutable_grad() = at::Tensor();
   }
-  all_local_grads_ = std::all_of(flags.begin(), flags.end(), [](float f) { return f > 0; });
+  all_local_grads_ = std::all_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
+  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
+  if (reduces_each_in_place()) {  // one multi-tensor copy casts each into a tensor of its own
+    std::vector<at::Tensor> from, to;
+    for (const at::Tensor& grad : grads) {
+      reduce_input_.push_back(grad.defined() ? at::empty(grad.sizes(), opts) : at::Tensor());
+      if (grad.defined()) from.push_back(grad), to.push_back(reduce_input_.back());
+    }
+    if (!to.empty()) at::_foreach_copy_(to, from);
+    return;
+  }
+  // Each rank's chunk carries, after the gradients, one flag per parameter: 1 where this rank has
+  // a gradient. Reduced with the gradients, a flag above zero means some rank had one, so all ranks
+  // agree on which gradients exist without another collective. One kernel writes (and casts)
+  // every parameter's rank-major rows and the flags (a [world, count] tensor, so each rank's chunk
+  // ends with them); every piece goes in one dtype (one kernel takes one).
+  const auto grad_opts = at::TensorOptions().dtype(summed ? reduce_dtype_ : compute_dtype_).device(device_);
+  std::vector<at::Tensor> pieces;
+  std::vector<float> flags;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    flags.push_back(grads[i].defined() ? 1.0f : 0.0f);
+    pieces.push_back(grads[i].defined() ? grads[i].to(grad_opts.dtype()) : at::zeros(params_[i].full_shape, grad_opts));
+  }
   pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
                                     : at::tensor(flags).to(grad_opts).expand({world, count}));
-  reduce_input_ = at::empty({world, shard_numel_ + count}, opts);
-  rank_major_into(reduce_input_, pieces);
-  for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
+  reduce_input_.push_back(at::empty({world, shard_numel_ + count}, opts));
+  rank_major_into(reduce_input_.back(), pieces);
 }
 
 void ParamGroup::hold_unsynced_gradients() {
@@ -510,24 +521,32 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   c10::NoGradGuard no_grad;
   // Outputs from the compute stream's pool, like every buffer (see unshard_together).
   std::vector<at::Tensor> inputs, outputs;
+  std::vector<size_t> first_input;  // each group's first input in `inputs`
   // One rank reduces in place: its input is its output, and becomes the sharded gradients.
-  const bool in_place = first.comm_->world_size() == 1;
+  const int world = first.comm_->world_size();
   for (ParamGroup* g : groups) {
-    TORCH_INTERNAL_ASSERT(g->reduce_input_.defined() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
+    const size_t prepared = g->reduces_each_in_place() ? g->params_.size() : 1;
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.size() == prepared && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
-    inputs.push_back(g->reduce_input_.view(-1));
-    outputs.push_back(in_place ? inputs.back() : at::empty({g->reduce_input_.size(1)}, g->reduce_input_.options()));
+    first_input.push_back(inputs.size());
+    for (const at::Tensor& input : g->reduce_input_) {
+      if (!input.defined()) continue;
+      inputs.push_back(input.view(-1));
+      outputs.push_back(world == 1 ? inputs.back() : at::empty({input.numel() / world}, input.options()));
+    }
   }
   const std::string label = bucket_label(groups);
   std::vector<at::Tensor> results = outputs;
-  // Offloaded groups' results go to the host behind the last collective, into pinned memory (the
-  // host allocator reuses a block only after the copies recorded on it are done).
+  // Offloaded groups' results (one flat buffer each) go to the host behind the last collective,
+  // into pinned memory (the host allocator reuses a block only after the copies recorded on it are
+  // done).
   const auto copy_offloaded_to_host = [&] {
     for (size_t i = 0; i < groups.size(); ++i)
       if (groups[i]->offloaded()) {
-        results[i] = at::empty(outputs[i].sizes(), outputs[i].options().device(at::kCPU).pinned_memory(
-                                                        outputs[i].device().type() != at::kCPU));
-        results[i].copy_(outputs[i], /*non_blocking=*/true);
+        const at::Tensor& out = outputs[first_input[i]];
+        at::Tensor& result = results[first_input[i]];
+        result = at::empty(out.sizes(), out.options().device(at::kCPU).pinned_memory(out.device().type() != at::kCPU));
+        result.copy_(out, /*non_blocking=*/true);
       }
   };
   const Communicator* replicate = first.replicate_.get();
@@ -546,11 +565,15 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
         },
         work.event.get());
   for (size_t i = 0; i < groups.size(); ++i) {
-    groups[i]->reduced_ = results[i];
-    groups[i]->reduced_at_ = work.event;
-    work.keep_alive.push_back(std::move(groups[i]->reduce_input_));
-    groups[i]->reduce_input_ = at::Tensor();
-    if (groups[i]->offloaded()) work.keep_alive.push_back(std::move(outputs[i]));  // read by the copy
+    ParamGroup& g = *groups[i];
+    size_t next = first_input[i];
+    for (at::Tensor& input : g.reduce_input_) {
+      g.reduced_.push_back(input.defined() ? results[next++] : at::Tensor());
+      if (input.defined()) work.keep_alive.push_back(std::move(input));
+    }
+    g.reduce_input_.clear();
+    g.reduced_at_ = work.event;
+    if (g.offloaded()) work.keep_alive.push_back(outputs[first_input[i]]);  // read by the copy
   }
   return work;
 }
@@ -558,10 +581,12 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
 void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   std::vector<ParamGroup*> groups;
   for (ParamGroup* g : all)
-    if (g->reduced_.defined()) groups.push_back(g);
+    if (!g->reduced_.empty()) groups.push_back(g);
   c10::NoGradGuard no_grad;
+  // Which parameters some rank had a gradient for: the flags after the flat buffer's gradients.
+  // Where each gradient was reduced in place alone, this rank's own gradients are all there are.
   const auto flags_of = [](const ParamGroup* g) {
-    return g->reduced_.narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())).gt(0);
+    return g->reduced_.front().narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())).gt(0);
   };
   std::vector<at::Tensor> flags;  // of the groups on the device where this rank lacked some gradient
   for (ParamGroup* g : groups) {
@@ -570,7 +595,7 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
       g->reduced_at_->synchronize();  // the host optimizer reads the copy
     else if (g->reduced_at_)
       g->streams_.wait(g->streams_.compute(), *g->reduced_at_);
-    if (!g->all_local_grads_ && !g->offloaded()) flags.push_back(flags_of(g));
+    if (!g->all_local_grads_ && !g->offloaded() && !g->reduces_each_in_place()) flags.push_back(flags_of(g));
   }
   // Where this rank had every gradient, every parameter has one: the common
   // step reads no flags, never waits for the device here, and the optimizer
@@ -580,7 +605,9 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   const bool* next = read.defined() ? read.data_ptr<bool>() : nullptr;
   for (ParamGroup* g : groups) {
     std::vector<bool> had_grad(g->params_.size(), true);
-    if (!g->all_local_grads_) {
+    if (g->reduces_each_in_place()) {
+      for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = g->reduced_[i].defined();
+    } else if (!g->all_local_grads_) {
       const at::Tensor own = g->offloaded() ? flags_of(g) : at::Tensor();
       const bool* from = own.defined() ? own.data_ptr<bool>() : next;
       for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = from[i];
@@ -592,12 +619,12 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
 
 void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
   const int rank = comm_->rank();
+  const bool each = reduces_each_in_place();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     if (!had_grad[i]) continue;
-    at::Tensor rows = reduced_.narrow(0, p.offset, p.layout.shard_numel())
-                          .view(p.padded_shard.sizes())
-                          .narrow(0, 0, p.layout.local_rows(rank));
+    const at::Tensor reduced = each ? reduced_[i].view(-1) : reduced_.front().narrow(0, p.offset, p.layout.shard_numel());
+    at::Tensor rows = reduced.view(p.padded_shard.sizes()).narrow(0, 0, p.layout.local_rows(rank));
     rows = rows.scalar_type() == p.shard.scalar_type() ? alias_without_view(rows)
                                                       : rows.to(p.shard.scalar_type());
     if (p.param.grad().defined())
@@ -605,7 +632,7 @@ void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
     else
       p.param.mutable_grad() = rows;
   }
-  reduced_ = at::Tensor();
+  reduced_.clear();
   reduced_at_ = nullptr;
 }
 

@@ -130,6 +130,12 @@ class ParamGroup {
   // host on the all-gather stream first).
   void copy_in(const GatherBuffers& buffers);
   void add_reduced_gradients(const std::vector<bool>& had_grad);
+  // One rank with no replicas and no host copy: the reduce-scatter leaves each gradient as it is,
+  // so each parameter's goes in a tensor of its own instead of one flat buffer of the group. The
+  // allocator can then put each where the block's activations were: a 3B block's flat buffer
+  // (384 MiB in float32) is larger than that space (352 MiB) and landed above it, leaving it
+  // unused at the step's peak (docs/float8.md, "Targets missed").
+  bool reduces_each_in_place() const { return comm_->world_size() == 1 && !replicate_ && !offloaded(); }
   // Rank-major gathered data into the parameter-major unsharded storage (of the float8 parameters,
   // or the others).
   void copy_out(const at::Tensor& gathered, bool float8);
@@ -162,9 +168,11 @@ class ParamGroup {
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
   at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
-  at::Tensor reduce_input_;                  // prepared gradients awaiting the reduce-scatter
+  // Prepared gradients awaiting the reduce-scatter: one flat buffer, [world, shard_numel_ + one flag
+  // per parameter], or where reduces_each_in_place(), each parameter's (undefined: it has none).
+  std::vector<at::Tensor> reduce_input_;
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
-  at::Tensor reduced_;                       // reduce-scatter output (offloaded: its host copy) awaiting commit
+  std::vector<at::Tensor> reduced_;          // their reduce-scatter's output (offloaded: its host copy) awaiting commit
   std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective (and host copy)
 };
 
