@@ -2,8 +2,9 @@
 # A/B of fsdp-train's step time on one GPU between this checkout's build and another commit's
 # sources (a change's "step time unchanged" check), in one device call: builds BASE_SRC's
 # fsdp-train alone with this build's torch and nlohmann/json, then alternates RUNS runs of each,
-# 30 steps, and prints each run's median step (steps 6-30) and the medians of both. AB_MODEL:
-# the model and its shape (default "--model 1b --seq 2048 --batch 4").
+# 30 steps, and prints each run's median step (steps 6-30) and the medians of both, with each
+# side's peak allocated and reserved memory (the largest over its runs). AB_MODEL: the model and
+# its shape and flags (default "--model 1b --seq 2048 --batch 4").
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 set -uo pipefail
@@ -28,7 +29,10 @@ python3 - "$out" "$runs" "$model" <<'PY'
 import json, statistics, sys
 out, runs, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 median = lambda side, i: statistics.median(json.loads(l)["step_ms"] for l in list(open(f"{out}/ab-{side}-{i}.jsonl"))[5:])
+peak = lambda side, key: max(json.loads(l)[key] for i in range(1, runs + 1) for l in open(f"{out}/ab-{side}-{i}.jsonl"))
 for side in ("new", "base"):
     each = [median(side, i) for i in range(1, runs + 1)]
-    print(f"{model} on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)})")
+    alloc, reserved = peak(side, "peak_alloc_gib"), peak(side, "peak_reserved_gib")
+    print(f"{model} on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)}), "
+          f"peak allocated / reserved {alloc:.2f} / {reserved:.2f} GiB ({reserved / alloc:.3f})")
 PY
