@@ -10,7 +10,7 @@
 #        FLOAT8_SNAPSHOTS: models whose float8 tensorwise run also records the allocator's history
 #        (default none), and where reserved-but-free memory sits at its peak (bench/snapshot_holes.py);
 #        FLOAT8_GPUS: GPUs each run uses (default 1; more shard over them, the batch per GPU the same);
-#        FLOAT8_TORCHAO=0 skips FSDP2 + torchao
+#        FLOAT8_TORCHAO=0 skips FSDP2 + torchao; FLOAT8_VARIANTS="" runs FSDP2 + torchao alone
 #   bash bench/gpu_float8.sh loss OUT COMMIT            loss curves on real text (.data/ from
 #        bench/text_corpus.sh): the small model 1000 steps and the 1B 200 steps, bf16 against float8
 #        (FLOAT8_LOSS_VARIANTS: the variants run, as FLOAT8_VARIANTS; default "off tensorwise rowwise")
@@ -45,7 +45,7 @@ case $phase in
     }
     for round in $(seq 1 "$rounds"); do
       for model in ${FLOAT8_MODELS:-1b 3b}; do
-        for variant in ${FLOAT8_VARIANTS:-off tensorwise tensorwise-cast rowwise}; do
+        for variant in ${FLOAT8_VARIANTS-off tensorwise tensorwise-cast rowwise}; do
           variant_flags "$variant"
           train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
             > "$out/$model-$variant-$round.log" 2>&1 || status=1

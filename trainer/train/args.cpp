@@ -55,7 +55,7 @@ std::function<void(const std::string&)> set_true(bool& field) {
 
 std::map<std::string, Flag> flags(TrainArgs& a) {
   return {
-      {"--model", {"preset: tiny, small, 1b, 8b (default tiny)", text(a.model)}},
+      {"--model", {"preset: tiny, small, 1b, 3b, 8b (default tiny)", text(a.model)}},
       {"--steps", {"training steps (default 20)", number(a.steps)}},
       {"--batch", {"sequences per rank per step (default 4)", number(a.batch)}},
       {"--seq", {"tokens per sequence (default 128)", number(a.seq)}},
