@@ -143,6 +143,38 @@ TEST(Api, ShardedGradientsLieInOneBufferPerGroupOrOnOneRankEachInItsOwn) {
   EXPECT_EQ(buffers.size(), world()->world_size() == 1 ? grads : groups);
 }
 
+// keep_low_precision_grads: the sharded gradients stay in the reduce dtype, holding exactly the
+// values that the default casts to the parameters' float32 (the cast is the only difference);
+// their global norm is the same sum of the same squares, in float32 (to its rounding).
+TEST(Api, KeepLowPrecisionGradsLeavesTheShardedGradientsInTheReduceDtype) {
+  std::vector<double> norms;
+  const auto gradients = [&](bool keep) {
+    auto m = seeded_llama(tiny_llama());
+    ShardOptions o;
+    o.mixed_precision.param_dtype = o.mixed_precision.reduce_dtype = at::kBFloat16;
+    o.mixed_precision.keep_low_precision_grads = keep;
+    shard_blocks_and_root(m, o);
+    torch::manual_seed(5);
+    auto tokens = torch::randint(0, 64, {2, 9}, torch::kLong).to(device());
+    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}).to(at::kFloat),
+                                         tokens.narrow(1, 1, 8).reshape({-1}))
+        .backward();
+    norms.push_back(grad_norm(m->named_parameters().pairs()).item<double>());
+    std::vector<at::Tensor> out;
+    for (const auto& p : m->parameters()) out.push_back(p.grad());
+    return out;
+  };
+  const auto kept = gradients(true), cast = gradients(false);
+  EXPECT_NEAR(norms[0], norms[1], 1e-6 * norms[1]);
+  ASSERT_EQ(kept.size(), cast.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    ASSERT_TRUE(kept[i].defined() && cast[i].defined()) << "parameter " << i;
+    EXPECT_EQ(kept[i].scalar_type(), at::kBFloat16) << "parameter " << i;
+    EXPECT_EQ(cast[i].scalar_type(), at::kFloat) << "parameter " << i;
+    EXPECT_TRUE(torch::equal(kept[i].to(at::kFloat), cast[i])) << "parameter " << i;
+  }
+}
+
 size_t count(const std::string& text, const std::string& needle) {
   size_t n = 0;
   for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;

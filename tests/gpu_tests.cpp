@@ -141,9 +141,10 @@ TEST(Gpu, FusedRopeAndSwigluMatchTheirReferencesInValuesAndGradients) {
 // the gradients by grad_scale as ours does by its divisor. The same float32 operations in the
 // same order: within an ulp or two where the compilers contract a multiply-add differently.
 // 40 tensors (two launches of at most 32), sizes with tails and several blocks' chunks, and one
-// parameter and one gradient 4 bytes off 16-byte alignment (the one-element path).
-TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
-  ASSERT_TRUE(model::have_fused_kernels()) << "this GPU build was made without the fused kernels (no nvcc?)";
+// parameter and one gradient one element off alignment (the one-element path). Gradients in
+// `grad_dtype`: float32, or bf16 as fsdp's keep_low_precision_grads leaves them, which ATen's
+// kernel, the reference, takes cast to float32.
+void expect_adamw_kernel_matches_atens(torch::Dtype grad_dtype) {
   torch::manual_seed(11);
   std::vector<int64_t> sizes = {1, 3, 4, 5, 4096 * 4 + 5, 70001};
   while (sizes.size() < 40) sizes.push_back(97 * static_cast<int64_t>(sizes.size()));
@@ -169,9 +170,9 @@ TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
     const at::Tensor divisor = torch::full({}, 2.5, on_device(torch::kFloat));
     std::vector<at::Tensor> reference_grads;
     for (size_t i = 0; i < sizes.size(); ++i) {
-      auto storage = torch::randn({sizes[i] + 1}, on_device(torch::kFloat));
+      auto storage = torch::randn({sizes[i] + 1}, on_device(grad_dtype));
       ours[i].mutable_grad() = i == 5 ? storage.narrow(0, 1, sizes[i]) : storage.narrow(0, 0, sizes[i]);
-      reference_grads.push_back(ours[i].grad().clone());
+      reference_grads.push_back(ours[i].grad().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true));
     }
     fused.step_with_grad_divisor(divided ? divisor : at::Tensor());
     at::_foreach_add_(steps, 1);
@@ -180,12 +181,19 @@ TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
     const auto& state = static_cast<const train::FusedAdamWState&>(*fused.state().at(ours[i].unsafeGetTensorImpl()));
-    const std::string what = "tensor " + std::to_string(i) + " of " + std::to_string(sizes[i]);
+    const std::string what = "tensor " + std::to_string(i) + " of " + std::to_string(sizes[i]) + ", " +
+                             c10::toString(grad_dtype) + " gradients";
     expect_close(ours[i], reference[i], 4e-7, "parameter, " + what);
     expect_close(state.exp_avg, exp_avgs[i], 4e-7, "exp_avg, " + what);
     expect_close(state.exp_avg_sq, exp_avg_sqs[i], 4e-7, "exp_avg_sq, " + what);
     EXPECT_EQ(state.step.item<float>(), 3.0f) << what;
   }
+}
+
+TEST(Gpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
+  ASSERT_TRUE(model::have_fused_kernels()) << "this GPU build was made without the fused kernels (no nvcc?)";
+  expect_adamw_kernel_matches_atens(torch::kFloat);
+  expect_adamw_kernel_matches_atens(torch::kBFloat16);
 }
 
 // The loss tests' inputs: hidden [1000, 64] (requiring gradients), weight [vocab, 64] ~ N(0,

@@ -16,6 +16,14 @@ class Communicator;
 struct MixedPrecision {
   std::optional<c10::ScalarType> param_dtype;   ///< all-gather and compute dtype; unset: the parameters'
   std::optional<c10::ScalarType> reduce_dtype;  ///< reduce-scatter dtype; unset: param_dtype
+  /// true: the sharded gradients stay in reduce_dtype instead of being cast to the parameters'
+  /// dtype (PyTorch FSDP1's MixedPrecision.keep_low_precision_grads): half the gradients' memory
+  /// with a bf16 reduce_dtype, and half the bytes an optimizer reads, for an optimizer that takes
+  /// gradients of another dtype than its parameters (fsdp-train's AdamW kernel; PyTorch's
+  /// optimizers do not). Gradients accumulated over backward passes are then summed in
+  /// reduce_dtype. On one rank with no replicas and no CPU offload, a gradient autograd made in
+  /// reduce_dtype becomes the sharded gradient with no copy at all.
+  bool keep_low_precision_grads = false;
 };
 
 /// How fully_shard shards one module. Memory per rank: the group's parameters, gradients and

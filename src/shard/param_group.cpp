@@ -105,6 +105,7 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
   }
   compute_dtype_ = mixed_precision.param_dtype.value_or(common_dtype.value_or(at::kFloat));
   reduce_dtype_ = mixed_precision.reduce_dtype.value_or(compute_dtype_);
+  keep_low_precision_grads_ = mixed_precision.keep_low_precision_grads;
 
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : params) {
@@ -472,11 +473,21 @@ void ParamGroup::prepare_reduce_scatter() {
   }
   all_local_grads_ = std::all_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
-  if (reduces_each_in_place()) {  // one multi-tensor copy casts each into a tensor of its own
+  if (reduces_each_in_place()) {
+    // A gradient already in the reduce dtype that owns all its memory (not a slice of a larger
+    // buffer, which it would keep alive) is the input as it is; one multi-tensor copy casts the
+    // others each into a tensor of its own.
+    const auto owns_its_memory = [](const at::Tensor& t) {
+      return t.is_contiguous() && t.storage_offset() == 0 && t.storage().nbytes() == t.nbytes();
+    };
     std::vector<at::Tensor> from, to;
-    for (const at::Tensor& grad : grads) {
-      reduce_input_.push_back(grad.defined() ? at::empty(grad.sizes(), opts) : at::Tensor());
-      if (grad.defined()) from.push_back(grad), to.push_back(reduce_input_.back());
+    for (at::Tensor& grad : grads) {
+      if (grad.defined() && (grad.scalar_type() != reduce_dtype_ || !owns_its_memory(grad))) {
+        from.push_back(std::move(grad));
+        grad = at::empty(from.back().sizes(), opts);
+        to.push_back(grad);
+      }
+      reduce_input_.push_back(std::move(grad));
     }
     if (!to.empty()) at::_foreach_copy_(to, from);
     return;
@@ -625,8 +636,8 @@ void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
     if (!had_grad[i]) continue;
     const at::Tensor reduced = each ? reduced_[i].view(-1) : reduced_.front().narrow(0, p.offset, p.layout.shard_numel());
     at::Tensor rows = reduced.view(p.padded_shard.sizes()).narrow(0, 0, p.layout.local_rows(rank));
-    rows = rows.scalar_type() == p.shard.scalar_type() ? alias_without_view(rows)
-                                                      : rows.to(p.shard.scalar_type());
+    rows = rows.scalar_type() == p.shard.scalar_type() || keep_low_precision_grads_ ? alias_without_view(rows)
+                                                                                  : rows.to(p.shard.scalar_type());
     if (p.param.grad().defined())
       p.param.mutable_grad().add_(rows);
     else

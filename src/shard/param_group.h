@@ -156,6 +156,7 @@ class ParamGroup {
   std::shared_ptr<Communicator> replicate_;
   at::ScalarType compute_dtype_;
   at::ScalarType reduce_dtype_;
+  bool keep_low_precision_grads_;  // the sharded gradients stay in reduce_dtype_ (MixedPrecision)
   at::Device device_;
   const DeviceStreams& streams_;
   int64_t shard_numel_ = 0;   // per rank, all parameters

@@ -1,6 +1,7 @@
-// The trainer's AdamW step: one pass over parameters, gradients and moments, 16 bytes an access,
-// several accesses in flight per thread.
+// The trainer's AdamW step: one pass over parameters, gradients (float32 or bf16) and moments,
+// 16 bytes an access (8 for bf16 gradients), several accesses in flight per thread.
 #include <cstdint>
+#include <stdexcept>
 
 #include "kernels/kernel_helpers.cuh"
 #include "train/adamw_kernel.h"
@@ -35,22 +36,22 @@ __device__ __forceinline__ void update(float& p, float g, float& m, float& v, co
   p -= step_size * m / denom;
 }
 
-__global__ void adamw_kernel(const __grid_constant__ Launch launch, Scalars s, const float* grad_divisor) {
-  int i = 0;
-  while (blockIdx.x >= launch.first_block[i + 1]) ++i;
-  const AdamWTensor& t = launch.tensors[i];
-  const int64_t start = (blockIdx.x - launch.first_block[i]) * kChunk;
+// One block's chunk of tensor t, whose gradient has element type G (float32 or bf16; read into
+// float32, exactly).
+template <class G>
+__device__ __forceinline__ void step_chunk(const AdamWTensor& t, bool aligned, int64_t start, const Scalars& s,
+                                           const float* grad_divisor) {
   const int64_t left = t.numel - start, n = left < kChunk ? left : kChunk;
   const float step = *t.step;
   const float step_size = s.lr / (1 - powf(s.beta1, step));
   const float bias_correction2_sqrt = sqrtf(1 - powf(s.beta2, step));
   const float divisor = grad_divisor ? *grad_divisor : 1.0f;
   float* param = t.param + start;
-  const float* grad = t.grad + start;
+  const G* grad = static_cast<const G*>(t.grad) + start;
   float* exp_avg = t.exp_avg + start;
   float* exp_avg_sq = t.exp_avg_sq + start;
   int64_t done = 0;
-  if (launch.aligned[i]) {
+  if (aligned) {
     const int64_t packs = n / 4;
     Pack<float, 4> p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
 #pragma unroll
@@ -58,7 +59,7 @@ __global__ void adamw_kernel(const __grid_constant__ Launch launch, Scalars s, c
       const int64_t k = threadIdx.x + int64_t(u) * kThreads;
       if (k < packs) {
         p[u] = *reinterpret_cast<const Pack<float, 4>*>(param + 4 * k);
-        g[u] = *reinterpret_cast<const Pack<float, 4>*>(grad + 4 * k);
+        g[u] = load_pack<4>(grad + 4 * k);
         m[u] = *reinterpret_cast<const Pack<float, 4>*>(exp_avg + 4 * k);
         v[u] = *reinterpret_cast<const Pack<float, 4>*>(exp_avg_sq + 4 * k);
       }
@@ -80,14 +81,26 @@ __global__ void adamw_kernel(const __grid_constant__ Launch launch, Scalars s, c
   }
   for (int64_t k = done + threadIdx.x; k < n; k += kThreads) {  // the tail, or an unaligned tensor's chunk
     float p = param[k], m = exp_avg[k], v = exp_avg_sq[k];
-    update(p, grad_divisor ? grad[k] / divisor : grad[k], m, v, s, step_size, bias_correction2_sqrt);
+    const float g = load(grad + k);
+    update(p, grad_divisor ? g / divisor : g, m, v, s, step_size, bias_correction2_sqrt);
     param[k] = p;
     exp_avg[k] = m;
     exp_avg_sq[k] = v;
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+__global__ void adamw_kernel(const __grid_constant__ Launch launch, Scalars s, const float* grad_divisor) {
+  int i = 0;
+  while (blockIdx.x >= launch.first_block[i + 1]) ++i;
+  const AdamWTensor& t = launch.tensors[i];
+  const int64_t start = (blockIdx.x - launch.first_block[i]) * kChunk;
+  if (t.grad_dtype == Dtype::BFloat16)
+    step_chunk<__nv_bfloat16>(t, launch.aligned[i], start, s, grad_divisor);
+  else
+    step_chunk<float>(t, launch.aligned[i], start, s, grad_divisor);
+}
+
+bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
 
@@ -108,7 +121,11 @@ void adamw_step(const std::vector<AdamWTensor>& tensors, const AdamWHyperparamet
     if (t.numel == 0) continue;
     const int i = launch.count++;
     launch.tensors[i] = t;
-    launch.aligned[i] = aligned16(t.param) && aligned16(t.grad) && aligned16(t.exp_avg) && aligned16(t.exp_avg_sq);
+    if (t.grad_dtype != Dtype::Float && t.grad_dtype != Dtype::BFloat16)
+      throw std::invalid_argument("adamw kernel: gradients must be float32 or bf16");
+    const int grad_pack = t.grad_dtype == Dtype::Float ? 16 : 8;  // 4 elements
+    launch.aligned[i] = aligned_to(t.param, 16) && aligned_to(t.grad, grad_pack) && aligned_to(t.exp_avg, 16) &&
+                        aligned_to(t.exp_avg_sq, 16);
     launch.first_block[i + 1] = launch.first_block[i] + (t.numel + kChunk - 1) / kChunk;
     if (launch.count == kMaxTensors) flush();
   }

@@ -5,13 +5,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/dtype.h"
+
 namespace fsdp::kernels {
 
-// One float32 parameter's step: the parameter, its gradient, both moments (all `numel` long,
-// contiguous) and its step count (a float32 scalar on the device, already advanced).
+// One float32 parameter's step: the parameter, its gradient (float32 or bf16: grad_dtype), both
+// moments (all `numel` long, contiguous) and its step count (a float32 scalar on the device,
+// already advanced).
 struct AdamWTensor {
   float* param;
-  const float* grad;
+  const void* grad;
+  Dtype grad_dtype;
   float* exp_avg;
   float* exp_avg_sq;
   const float* step;
@@ -24,8 +28,9 @@ struct AdamWHyperparameters {
 
 // torch's AdamW update of every tensor, in float32 with the arithmetic of ATen's fused kernel
 // (`_fused_adamw_`), each gradient read divided by *grad_divisor where that is not null (the
-// gradients themselves are left as they are). One read and one write of each of the four
-// arrays and nothing else, where ATen's kernel runs at about 3.0 of the H200's 4.8 TB/s.
+// gradients themselves are left as they are). A bf16 gradient is read into float32 exactly, as
+// if cast first. One read and one write of each of the four arrays and nothing else, where
+// ATen's kernel runs at about 3.0 of the H200's 4.8 TB/s.
 void adamw_step(const std::vector<AdamWTensor>& tensors, const AdamWHyperparameters& h, const float* grad_divisor,
                 void* stream);
 

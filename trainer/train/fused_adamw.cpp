@@ -113,28 +113,41 @@ void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<a
     at::_foreach_add_(l.steps, 1);
     const at::Tensor divisor = grad_divisor.defined() ? grad_divisor.to(l.params.front().device()) : at::Tensor();
     if (step_with_kernel(o, l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps, divisor)) continue;
+    for (size_t i = 0; i < l.params.size(); ++i)
+      if (l.grads[i].scalar_type() != l.params[i].scalar_type())
+        throw std::invalid_argument(std::string("FusedAdamW: a ") + c10::toString(l.grads[i].scalar_type()) +
+                                    " gradient of a " + c10::toString(l.params[i].scalar_type()) +
+                                    " parameter needs the GPU kernel (contiguous float32 parameters on a GPU "
+                                    "with float32 or bf16 gradients); elsewhere give gradients of the parameters' dtype");
     at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
                       /*amsgrad=*/false, /*maximize=*/false, divisor.defined() ? std::optional(divisor) : std::nullopt);
   }
 }
 
-// Float32 contiguous tensors on a GPU: the trainer's AdamW kernel (train/adamw_kernel.h), which
-// runs near the memory bandwidth where ATen's fused kernel does not. False: not taken.
+// Float32 contiguous tensors on a GPU, the gradients float32 or bf16 (fsdp's
+// keep_low_precision_grads): the trainer's AdamW kernel (train/adamw_kernel.h), which runs near
+// the memory bandwidth where ATen's fused kernel does not. False: not taken.
 bool FusedAdamW::step_with_kernel(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                                   const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
                                   const at::Tensor& grad_divisor) {
 #ifdef FSDP_WITH_CUDA_KERNELS
-  const auto takes = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
+  const auto takes = [](const at::Tensor& t, bool or_bf16 = false) {
+    return t.is_cuda() && t.is_contiguous() &&
+           (t.scalar_type() == at::kFloat || (or_bf16 && t.scalar_type() == at::kBFloat16));
+  };
   for (size_t i = 0; i < params.size(); ++i)
-    if (!takes(params[i]) || !takes(grads[i]) || !takes(exp_avgs[i]) || !takes(exp_avg_sqs[i]) || !takes(steps[i]))
+    if (!takes(params[i]) || !takes(grads[i], /*or_bf16=*/true) || !takes(exp_avgs[i]) || !takes(exp_avg_sqs[i]) ||
+        !takes(steps[i]))
       return false;
   const c10::DeviceGuard on_device(params.front().device());
   std::vector<kernels::AdamWTensor> tensors;
   for (size_t i = 0; i < params.size(); ++i)
-    tensors.push_back({params[i].data_ptr<float>(), grads[i].data_ptr<float>(), exp_avgs[i].data_ptr<float>(),
-                       exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(), params[i].numel()});
+    tensors.push_back({params[i].data_ptr<float>(), grads[i].const_data_ptr(),
+                       grads[i].scalar_type() == at::kBFloat16 ? kernels::Dtype::BFloat16 : kernels::Dtype::Float,
+                       exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(),
+                       params[i].numel()});
   kernels::adamw_step(tensors, {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps()},
                       grad_divisor.defined() ? grad_divisor.data_ptr<float>() : nullptr,
                       kernels::current_stream(params.front()));

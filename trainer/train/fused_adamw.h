@@ -2,7 +2,9 @@
 // parameters instead of libtorch's ~10 kernels per parameter: on GPUs, for
 // float32 parameters, the trainer's own (train/adamw_kernel.h), elsewhere
 // ATen's _fused_adamw_ (the kernel behind PyTorch's `AdamW(fused=True)`).
-// Same options and same arithmetic as torch::optim::AdamW (no amsgrad).
+// Same options and same arithmetic as torch::optim::AdamW (no amsgrad). On
+// GPUs the gradients of float32 parameters may be bf16 (fsdp's
+// keep_low_precision_grads), read as their float32 values.
 #pragma once
 
 #include <torch/optim/adamw.h>
