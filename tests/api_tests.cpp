@@ -1,6 +1,7 @@
 // What fully_shard does to a module, and the errors it gives for bad input.
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 
 #include "helpers.h"
@@ -172,6 +173,39 @@ TEST(Api, KeepLowPrecisionGradsLeavesTheShardedGradientsInTheReduceDtype) {
     EXPECT_EQ(kept[i].scalar_type(), at::kBFloat16) << "parameter " << i;
     EXPECT_EQ(cast[i].scalar_type(), at::kFloat) << "parameter " << i;
     EXPECT_TRUE(torch::equal(kept[i].to(at::kFloat), cast[i])) << "parameter " << i;
+  }
+}
+
+// The planner's count of the sharded gradients' bytes (GroupMemory::sharded_grad_bytes, through
+// group_shapes) against the memory they hold after backward: gradients that alias the
+// reduce-scatter's output (float32 throughout; bf16 kept) and cast copies of it (reduced in bf16,
+// kept in float32). Every dimension divides by each rank count tested, so nothing is padded.
+TEST(Api, ShardedGradientBytesAreCountedAsAllocated) {
+  model::LlamaConfig c = tiny_llama();
+  c.vocab = 48, c.dim = 24, c.ffn = 48;  // rows of 48, 24 and 96 (QKV: 24 + 2 x 12)
+  struct Case {
+    std::optional<at::ScalarType> dtype;  // param and reduce
+    bool keep_low_precision_grads;
+  };
+  for (const Case& k : {Case{std::nullopt, false}, Case{at::kBFloat16, false}, Case{at::kBFloat16, true}}) {
+    auto m = seeded_llama(c);
+    ShardOptions o;
+    o.mixed_precision.param_dtype = o.mixed_precision.reduce_dtype = k.dtype;
+    o.mixed_precision.keep_low_precision_grads = k.keep_low_precision_grads;
+    shard_blocks_and_root(m, o);
+    torch::manual_seed(5);
+    auto tokens = torch::randint(0, c.vocab, {2, 9}, torch::kLong).to(device());
+    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, c.vocab}).to(at::kFloat),
+                                         tokens.narrow(1, 1, 8).reshape({-1}))
+        .backward();
+    int64_t counted = 0;
+    for (const auto& shape : group_shapes(PlanningRoot(*m))) counted += shape.memory.sharded_grad_bytes;
+    std::map<const void*, int64_t> held;  // by storage
+    for (const auto& p : m->parameters())
+      if (p.grad().defined()) held[p.grad().storage().data()] = static_cast<int64_t>(p.grad().storage().nbytes());
+    int64_t allocated = 0;
+    for (const auto& [data, bytes] : held) allocated += bytes;
+    EXPECT_EQ(counted, allocated) << (k.dtype ? "bf16" : "float32") << (k.keep_low_precision_grads ? ", kept" : "");
   }
 }
 

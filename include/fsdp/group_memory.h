@@ -22,7 +22,9 @@ struct GroupMemory {
   /// The reduce-scatter's input, until the reduce-scatter is done (on one rank it is reduced in
   /// place and then becomes the sharded gradients).
   int64_t reduce_input_bytes = 0;
-  /// The reduce-scatter's result, to the end of the step (offloaded: none on the device).
+  /// The sharded gradients, to the end of the step (offloaded: none on the device): the
+  /// reduce-scatter's result where they alias it (in the reduce dtype, or kept there), copies in
+  /// the parameters' dtype where they are cast to it.
   int64_t sharded_grad_bytes = 0;
   /// Gradient accumulation without communication: the unsharded sums in the reduce dtype, from
   /// the first pass's backward to the last pass's reduce-scatter.

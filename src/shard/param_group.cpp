@@ -406,13 +406,26 @@ GroupMemory ParamGroup::memory() const {
     memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
   memory.grad_bytes = trainable_numel * compute;
   memory.unsynced_grad_bytes = trainable_numel * reduce;
-  // With one has-gradient flag per parameter, except where each gradient is reduced alone.
-  const int64_t sharded_grads = (shard_numel_ + (reduces_each_in_place() ? 0 : count)) * reduce;
+  // This rank's part of the reduce-scatter: the gradients with one has-gradient flag per
+  // parameter, except where each gradient is reduced alone.
+  const int64_t output = (shard_numel_ + (reduces_each_in_place() ? 0 : count)) * reduce;
+  // The sharded gradients (add_reduced_gradients): one that keeps the reduce dtype aliases the
+  // output, which then stays allocated whole (reduced alone: its own tensor); one cast to its
+  // parameter's dtype is a copy, and the output is freed unless another aliases it.
+  int64_t aliased = 0, copied = 0;
+  for (const auto& p : params_) {
+    if (!p.param.requires_grad()) continue;
+    if (keep_low_precision_grads_ || p.shard.scalar_type() == reduce_dtype_)
+      aliased += p.layout.shard_numel() * reduce;
+    else
+      copied += p.layout.shard_numel() * static_cast<int64_t>(p.shard.element_size());
+  }
+  const int64_t kept_output = reduces_each_in_place() ? aliased : aliased > 0 ? output : 0;
   // Offloaded: the sharded result leaves the device with its reduce-scatter input. One rank
   // reduces in place (reduce_scatter_together): the input, counted from the hand-off to the end of
   // the reduce-scatter, then is the result, counted from there on (no device copy to offload from).
-  memory.sharded_grad_bytes = offloaded() ? 0 : sharded_grads;
-  memory.reduce_input_bytes = world * sharded_grads + (offloaded() && world > 1 ? sharded_grads : 0);
+  memory.sharded_grad_bytes = offloaded() ? 0 : kept_output + copied;
+  memory.reduce_input_bytes = world * output + (offloaded() && world > 1 ? output : 0);
   return memory;
 }
 
