@@ -127,10 +127,7 @@ TEST(Api, ParametersOfTwoDtypesGatherInTheComputeDtype) {
 TEST(Api, ShardedGradientsLieInOneBufferPerGroupOrOnOneRankEachInItsOwn) {
   auto m = seeded_llama(tiny_llama());
   shard_blocks_and_root(m);
-  auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
-  torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
-                                       tokens.narrow(1, 1, 8).reshape({-1}))
-      .backward();
+  next_token_backward(m);
   std::set<const void*> buffers;
   size_t grads = 0;
   for (const auto& p : m->parameters()) {
@@ -156,10 +153,7 @@ TEST(Api, KeepLowPrecisionGradsLeavesTheShardedGradientsInTheReduceDtype) {
     o.mixed_precision.keep_low_precision_grads = keep;
     shard_blocks_and_root(m, o);
     torch::manual_seed(5);
-    auto tokens = torch::randint(0, 64, {2, 9}, torch::kLong).to(device());
-    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}).to(at::kFloat),
-                                         tokens.narrow(1, 1, 8).reshape({-1}))
-        .backward();
+    next_token_backward(m);
     norms.push_back(grad_norm(m->named_parameters().pairs()).item<double>());
     std::vector<at::Tensor> out;
     for (const auto& p : m->parameters()) out.push_back(p.grad());
@@ -193,11 +187,7 @@ TEST(Api, ShardedGradientBytesAreCountedAsAllocated) {
     o.mixed_precision.param_dtype = o.mixed_precision.reduce_dtype = k.dtype;
     o.mixed_precision.keep_low_precision_grads = k.keep_low_precision_grads;
     shard_blocks_and_root(m, o);
-    torch::manual_seed(5);
-    auto tokens = torch::randint(0, c.vocab, {2, 9}, torch::kLong).to(device());
-    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, c.vocab}).to(at::kFloat),
-                                         tokens.narrow(1, 1, 8).reshape({-1}))
-        .backward();
+    next_token_backward(m);
     int64_t counted = 0;
     for (const auto& shape : group_shapes(PlanningRoot(*m))) counted += shape.memory.sharded_grad_bytes;
     std::map<const void*, int64_t> held;  // by storage
@@ -224,10 +214,7 @@ TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   shard_blocks_and_root(m);
   set_step_in_backward(m, [](const std::vector<at::Tensor>&) {});
   start_trace();
-  auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
-  torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
-                                       tokens.narrow(1, 1, 8).reshape({-1}))
-      .backward();
+  next_token_backward(m);
   const std::string path = ::testing::TempDir() + "fsdp_trace_" + std::to_string(world()->rank()) + ".json";
   write_trace(path);
   std::ifstream in(path);
@@ -256,15 +243,9 @@ TEST(Api, AllGathersFollowTheExecutionOrder) {
   auto m = seeded_llama(c);
   shard_blocks_and_root(m);  // groups: the blocks first, the root last
   const int first = std::stoi(state_of(*m->blocks[0])->group().label().substr(1));  // "#<id> <module>"
-  auto step = [&] {
-    auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
-    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
-                                         tokens.narrow(1, 1, 8).reshape({-1}))
-        .backward();
-  };
-  step();  // records the order
+  next_token_backward(m);  // records the order
   start_trace();
-  step();
+  next_token_backward(m);
   const std::string path = ::testing::TempDir() + "fsdp_order_" + std::to_string(world()->rank()) + ".json";
   write_trace(path);
   set_runtime_options(defaults);

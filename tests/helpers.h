@@ -273,6 +273,16 @@ inline model::Llama seeded_llama(model::LlamaConfig c, uint64_t seed = 5) {
   return model::Llama(c, model::Placement{device()});
 }
 
+// One forward and backward of `m` on random tokens [2, 9]: the float32 cross-entropy of
+// predicting the last 8 from the first 8 (the logits through fsdp::forward, not the fused loss).
+inline void next_token_backward(model::Llama& m) {
+  const int64_t vocab = m->config.vocab;
+  auto tokens = torch::randint(0, vocab, {2, 9}, on_device(torch::kLong));
+  torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, vocab}).to(torch::kFloat),
+                                       tokens.narrow(1, 1, 8).reshape({-1}))
+      .backward();
+}
+
 inline void shard_blocks_and_root(model::Llama& m, const ShardOptions& o = {}) {
   for (auto& b : m->blocks) fully_shard(b, o);
   fully_shard(m, o);

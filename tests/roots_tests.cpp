@@ -198,19 +198,13 @@ TEST(Roots, RuntimeOptionsOfOneRootLeaveTheOthersOnTheDefault) {
   RuntimeOptions no_prefetch = runtime_options();
   no_prefetch.prefetch_depth = 0;
   set_runtime_options(own, no_prefetch);
-  auto step = [](model::Llama& m) {
-    auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
-    torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, 64}),
-                                         tokens.narrow(1, 1, 8).reshape({-1}))
-        .backward();
-  };
   auto prefetches_of_a_step = [&](model::Llama& m) {
     const long before = runtime_stats().prefetches;
-    step(m);
+    next_token_backward(m);
     return runtime_stats().prefetches - before;
   };
-  step(own);  // the first steps record the orders prefetching follows
-  step(beside);
+  next_token_backward(own);  // the first steps record the orders prefetching follows
+  next_token_backward(beside);
   EXPECT_EQ(prefetches_of_a_step(own), 0);
   EXPECT_GT(prefetches_of_a_step(beside), 0);
   EXPECT_EQ(runtime_options().prefetch_depth, 1);  // the default is untouched
