@@ -144,7 +144,8 @@ bool FusedAdamW::step_with_kernel(const torch::optim::AdamWOptions& o, const std
   const c10::DeviceGuard on_device(params.front().device());
   std::vector<kernels::AdamWTensor> tensors;
   for (size_t i = 0; i < params.size(); ++i)
-    tensors.push_back({params[i].data_ptr<float>(), grads[i].const_data_ptr(), *kernels::kernel_dtype(grads[i]),
+    tensors.push_back({params[i].data_ptr<float>(), grads[i].const_data_ptr(),
+                       grads[i].scalar_type() == at::kBFloat16 ? kernels::Dtype::BFloat16 : kernels::Dtype::Float,
                        exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(),
                        params[i].numel()});
   kernels::adamw_step(tensors, {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps()},
