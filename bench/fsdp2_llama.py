@@ -292,6 +292,10 @@ def main():
         if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
             precompute_float8_scales = precompute_float8_dynamic_scale_for_fsdp
     if args.compile:  # after loading (the wrapper renames parameters), before sharding
+        # Each block is its own frame to dynamo: past recompile_limit (8 by default) FSDP2's later
+        # blocks would silently run eager. Raised for every block, and a hit fails the run.
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
     opt = make_optimizer() if args.optimizer_before_shard else None

@@ -30,6 +30,7 @@ import profile_summary
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+SLOW_NCCL = {"NCCL_MAX_NCHANNELS": "1", "NCCL_MIN_NCHANNELS": "1", "NCCL_PROTO": "Simple"}
 CONFIGS = {
     # name: (preset, seq, batch per GPU, extra flags for both systems, extra environment)
     "1b": ("1b", 2048, 4, [], {}),
@@ -41,6 +42,13 @@ CONFIGS = {
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
+    # The all-gather cap where the CPU has the most room to run ahead (issue #48): NCCL held to one
+    # channel and its simple protocol, so each block's all-gather outlasts its compute and the GPU
+    # falls behind the CPU; at prefetch depth 1 and 4, capped (default 2) and not (0).
+    "1b-slow": ("1b", 2048, 4, [], SLOW_NCCL),
+    "1b-slow-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], SLOW_NCCL),
+    "1b-slow-depth4": ("1b", 2048, 4, ["--prefetch-depth", "4"], SLOW_NCCL),
+    "1b-slow-depth4-nolimit": ("1b", 2048, 4, ["--prefetch-depth", "4", "--max-inflight-allgathers", "0"], SLOW_NCCL),
     # The loss-agreement check at a learning rate where 1B training is not chaotic:
     # at 3e-4 the loss climbs back after step 4 with gradient norms of 25-40 and
     # two runs of one system end up to 0.09 apart by step 15.
@@ -53,6 +61,7 @@ CONFIGS = {
     # The scaling run (issue #5): these and the 1B ones on 2, 4 and 8 GPUs.
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--checkpoint"], {}),
+    "8b-ac-nolimit": ("8b", 2048, 2, ["--checkpoint", "--max-inflight-allgathers", "0"], {}),
 }
 # The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
 PYTORCH_SYSTEMS = {
@@ -76,7 +85,7 @@ REFERENCES = {
     "1b": EAGER_AND_COMPILED + PYTHON_FRONT_END, "1b-ac": EAGER_AND_COMPILED + PYTHON_FRONT_END,
     "1b-es": ["pytorch-fsdp2", "fsdpcpp-python"], "1b-ac-es": ["pytorch-fsdp2", "fsdpcpp-python"],
     "1b-lowlr": ["pytorch-fsdp2"],
-    "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": ["pytorch-fsdp2", "fsdpcpp-python"],
+    "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": EAGER_AND_COMPILED + PYTHON_FRONT_END,
     "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
     "tiny": EAGER_AND_COMPILED + ["pytorch-ddp"],
 }
