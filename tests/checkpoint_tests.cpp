@@ -106,5 +106,48 @@ TEST(Checkpoint, DamagedOrForeignCheckpointsAreRefusedOnEveryRank) {
   on_rank0([&] { io::remove_tree(dir); });
 }
 
+// A load that fails changes nothing: the checkpoint is checked whole (names, shapes, counts, every
+// block's checksum) on every rank before any rank copies a byte. Before, the ranks copied tensor
+// by tensor until one failed: a damaged last block or a model with one more block than the
+// checkpoint left the state half overwritten.
+TEST(Checkpoint, AFailedLoadLeavesTheStateAsItWas) {
+  const std::string dir = shared_dir("unchanged");
+  {
+    auto saved = seeded_llama(tiny_llama(), /*seed=*/11);
+    shard_blocks_and_root(saved);
+    CheckpointState state = model_state(*saved);
+    state.add_replicated("counter", torch::tensor({7.5f}, on_device()));
+    save_checkpoint(dir, state);
+  }
+  const auto expect_unchanged_by_a_failed_load = [&](model::LlamaConfig config, const char* what) {
+    auto m = seeded_llama(config, /*seed=*/5);
+    shard_blocks_and_root(m);
+    CheckpointState state = model_state(*m);
+    state.add_replicated("counter", torch::tensor({-1.0f}, on_device()));
+    std::vector<at::Tensor> before;
+    for (const auto& t : state.sharded()) before.push_back(t.local.detach().clone());
+    EXPECT_NE(load_error(dir, state), "(loaded)") << what;
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(torch::equal(state.sharded()[i].local, before[i])) << what << ": " << state.sharded()[i].name;
+    EXPECT_EQ(state.replicated()[0].second.item<float>(), -1.0f) << what;
+  };
+  auto deeper = tiny_llama();
+  deeper.n_layers = 3;
+  expect_unchanged_by_a_failed_load(deeper, "a model with one more block");
+  // The last byte of the last saved rank's file: the last tensor's block, read after all others.
+  const int world_size = world()->world_size();
+  const std::string last_file =
+      dir + "/shard-" + std::to_string(world_size - 1) + "-of-" + std::to_string(world_size) + ".bin";
+  on_rank0([&] {
+    std::fstream f(last_file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    const char last = static_cast<char>(f.get());
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(last ^ 0x40));
+  });
+  expect_unchanged_by_a_failed_load(tiny_llama(), "a damaged last block");
+  on_rank0([&] { io::remove_tree(dir); });
+}
+
 }  // namespace
 }  // namespace fsdp::testing

@@ -72,12 +72,17 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--plan-check-rounds", "3"}, "--plan-check-rounds needs --plan-check"},
       {{"--max-pending-host-steps", "3"}, "--max-pending-host-steps needs --cpu-offload and --optimizer-in-backward"},
       {{"--overwrite"}, "--overwrite needs --save-dir or --export"},
+      {{"--overwrite-checkpoints"}, "--overwrite-checkpoints needs --save-dir"},
+      {{"--overwrite-export", "--save-dir", "/tmp/x"}, "--overwrite-export needs --export"},
+      {{"--allow-resume-changes"}, "--allow-resume-changes needs --resume"},
+      {{"--seq", "16", "--seq", "32"}, "--seq is given twice: give it once"},
+      {{"--timeout", "0.0009"}, "--timeout must be 0 (default) or at least 0.001 seconds"},
       {{"--backend", "mpi", "--memory-snapshot", "/tmp/s"}, "--memory-snapshot records the GPU allocator's history"},
       {{"--backend", "mpi", "--attention", "flash"}, "--attention flash chooses a GPU kernel"},
       {{"--max-skipped-steps", "-1"}, "--max-skipped-steps must be 0"},
       {{"--max-skipped-steps", "2", "--optimizer-in-backward", "--clip", "0"}, "--max-skipped-steps cannot skip"},
       {{"--resume", "/nonexistent"}, "--resume: '/nonexistent' holds no complete checkpoint"},
-      {{"--export", "/proc"}, "--export: '/proc' already holds files: pass --overwrite"},
+      {{"--export", "/proc"}, "--export: '/proc' already holds files: pass --overwrite-export"},
       {{"--export", "/nonexistent/x.safetensors"}, "--export: cannot write '/nonexistent/x.safetensors.tmp'"},
       {{"--export", "/dev/null"}, "--export: '/dev/null' exists and is not a directory"},
       {{"--reduce-bucket-max-wait", "-1"}, "--reduce-bucket-max-wait must be 0 (no cap) or more"},
@@ -100,7 +105,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
 TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_EQ(usage_error_of({}), "(accepted)");
   const std::string log = ::testing::TempDir() + "fsdp_cli_test.jsonl";
-  EXPECT_EQ(usage_error_of({"--model", "tiny", "--steps", "3", "--log", log, "--log", "/dev/null"}), "(accepted)");
+  EXPECT_EQ(usage_error_of({"--model", "tiny", "--steps", "3", "--log", log}), "(accepted)");
   const TrainArgs a = checked({"--steps", "7", "--seq", "32", "--checkpoint", "--dry-run"});
   EXPECT_EQ(a.steps, 7);
   EXPECT_EQ(a.seq, 32);
@@ -158,7 +163,8 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
       "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",
       "--save-init", "--memory-budget", "--plan-only", "--checkpoint", "--tie-embeddings",
       "--no-reshard-after-forward", "--dry-run",
-      "--optimizer-before-shard", "--overwrite", "--max-skipped-steps", "--save-dir", "--save-every", "--export",
+      "--optimizer-before-shard", "--overwrite", "--overwrite-checkpoints", "--overwrite-export",
+      "--allow-resume-changes", "--max-skipped-steps", "--save-dir", "--save-every", "--export",
       "--resume", "--init-from", "-", "--", "---steps", "--STEPS", "--steps=3", ""};
   const std::vector<std::string> values = {
       "0", "1", "2", "-1", "3.5", "1e308", "1e-320", "inf", "-inf", "nan", "0x10", "9223372036854775807",

@@ -15,6 +15,10 @@ For a grouped-query model, a tied-embedding one and one with Llama 3's RoPE scal
      An existing export is refused, or with --overwrite replaced whole. A directory with two sets
      of weights, or an index that disagrees with its files, is refused naming both; so are --seq
      above max_position_embeddings and --model beside a config.json.
+  5. Imports that would train the wrong thing are refused: a tied config.json whose file holds an
+     lm_head.weight of its own, weights holding NaN, and a text --data beside an imported model
+     (bytes are not its tokenizer's ids); fsdp-prepare-data tokenises that text with the model's
+     own tokenizer (made here) into a token file fsdp-train then trains on.
 Tolerance: float32 logits of two implementations of this model (dim 64, 2 layers) that sum in
 different orders: each logit ends a chain of about 20 sums of at most 256 terms, so the
 relative difference stays below 2 * 10 * sqrt(20 * 256) * 2^-24 = 8.5e-5 of the logits' scale
@@ -107,7 +111,8 @@ def check_passes_through(original, exported):
 
 
 def check_refusals(work, original, tuned):
-    expect_refused("export into an existing model", 2, f"--export: '{tuned}' already holds files: pass --overwrite",
+    expect_refused("export into an existing model", 2,
+                   f"--export: '{tuned}' already holds files: pass --overwrite-export",
                    "--steps", "1", "--seq", "32", "--init-from", original, "--export", tuned)
     stale = f"{tuned}/model-00001-of-00002.safetensors"
     shutil.copy(f"{tuned}/model.safetensors", stale)
@@ -141,6 +146,70 @@ def check_refusals(work, original, tuned):
                    "--steps", "1", "--seq", "32", "--init-from", indexed)
 
 
+def edited_weights(original, work, name, edit):
+    """A copy of the model directory `original` whose weights `edit` (a dict of tensors) changed."""
+    from safetensors.torch import load_file, save_file
+    copy = f"{work}/{name}"
+    shutil.copytree(original, copy)
+    weights = load_file(f"{copy}/model.safetensors")
+    edit(weights)
+    save_file(weights, f"{copy}/model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def check_import_refusals(work, original):
+    """`original` is a tied model with the tokenizer of save_tokenizer."""
+    untied_head = edited_weights(original, work, "untied-head", lambda w: w.__setitem__(
+        "lm_head.weight", w["model.embed_tokens.weight"] + 1))
+    expect_refused("a tied config beside an lm_head.weight of its own", 1,
+                   "config.json ties the embeddings (tie_word_embeddings: true) but lm_head.weight holds other values",
+                   "--steps", "1", "--seq", "32", "--init-from", untied_head)
+    same_head = edited_weights(original, work, "same-head", lambda w: w.__setitem__(
+        "lm_head.weight", w["model.embed_tokens.weight"].clone()))
+    code, out = run_train("--steps", "1", "--seq", "32", "--init-from", same_head, "--log", f"{work}/same-head.jsonl")
+    if code != 0:
+        sys.exit(f"hf_roundtrip: FAIL: a tied model saved with its head beside the embedding is refused:\n{out}")
+    print("hf_roundtrip: a tied model saved with an equal lm_head.weight loads: ok")
+    nan = edited_weights(original, work, "nan", lambda w: w["model.layers.1.mlp.up_proj.weight"].view(-1).__setitem__(
+        5, float("nan")))
+    expect_refused("weights holding NaN", 1, "tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or infinite values",
+                   "--steps", "1", "--seq", "32", "--init-from", nan)
+    text = f"{work}/notes.txt"
+    with open(text, "w") as f:
+        f.write(" ".join(f"t{(i * 7) % 256}" for i in range(600)))
+    expect_refused("text beside an imported model", 2, f"--data: '{text}' is text, read one byte a token, but "
+                   f"--init-from '{original}' brings a model whose token ids are its tokenizer's",
+                   "--steps", "1", "--seq", "32", "--init-from", original, "--data", text)
+    with open(f"{work}/notes.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"text": f"t{i} t{i + 1} t{i + 2}"}) + "\n")
+    tokens = f"{work}/notes.bin"
+    done = subprocess.run([f"{BUILD}/fsdp-prepare-data", "--tokenizer", original, text, f"{work}/notes.jsonl",
+                           "--out", tokens], capture_output=True, text=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(original)
+    want = tokenizer(open(text).read())["input_ids"] + [9]
+    for i in range(3):
+        want += tokenizer(f"t{i} t{i + 1} t{i + 2}")["input_ids"] + [9]
+    header = torch.frombuffer(bytearray(open(tokens, "rb").read(1024)), dtype=torch.int32) if done.returncode == 0 else None
+    got = (torch.frombuffer(bytearray(open(tokens, "rb").read()[1024:]), dtype=torch.int16).tolist()
+           if done.returncode == 0 else None)
+    if done.returncode != 0 or header[:3].tolist() != [20240520, 1, len(want)] or got != want:
+        sys.exit(f"hf_roundtrip: FAIL: fsdp-prepare-data wrote {got} (header "
+                 f"{None if header is None else header[:3].tolist()}), "
+                 f"want {want}:\n{done.stdout}{done.stderr}")
+    print(f"hf_roundtrip: fsdp-prepare-data: {len(want)} tokens of the model's own tokenizer: ok")
+    code, out = run_train("--steps", "2", "--seq", "32", "--init-from", original, "--data", tokens,
+                          "--log", f"{work}/prepared.jsonl")
+    if code != 0 or "step    2/2" not in out:
+        sys.exit(f"hf_roundtrip: FAIL: training on the prepared tokens:\n{out}")
+    print("hf_roundtrip: the imported model trains on the prepared tokens: ok")
+    done = subprocess.run([f"{BUILD}/fsdp-prepare-data", "--tokenizer", original, text, "--out", tokens],
+                          capture_output=True, text=True)
+    if done.returncode != 2 or "exists: pass --overwrite" not in done.stderr:
+        sys.exit(f"hf_roundtrip: FAIL: fsdp-prepare-data replaced an existing file:\n{done.stderr}")
+    print("hf_roundtrip: fsdp-prepare-data keeps an existing --out: ok")
+
+
 def main():
     # Llama 3's RoPE scaling (Llama-3.2's), with an original context of 64 positions so that the
     # 16-dimension heads have kept, blended and divided frequencies.
@@ -170,6 +239,8 @@ def main():
             check_passes_through(original, tuned)
             if label == "grouped-query attention":
                 check_refusals(work, original, tuned)
+            if label == "tied embeddings":
+                check_import_refusals(work, original)
             if rope:
                 continue  # the presets trained from scratch below have no scaling but the 3b's
 

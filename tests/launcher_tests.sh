@@ -29,8 +29,17 @@
 #                                             --save-dir is refused, --overwrite removes the old ones;
 #                                             --resume of a checkpoint itself; a resume with nothing
 #                                             to train is refused, or only exports with --export
+#   launcher_tests.sh BUILD_DIR lineage       a run's checkpoints are its lineage's: --overwrite never
+#                                             removes them; a resume from an older step sets the
+#                                             abandoned branch aside; a resume with other --data or
+#                                             --seed, or --stop-at-step not after it, is refused; an
+#                                             --export over the save dir or the log is refused; a
+#                                             damaged newest checkpoint names the next older one
+#   launcher_tests.sh BUILD_DIR concurrent    a second run on a --save-dir or --log in use is
+#                                             refused, naming the first
 #   launcher_tests.sh BUILD_DIR rank-failures a program that cannot start: one line, exit 127; a rank
-#                                             killed by a signal: one line naming rank and signal
+#                                             killed by a signal or exiting non-zero: one line naming
+#                                             the rank; SIGTERM during start-up stops the ranks as asked
 #   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
 #                                             the signal to fsdp-run mid-run reaches every rank: all
 #                                             exit, fsdp-run exits 128+signal, nothing left running
@@ -213,15 +222,28 @@ usage)
   expect_usage_error "-n must be a whole number of ranks, at least 1" -n 0 "$train"
   expect_usage_error "-n must be a whole number of ranks, at least 1" -n two "$train"
   expect_usage_error "--port must be a TCP port" --port 70000 --gpu -n 1 "$train"
+  expect_usage_error "--steps is given twice: give it once" -n 2 --cpu "$train" --steps 5 --steps 6
+  expect_usage_error "--timeout must be 0 (default) or at least 0.001 seconds" -n 2 --cpu "$train" --timeout 0.0001
   echo "usage errors: ok"
   ;;
 write-fails)
-  "$train" --steps 3 --seq 16 --log /dev/full >"$work/out" 2>&1
+  # The log cannot be written from the first line: the next step is saved, then the run stops.
+  "$train" --steps 5 --seq 16 --log /dev/full --save-dir "$work/ck" >"$work/out" 2>&1
   code=$?
   cat "$work/out"
   [ "$code" = 1 ] || fail "exit code $code, not 1"
-  grep -q "error on rank 0: cannot write the log '/dev/full'" "$work/out" || fail "no error message"
+  grep -q "fsdp-train: error: cannot write '/dev/full': No space left on device" "$work/out" || fail "no error message"
+  grep -q "stopped after step 2 (the log cannot be written)" "$work/out" || fail "no stop at the next step"
+  [ -f "$work/ck/step-000002/metadata.bin" ] || fail "the work was not saved"
   ! grep -q "done" "$work/out" || fail "claims success"
+  # Over `ulimit -f` (8 MiB: MPI's own files need about 4): an error naming the file, not a rank
+  # killed by SIGXFSZ. The small model's initial weights take about 130 MB.
+  (ulimit -f 8192; "$train" --model small --steps 1 --seq 16 --batch 1 --save-init "$work/init.pt" \
+    --log "$work/big.jsonl" >"$work/out" 2>&1)
+  code=$?
+  cat "$work/out"
+  [ "$code" = 1 ] || fail "exit code $code, not 1, over the file size limit"
+  grep -q "cannot write '$work/init.pt': File too large" "$work/out" || fail "no error naming the file"
   echo "write failure: ok"
   ;;
 signal)
@@ -326,7 +348,7 @@ runs)
   "$run" "${common[@]}" --steps 6 --resume "$work/ck" --export "$work/model.safetensors" >"$work/out" 2>&1 ||
     { cat "$work/out"; fail "resume to export"; }
   grep -q "nothing to train" "$work/out" && [ -s "$work/model.safetensors" ] || { cat "$work/out"; fail "no export"; }
-  expect_usage_error "--export: '$work/model.safetensors' already exists: pass --overwrite" \
+  expect_usage_error "--export: '$work/model.safetensors' already exists: pass --overwrite-export" \
     "${common[@]}" --steps 6 --resume "$work/ck" --export "$work/model.safetensors"
   echo "runs: ok"
   ;;
@@ -350,7 +372,88 @@ rank-failures)
   code=$?
   cat "$work/out"
   [ "$code" = 139 ] && grep -q "was killed by signal 11 (Segmentation fault)" "$work/out" || fail "SIGSEGV ($code)"
+  # A rank that exits non-zero without a word: fsdp-run names it.
+  "$run" -n 2 --cpu sh -c 'exit 3' >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 3 ] && grep -q "^fsdp-run: rank [01] (pid [0-9]*) exited with status 3$" "$work/out" || fail "exit 3 ($code)"
+  # SIGTERM while the ranks start: they stop as asked (at the first step boundary, or before they
+  # handle signals), never reported as killed by fsdp-run's SIGUSR1.
+  "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --seq 32 --log "$work/early.jsonl" >"$work/out" 2>&1 &
+  pid=$!
+  sleep 0.5
+  kill -TERM "$pid"
+  wait "$pid"
+  code=$?
+  cat "$work/out"
+  [ "$code" = 143 ] || fail "exit code $code, not 143, for SIGTERM during start-up"
+  ! grep -q "signal 10\|User defined signal" "$work/out" || fail "the stop request reported as a kill"
   echo "rank failures: ok"
+  ;;
+lineage)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32)
+  "$run" "${common[@]}" --steps 20 --save-every 10 --save-dir "$work/ck" --log "$work/a.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the first run"; }
+  # 1. --overwrite on a resumed run that then diverges: its own checkpoints stay.
+  "$run" "${common[@]}" --steps 40 --resume "$work/ck" --save-dir "$work/ck" --overwrite --export "$work/x" \
+    --lr 1e8 --log "$work/b.jsonl" >"$work/out" 2>&1
+  [ $? = 1 ] || { cat "$work/out"; fail "the diverging resume did not fail"; }
+  [ "$(ls "$work/ck" | tr '\n' ' ')" = "step-000010 step-000020 " ] || fail "--overwrite removed the run's own: $(ls "$work/ck")"
+  # 4. A resume from step 10 saves 11 and 12: step 20, the abandoned branch, goes aside.
+  "$run" "${common[@]}" --steps 40 --stop-at-step 12 --save-every 1 --resume "$work/ck/step-000010" \
+    --save-dir "$work/ck" --log "$work/c.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume from step 10"; }
+  grep -q "holds this run's checkpoints after step 10, a branch this resume leaves: moved to $work/ck/abandoned-after-step-000010-" \
+    "$work/out" || { cat "$work/out"; fail "the abandoned branch is not reported"; }
+  ls "$work"/ck/abandoned-after-step-000010-*/step-000020/metadata.bin >/dev/null || fail "step 20 is not kept aside"
+  "$run" "${common[@]}" --steps 40 --resume "$work/ck" --save-dir "$work/ck" --dry-run >"$work/out" 2>&1
+  grep -q "resumes $work/ck/step-000012" "$work/out" || { cat "$work/out"; fail "--resume does not take the new branch"; }
+  # 7, 6. --stop-at-step before the checkpoint; other data or seed than it trained on.
+  expect_usage_error "--stop-at-step 5 is not after the checkpoint's step 12" "${common[@]}" --steps 40 --resume "$work/ck" --stop-at-step 5 --save-dir "$work/ck"
+  printf '%0600d' 0 >"$work/text.txt"
+  expect_usage_error "was trained on --data synthetic, this run has --data $work/text.txt" \
+    "${common[@]}" --steps 40 --resume "$work/ck" --data "$work/text.txt"
+  expect_usage_error "was trained with --seed 1234, this run has --seed 7: pass --seed 1234, or --allow-resume-changes" \
+    "${common[@]}" --steps 40 --resume "$work/ck" --seed 7
+  "$run" "${common[@]}" --steps 40 --resume "$work/ck" --seed 7 --allow-resume-changes --dry-run >/dev/null 2>&1 ||
+    fail "--allow-resume-changes refused"
+  # 2. An export that would replace the save directory or the log's.
+  expect_usage_error "--export: '$work/ck' would replace --save-dir '$work/ck'" \
+    "${common[@]}" --steps 40 --resume "$work/ck" --save-dir "$work/ck" --export "$work/ck" --overwrite
+  mkdir -p "$work/logs" && touch "$work/logs/x"
+  expect_usage_error "--export: '$work/logs' would replace --log's directory '$work/logs'" \
+    "${common[@]}" --steps 4 --log "$work/logs/run.jsonl" --export "$work/logs" --overwrite
+  # A damaged newest checkpoint: the error names the next older one.
+  for f in "$work"/ck/step-000012/shard-*; do printf 'xx' | dd of="$f" bs=1 seek=8 conv=notrunc 2>/dev/null; done
+  "$run" "${common[@]}" --steps 40 --resume "$work/ck" --log "$work/d.jsonl" >"$work/out" 2>&1
+  [ $? = 1 ] || { cat "$work/out"; fail "a damaged checkpoint resumed"; }
+  grep -q "checksum mismatch.*the next older checkpoint is '$work/ck/step-000011': --resume $work/ck/step-000011" \
+    "$work/out" || { cat "$work/out"; fail "the next older checkpoint is not named"; }
+  echo "lineage: ok"
+  ;;
+concurrent)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32)
+  "$run" "${common[@]}" --steps 100000 --save-dir "$work/ck" --log "$work/first.jsonl" >"$work/first.out" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "step    2/" "$work/first.out" && break; sleep 0.1; done
+  grep -q "step    2/" "$work/first.out" || { cat "$work/first.out"; fail "the first run never started"; }
+  "$run" "${common[@]}" --steps 4 --save-dir "$work/ck" --log "$work/second.jsonl" >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 2 ] && grep -q "fsdp-train: error: --save-dir: '$work/ck' is in use by another run (run [0-9a-f]*, pid [0-9]* on " \
+    "$work/out" || fail "a second run on the save directory in use (exit $code)"
+  "$run" "${common[@]}" --steps 4 --log "$work/first.jsonl" >"$work/out" 2>&1
+  code=$?
+  cat "$work/out"
+  [ "$code" = 2 ] && grep -q "'$work/first.jsonl' is being written by another run" "$work/out" ||
+    fail "a second run on the log in use (exit $code)"
+  kill -TERM "$pid"
+  wait "$pid" || { cat "$work/first.out"; fail "the first run did not stop cleanly"; }
+  python3 - "$work/first.jsonl" <<'PY' || fail "the first run's log is damaged"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), rows
+PY
+  echo "concurrent: ok"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

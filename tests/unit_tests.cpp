@@ -291,6 +291,48 @@ TEST(LaunchEnv, Mpirun) {
   EXPECT_TRUE(env.master_addr.empty());
 }
 
+// srun: each task's rank, count and GPU from SLURM's variables; GPU ranks meet at the step's first
+// node on a port from the job id, unless MASTER_ADDR/MASTER_PORT say otherwise.
+TEST(LaunchEnv, Srun) {
+  auto env = FakeEnv{{{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "8"}, {"SLURM_NTASKS", "8"},
+                      {"SLURM_LOCALID", "1"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"},
+                      {"SLURM_STEP_NODELIST", "gpu[07-08,12],cpu1"}, {"SLURM_JOB_ID", "123456"}}}
+                 .parse();
+  EXPECT_EQ(env.launcher, fsdp::LaunchEnv::Launcher::Slurm);
+  EXPECT_EQ(env.rank, 5);
+  EXPECT_EQ(env.world_size, 8);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 4);
+  EXPECT_EQ(env.master_addr, "gpu07");
+  EXPECT_EQ(env.master_port, 29500 + 456);
+  auto told = FakeEnv{{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_STEP_NODELIST", "a1,a2"},
+                       {"MASTER_ADDR", "10.1.1.1"}, {"MASTER_PORT", "4000"}}}
+                  .parse();
+  EXPECT_EQ(told.master_addr, "10.1.1.1");
+  EXPECT_EQ(told.master_port, 4000);
+  const auto first_node = FakeEnv{{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"SLURM_STEP_NODELIST", "a1,a2"}}}.parse();
+  EXPECT_EQ(first_node.master_addr, "a1");
+  // An allocation's batch script with one task is one process.
+  const auto batch_script = FakeEnv{{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}}.parse();
+  EXPECT_EQ(batch_script.launcher, fsdp::LaunchEnv::Launcher::Single);
+  // torchrun inside an allocation: its own variables win.
+  const auto torchrun_inside = FakeEnv{{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"}, {"RANK", "1"},
+                                        {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"MASTER_ADDR", "h"},
+                                        {"MASTER_PORT", "1"}}}.parse();
+  EXPECT_EQ(torchrun_inside.launcher, fsdp::LaunchEnv::Launcher::Torchrun);
+}
+
+// MPICH's or Intel MPI's launcher: PMI's rank and size; a place to meet only if the user gives one.
+TEST(LaunchEnv, PmiLaunchers) {
+  auto env = FakeEnv{{{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "3"}, {"MPI_LOCALNRANKS", "4"}}}
+                 .parse();
+  EXPECT_EQ(env.launcher, fsdp::LaunchEnv::Launcher::Pmi);
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 3);
+  EXPECT_TRUE(env.master_addr.empty());  // a GPU communicator refuses it (fault_pmi_without_master)
+}
+
 void expect_error(const FakeEnv& env, const std::string& needle) {
   try {
     env.parse();
@@ -317,6 +359,10 @@ TEST(LaunchEnv, MissingOrContradictoryVariablesAreNamed) {
   expect_error(FakeEnv{{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"},
                         {"OMPI_COMM_WORLD_SIZE", "2"}}},
                "contradictory launch environment");
+  expect_error(FakeEnv{{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}}},
+               "SLURM_NTASKS=4 but this process was not started by srun");
+  expect_error(FakeEnv{{{"PMI_RANK", "0"}}}, "PMI_SIZE is not set, but PMI_RANK is");
+  expect_error(FakeEnv{{{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}, {"MASTER_ADDR", "h"}}}, "MASTER_PORT is not set");
 }
 
 TEST(LrSchedule, WarmupThenCosineToMin) {

@@ -279,9 +279,19 @@ int run_as_mpi_rank(char** program_argv) {
   int status = 0;
   while (waitpid(child, &status, 0) < 0)
     if (errno != EINTR) return 1;
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFEXITED(status)) {
+    // mpirun -q says nothing of a rank's non-zero exit: this line does (2, a usage error, the
+    // program has reported; an exit while mpirun ends the job is its consequence, not news).
+    const int code = WEXITSTATUS(status);
+    if (code != 0 && code != 2 && !g_rank_signalled)
+      std::fprintf(stderr, "fsdp-run: rank %s (pid %d) exited with status %d\n", rank ? rank : "?",
+                   static_cast<int>(child), code);
+    return code;
+  }
   const int sig = WTERMSIG(status);
-  if (!g_rank_signalled)
+  // SIGUSR1 is fsdp-run's stop request (SIGTERM or SIGINT passed on): a program that ends of it
+  // before it handles it (in its start-up) stopped as asked, and fsdp-run says so.
+  if (!g_rank_signalled && sig != SIGUSR1)
     std::fprintf(stderr, "fsdp-run: rank %s (pid %d) was killed by signal %d (%s)\n", rank ? rank : "?",
                  static_cast<int>(child), sig, strsignal(sig));
   return 128 + sig;

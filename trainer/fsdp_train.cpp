@@ -1,6 +1,7 @@
 // fsdp-train: trains the Llama-style example model with fsdp.cpp.
 //   fsdp-run -n 2 build/fsdp-train --model tiny --steps 20
 // The command line is parsed and checked here; the run itself is train/trainer.h.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -30,6 +31,11 @@ int main(int argc, char** argv) {
   // 1.069 -> 1.023, bench/results/2026-11-22-h200x2-3cf0cd8). A value in the
   // environment, even empty, wins.
   setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
+  // A stop request (SIGTERM, SIGINT, SIGUSR1) during start-up is kept for the first step boundary,
+  // not fatal. A file over `ulimit -f` fails its write, which names the file, instead of SIGXFSZ
+  // ending the rank without a word.
+  fsdp::train::install_stop_handlers();
+  std::signal(SIGXFSZ, SIG_IGN);
   fsdp::train::TrainArgs args;
   try {
     args = fsdp::train::parse_train_args(std::vector<std::string>(argv + 1, argv + argc));
@@ -59,9 +65,13 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  fsdp::train::install_stop_handlers();
   try {
     return fsdp::train::Trainer(args).train();
+  } catch (const fsdp::train::UsageError& e) {
+    // Found by the ranks together at start-up (another run holds the --save-dir or the log): the
+    // rank that found it says it, every rank exits 2.
+    if (*e.what()) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     fsdp::abort_job("fsdp-train: error on rank " + std::to_string(launch_rank()) + ": " + fsdp::error_text(e));
   }

@@ -1,9 +1,15 @@
 // Process-group set-up: who am I, how many are we, and the communicator that
-// joins us. Three launchers are understood:
-//   torchrun-style  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
-//   mpirun          OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK
+// joins us. These launchers are understood, in this order of precedence:
+//   mpirun          OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE
+//   torchrun-style  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 //   fsdp-run        sets the torchrun variables (GPUs) or runs mpirun (CPU)
-// and no launcher at all means a single process.
+//   srun (SLURM)    SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID; GPU ranks meet at
+//                   MASTER_ADDR:MASTER_PORT, by default the step's first node and a port from
+//                   the job id
+//   MPICH / Intel MPI (PMI)  PMI_RANK, PMI_SIZE, MPI_LOCALRANKID; GPU ranks need MASTER_ADDR
+//                   and MASTER_PORT
+// and no launcher at all means a single process. An environment that says there are several
+// processes but gives no way to join them is refused, never run as one process alone.
 #pragma once
 
 #include <chrono>
@@ -20,12 +26,13 @@ namespace fsdp {
 /// What the launcher told this process (parse_launch_env).
 struct LaunchEnv {
   /// Who started the process: nobody (one process), torchrun-style variables, or mpirun.
-  enum class Launcher { Single, Torchrun, Mpirun };
+  enum class Launcher { Single, Torchrun, Mpirun, Slurm, Pmi };
   Launcher launcher = Launcher::Single;  ///< who started the process
   int rank = 0;                          ///< this process among all
   int world_size = 1;                    ///< processes in all
   int local_rank = 0;                    ///< this process among those of its machine (its GPU)
-  std::string master_addr;  ///< empty unless torchrun-style
+  int local_world_size = 1;              ///< processes on this machine (1 where the launcher says not)
+  std::string master_addr;  ///< where GPU ranks meet (torchrun-style, srun, PMI); empty for mpirun
   int master_port = 0;      ///< the store's port (torchrun-style)
   /// Under torchrun its agent already serves the store at MASTER_ADDR:MASTER_PORT
   /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, joins it as a client. The

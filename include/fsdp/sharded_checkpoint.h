@@ -67,7 +67,8 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state);
 /// Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
 /// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
 /// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file
-/// and the problem; the tensors are then partly overwritten.
+/// and the problem. Everything is checked before anything is copied: after a failed load the
+/// tensors are as they were.
 void load_checkpoint(const std::string& dir, CheckpointState& state);
 /// The newest complete checkpoint under `parent` (subdirectories named step-N holding
 /// metadata.bin; interrupted saves, `*.tmp`, are skipped), `parent` itself where it is a complete

@@ -14,11 +14,14 @@ newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
 
 
-def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    # An optimizer that has not stepped has no state to load into: one step with zero gradients
-    # and a learning rate of 0 makes it (no parameter changes; weight decay is scaled by the rate).
+def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """An optimizer that has not stepped has no state to load into: one step with zero gradients
+    and a learning rate of 0 makes it (no parameter changes; weight decay is scaled by the rate).
+    Returns what to restore if the load then fails (None: nothing was made)."""
     if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):
-        return
+        return None
+    before = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+              for p, state in optimizer.state.items()}
     saved_grads, saved_lrs = {}, []
     for group in optimizer.param_groups:
         saved_lrs.append(group["lr"])
@@ -31,9 +34,15 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
         for p in group["params"]:
             p.grad = saved_grads[p]
+    return before
 
 
-def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, loading: bool):
+def _restore_optimizer_state(optimizer: torch.optim.Optimizer, before: dict) -> None:
+    optimizer.state.clear()
+    optimizer.state.update(before)
+
+
+def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     sharded, replicated = [], []
     names = {}
     for name, p in model.named_parameters():
@@ -45,9 +54,7 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None, loading:
     for name, b in model.named_buffers():
         replicated.append((f"buffer/{name}", b.data))
     if optimizer is not None:
-        if loading:
-            _initialise_optimizer_state(optimizer)
-        for g, group in enumerate(optimizer.param_groups):
+        for group in optimizer.param_groups:
             for p in group["params"]:
                 if p not in names:
                     raise ValueError("fsdpcpp checkpoint: the optimizer holds a parameter the model does not")
@@ -68,14 +75,21 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Saves the sharded model (and optimizer state) to the directory `path`: each rank writes its
     rows, rank 0 the metadata; written to `path`.tmp and renamed once complete, replacing an
     existing `path`. `extra`: your own entries (step, data position), strings. Collective."""
-    sharded, replicated = _entries(model, optimizer, loading=False)
+    sharded, replicated = _entries(model, optimizer)
     _C.save_checkpoint(os.fspath(path), sharded, replicated, {str(k): str(v) for k, v in (extra or {}).items()})
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
     """Fills the sharded model (and optimizer state) in place from a checkpoint saved on any
     number of ranks; returns its `extra` entries. Raises on every rank, naming the file and the
-    problem, when the checkpoint does not fit (another model, missing or damaged files).
-    Collective."""
-    sharded, replicated = _entries(model, optimizer, loading=True)
-    return dict(_C.load_checkpoint(os.fspath(path), sharded, replicated))
+    problem, when the checkpoint does not fit (another model, missing or damaged files); the model
+    and the optimizer are then exactly as they were (everything is checked before anything is
+    copied). Collective."""
+    before = _initialise_optimizer_state(optimizer) if optimizer is not None else None
+    try:
+        sharded, replicated = _entries(model, optimizer)
+        return dict(_C.load_checkpoint(os.fspath(path), sharded, replicated))
+    except BaseException:
+        if before is not None:
+            _restore_optimizer_state(optimizer, before)
+        raise

@@ -27,7 +27,10 @@ _info = None  # (rank, world size, device, backend) once init() ran
 
 def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     """Joins the job's ranks: torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT), mpirun's (OMPI_COMM_WORLD_*), or none (one process). backend "auto" takes NCCL
+    MASTER_PORT), mpirun's (OMPI_COMM_WORLD_*), srun's (SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+    SLURM_LOCALID), a PMI launcher's (PMI_RANK, PMI_SIZE, with MASTER_ADDR and MASTER_PORT), or
+    none (one process); an environment that says there are several ranks but gives no way to join
+    them raises ValueError rather than run as one process alone. backend "auto" takes NCCL
     where CUDA is available (and selects cuda:LOCAL_RANK), else MPI. Works beside a process group
     the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
     communicator). On GPUs it turns on the caching allocator's expandable segments unless

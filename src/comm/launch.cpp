@@ -4,6 +4,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -90,10 +91,12 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
                                                 const InitOptions& options) {
   auto timeout = timeout_from(options);
   if (backend == Backend::Mpi) {
-    if (env.launcher == LaunchEnv::Launcher::Torchrun)
+    if (env.launcher == LaunchEnv::Launcher::Torchrun || env.launcher == LaunchEnv::Launcher::Pmi)
       throw std::invalid_argument(
-          "fsdp: the CPU (MPI) backend needs processes started by mpirun; RANK/WORLD_SIZE alone "
-          "cannot connect MPI processes. Launch with `mpirun -n N PROGRAM` or `fsdp-run -n N "
+          "fsdp: the CPU (MPI) backend needs processes started by mpirun (OpenMPI's, or srun); " +
+          std::string(env.launcher == LaunchEnv::Launcher::Pmi ? "PMI_RANK/PMI_SIZE (MPICH's or Intel MPI's launcher)"
+                                                               : "RANK/WORLD_SIZE") +
+          " alone cannot connect its MPI processes. Launch with `mpirun -n N PROGRAM` or `fsdp-run -n N "
           "PROGRAM` (which uses mpirun when there is no GPU).");
     auto comm = std::make_shared<MpiCommunicator>(options.group_name, timeout);
     if (comm->world_size() != env.world_size || comm->rank() != env.rank)
@@ -113,6 +116,11 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
                                 " has no GPU: this node has " + std::to_string(gpus) +
                                 ". Start at most one process per GPU.");
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
+  if (env.world_size > 1 && env.master_addr.empty() && env.launcher != LaunchEnv::Launcher::Mpirun)
+    throw std::invalid_argument(
+        "fsdp: the launcher says there are " + std::to_string(env.world_size) +
+        " ranks but not where they meet: set MASTER_ADDR and MASTER_PORT (rank 0's host and a free port), "
+        "or launch with torchrun, OpenMPI's mpirun or fsdp-run");
   ncclUniqueId id = exchange_nccl_id(env, timeout);
   return std::make_shared<NcclCommunicator>(env.rank, env.world_size, env.local_rank, id,
                                             options.group_name, timeout);
@@ -121,6 +129,64 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
       "fsdp: this build has no NCCL backend (torch without CUDA, or NCCL not found at configure "
       "time)");
 #endif
+}
+
+// The first host of a SLURM node list ("gpu[07-08,12],cpu1" -> "gpu07").
+std::string first_host(const std::string& nodes) {
+  const auto open = nodes.find('[');
+  const auto comma = nodes.find(',');
+  if (open == std::string::npos || (comma != std::string::npos && comma < open)) return nodes.substr(0, comma);
+  const auto close = nodes.find(']', open);
+  const auto first_end = nodes.find_first_of(",-]", open + 1);
+  const std::string suffix = close == std::string::npos ? "" : nodes.substr(close + 1, nodes.find(',', close) - close - 1);
+  return nodes.substr(0, open) + nodes.substr(open + 1, first_end - open - 1) + suffix;
+}
+
+// srun's or a PMI launcher's (MPICH's mpiexec, Intel MPI) variables, where neither mpirun's nor
+// torchrun's are set. GPU ranks meet through a store at MASTER_ADDR:MASTER_PORT: under srun by
+// default the step's first node (where task 0 runs) and a port from the job id; a PMI launcher
+// names no such place, so the user must. The batch script of an allocation of several tasks (no
+// srun step) is refused: its one process is not the job's ranks.
+void read_scheduler_launch(const std::function<const char*(const char*)>& get, LaunchEnv& env) {
+  const auto number = [&](const char* name) { return parse_int(name, get(name)); };
+  if (get("SLURM_PROCID")) {
+    if (!get("SLURM_STEP_NUM_TASKS")) {
+      if (get("SLURM_NTASKS") && number("SLURM_NTASKS") > 1)
+        throw std::invalid_argument(
+            std::string("fsdp: SLURM_NTASKS=") + get("SLURM_NTASKS") + " but this process was not started by srun "
+            "(no SLURM_STEP_NUM_TASKS): start the ranks with `srun PROGRAM`, or run one process with SLURM_NTASKS unset");
+      return;  // an allocation's batch script with one task: one process
+    }
+    env.launcher = LaunchEnv::Launcher::Slurm;
+    env.rank = number("SLURM_PROCID");
+    env.world_size = number("SLURM_STEP_NUM_TASKS");
+    env.local_rank = get("SLURM_LOCALID") ? number("SLURM_LOCALID") : 0;
+    if (const char* per_node = get("SLURM_STEP_TASKS_PER_NODE"))  // "4(x2),3": the first node's count
+      env.local_world_size = std::max(1, std::atoi(per_node));
+    const char* nodes = get("SLURM_STEP_NODELIST") ? get("SLURM_STEP_NODELIST") : get("SLURM_JOB_NODELIST");
+    env.master_addr = get("MASTER_ADDR") ? get("MASTER_ADDR") : nodes ? first_host(nodes) : "";
+    env.master_port = get("MASTER_PORT") ? number("MASTER_PORT")
+                      : get("SLURM_JOB_ID") ? 29500 + number("SLURM_JOB_ID") % 1000 : 29500;
+  } else if (get("PMI_RANK") || get("PMI_SIZE")) {
+    if (!get("PMI_RANK") || !get("PMI_SIZE"))
+      throw std::invalid_argument(std::string("fsdp: ") + (get("PMI_RANK") ? "PMI_SIZE" : "PMI_RANK") +
+                                  " is not set, but " + (get("PMI_RANK") ? "PMI_RANK" : "PMI_SIZE") +
+                                  " is: a PMI launcher sets both");
+    env.launcher = LaunchEnv::Launcher::Pmi;
+    env.rank = number("PMI_RANK");
+    env.world_size = number("PMI_SIZE");
+    env.local_rank = get("MPI_LOCALRANKID") ? number("MPI_LOCALRANKID") : 0;
+    env.local_world_size = get("MPI_LOCALNRANKS") ? number("MPI_LOCALNRANKS") : 1;
+    if (get("MASTER_ADDR")) {
+      env.master_addr = get("MASTER_ADDR");
+      if (!get("MASTER_PORT"))
+        throw std::invalid_argument("fsdp: MASTER_PORT is not set, but MASTER_ADDR is (rank 0 listens there)");
+      env.master_port = number("MASTER_PORT");
+    }
+  }
+  if (env.master_port < 0 || env.master_port > 65535)
+    throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(env.master_port) +
+                                " is not a TCP port (1-65535)");
 }
 
 }  // namespace
@@ -147,6 +213,8 @@ LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv
                                need("OMPI_COMM_WORLD_SIZE", "but OMPI_COMM_WORLD_RANK is"));
     const char* local = get("OMPI_COMM_WORLD_LOCAL_RANK");
     env.local_rank = local ? parse_int("OMPI_COMM_WORLD_LOCAL_RANK", local) : env.rank;
+    const char* local_size = get("OMPI_COMM_WORLD_LOCAL_SIZE");
+    env.local_world_size = local_size ? parse_int("OMPI_COMM_WORLD_LOCAL_SIZE", local_size) : env.world_size;
   }
   if (torchrun) {
     int rank = parse_int("RANK", need("RANK", "but WORLD_SIZE is"));
@@ -164,6 +232,8 @@ LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv
       const char* local = world > 1 ? need("LOCAL_RANK", "but RANK and WORLD_SIZE are")
                                     : get("LOCAL_RANK");
       env.local_rank = local ? parse_int("LOCAL_RANK", local) : 0;
+      const char* local_size = get("LOCAL_WORLD_SIZE");
+      env.local_world_size = local_size ? parse_int("LOCAL_WORLD_SIZE", local_size) : world;
       const char* agent = get("TORCHELASTIC_USE_AGENT_STORE");
       env.agent_store = agent && std::string(agent) == "True";
       const char* restarts = get("TORCHELASTIC_RESTART_COUNT");
@@ -180,6 +250,7 @@ LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv
       }
     }
   }
+  if (!mpirun && !torchrun) read_scheduler_launch(get, env);
   if (env.world_size < 1)
     throw std::invalid_argument("fsdp: world size " + std::to_string(env.world_size) +
                                 " must be at least 1");

@@ -2,11 +2,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -101,6 +104,68 @@ std::string parent_of(const std::string& path) {
   const auto slash = p.rfind('/');
   if (slash == std::string::npos) return ".";
   return slash == 0 ? "/" : p.substr(0, slash);
+}
+
+std::string canonical_path(const std::string& path) {
+  std::string head = path.empty() ? "." : path, tail;
+  char resolved[PATH_MAX];
+  while (::realpath(head.c_str(), resolved) == nullptr) {
+    const auto slash = head.find_last_of('/');
+    const std::string name = slash == std::string::npos ? head : head.substr(slash + 1);
+    if (!name.empty() && name != ".") tail = "/" + name + tail;
+    if (slash == std::string::npos) {
+      head = ".";
+    } else {
+      head = slash == 0 ? "/" : head.substr(0, slash);
+    }
+    if (head == "." && ::realpath(".", resolved) == nullptr) return path;  // no working directory
+  }
+  const std::string base = resolved;
+  return base == "/" && !tail.empty() ? tail : base + tail;
+}
+
+bool is_within(const std::string& inner, const std::string& outer) {
+  const std::string a = canonical_path(inner), b = canonical_path(outer);
+  return a == b || (a.size() > b.size() && a.compare(0, b.size(), b) == 0 && (b == "/" || a[b.size()] == '/'));
+}
+
+std::unique_ptr<LockedFile> LockedFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) fail("open", path);
+  struct stat st{};
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int saved = errno;
+      ::close(fd);
+      if (saved == EWOULDBLOCK) return nullptr;
+      errno = saved;
+      fail("lock", path);
+    }
+    if (::ftruncate(fd, 0) != 0) {
+      ::close(fd);
+      fail("empty", path);
+    }
+  }
+  return std::unique_ptr<LockedFile>(new LockedFile(path, fd));
+}
+
+LockedFile::~LockedFile() { ::close(fd_); }
+
+void LockedFile::write(const std::string& bytes) {
+  const char* p = bytes.data();
+  size_t size = bytes.size();
+  while (size > 0) {
+    const ssize_t n = ::write(fd_, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("write", path_);
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+void LockedFile::rewrite(const std::string& bytes) {
+  if (::ftruncate(fd_, 0) != 0) fail("empty", path_);
+  write(bytes);  // O_APPEND: from the new end, the start
 }
 
 OutputFile::OutputFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) {

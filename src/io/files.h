@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,11 @@ void copy_file(const std::string& from, const std::string& to);
 void replace_with(const std::string& staged, const std::string& path);
 // "a/b" for "a/b/c", "." for "c".
 std::string parent_of(const std::string& path);
+// `path` made absolute, with symbolic links and "." / ".." resolved as far as it exists (the rest
+// appended as written): two names of one place give the same string.
+std::string canonical_path(const std::string& path);
+// Whether `inner` is `outer` or lies below it (both compared as canonical_path gives them).
+bool is_within(const std::string& inner, const std::string& outer);
 
 // A file written through a descriptor, so that it can be fsynced before a rename publishes it.
 // close() syncs and closes, throwing naming the file; the destructor only closes (an abandoned
@@ -45,6 +51,28 @@ class OutputFile {
   void close();
 
  private:
+  std::string path_;
+  int fd_;
+};
+
+// A file this process alone writes: opened for writing (created if missing) under flock's exclusive
+// lock, which the kernel drops when the process ends, however it ends. A regular file is emptied
+// only once locked, so a second writer never truncates the first one's file; a pipe or a device
+// (/dev/stdout) is neither locked nor emptied. open() returns null when another process holds it.
+class LockedFile {
+ public:
+  static std::unique_ptr<LockedFile> open(const std::string& path);
+  ~LockedFile();
+  LockedFile(const LockedFile&) = delete;
+  LockedFile& operator=(const LockedFile&) = delete;
+  // Appends; throws naming the file (a full disk, a size limit).
+  void write(const std::string& bytes);
+  // Replaces the whole content (a lock file's description of its holder).
+  void rewrite(const std::string& bytes);
+  const std::string& path() const { return path_; }
+
+ private:
+  LockedFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
   std::string path_;
   int fd_;
 };

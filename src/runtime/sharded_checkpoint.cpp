@@ -10,6 +10,7 @@
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/nn/module.h>
 #include <unistd.h>
 
@@ -100,13 +101,64 @@ void require_same(const std::string& file, const std::string& name, const at::Te
                           ": a checkpoint of another model or dtype");
 }
 
+// A saved rank's file as loading first opened it: later reads (the second pass) take bytes only
+// from that same file, since the first pass checked them (savers write new files and rename them
+// into place, never rewrite one).
+struct FileIdentity {
+  bool known = false;
+  dev_t device = 0;
+  ino_t inode = 0;
+  off_t size = 0;
+  int64_t modified_ns = 0;
+  bool same(const FileIdentity& o) const {
+    return device == o.device && inode == o.inode && size == o.size && modified_ns == o.modified_ns;
+  }
+};
+
+// One saved rank's file, open for reading blocks.
+class BlockReader {
+ public:
+  // Opens `file`: the first opening records `identity`, later ones must find it again.
+  BlockReader(const std::string& file, FileIdentity& identity) : file_(file) {
+    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw CheckpointError(system_error(file));
+    struct stat st{};
+    const bool inspected = ::fstat(fd_, &st) == 0;
+    const FileIdentity now{true, st.st_dev, st.st_ino, st.st_size,
+                           static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+    if (inspected && !identity.known) identity = now;
+    if (!inspected || !now.same(identity)) {
+      ::close(fd_);
+      throw CheckpointError(file + ": changed while the checkpoint was being loaded");
+    }
+  }
+  ~BlockReader() { ::close(fd_); }
+  void read(void* dst, size_t bytes, uint64_t offset, const std::string& name) const {
+    size_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pread(fd_, static_cast<char*>(dst) + done, bytes - done, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    if (done != bytes) throw CheckpointError(file_ + ": cannot read '" + name + "'");
+  }
+
+ private:
+  std::string file_;
+  int fd_ = -1;
+};
+
+// One tensor's load: for each saved rank whose rows overlap this rank's, its whole block is read
+// (so that its checksum can be checked). The first pass only checks (sizes, checksums); the
+// second copies the overlapping rows, from files unchanged since the first.
 void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const CheckpointState::Sharded& want,
-                  const io::TensorMeta& saved, size_t index, const BlockMap& blocks) {
+                  const io::TensorMeta& saved, size_t index, const BlockMap& blocks,
+                  std::vector<FileIdentity>& identities, bool first_pass) {
   const ShardLayout now = ShardLayout::of_shape(want.full_shape, want.comm->world_size());
   const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
   const int64_t first = want.first_row, last = first + now.local_rows(want.comm->rank());
   const size_t esize = io::element_size(saved.dtype);
-  at::Tensor rows = want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel});
   for (uint32_t r = 0; r < meta.world; ++r) {
     const int64_t begin = std::max(first, then.first_row(static_cast<int>(r)));
     const int64_t end = std::min(last, then.first_row(static_cast<int>(r)) + then.local_rows(static_cast<int>(r)));
@@ -117,24 +169,17 @@ void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const 
       throw CheckpointError(file + ": " + (size < 0 ? "missing" : std::to_string(size) + " bytes, expected " +
                                                                    std::to_string(blocks.file_size[r])) +
                             "; the checkpoint is incomplete or damaged");
-    // The whole block, so that its checksum can be checked, then the overlapping rows.
+    const BlockReader reader(file, identities[r]);
     at::Tensor block = at::empty({then.local_rows(static_cast<int>(r)), then.row_numel},
                                  at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
     const size_t bytes = block.numel() * esize;
-    const int fd = ::open(file.c_str(), O_RDONLY);
-    if (fd < 0) throw CheckpointError(system_error(file));
-    size_t done = 0;
-    while (done < bytes) {
-      const ssize_t n = ::pread(fd, static_cast<char*>(block.data_ptr()) + done, bytes - done,
-                                static_cast<off_t>(blocks.offset[index][r] + done));
-      if (n <= 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
+    reader.read(block.data_ptr(), bytes, blocks.offset[index][r], saved.name);
+    if (first_pass) {
+      if (io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
+        throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
+      continue;
     }
-    ::close(fd);
-    if (done != bytes) throw CheckpointError(file + ": cannot read '" + saved.name + "'");
-    if (io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
-      throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
+    at::Tensor rows = want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel});
     const int64_t from = then.first_row(static_cast<int>(r));
     rows.narrow(0, begin - first, end - begin).copy_(block.narrow(0, begin - from, end - begin));
   }
@@ -244,24 +289,45 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state) {
 void load_checkpoint(const std::string& dir, CheckpointState& state) {
   Communicator& comm = communicator_of(state);
   c10::NoGradGuard no_grad;
+  const std::string meta_path = dir + "/metadata.bin";
+  io::CheckpointMeta meta;
+  BlockMap blocks;
+  std::vector<size_t> saved_index;  // per sharded tensor of `state`: its place in the metadata
+  std::vector<const io::TensorMeta*> saved_replicated;
+  std::vector<FileIdentity> identities;
+  // Everything is checked on every rank (names, shapes, dtypes, counts, sizes, every block's
+  // checksum) before the first byte is copied: a load that fails leaves the state as it was.
   on_every_rank(comm, "loading " + dir, [&] {
-    const std::string meta_path = dir + "/metadata.bin";
-    const io::CheckpointMeta meta = io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path);
-    const BlockMap blocks = block_map(meta);
+    meta = io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path);
+    blocks = block_map(meta);
+    identities.resize(meta.world);
+    if (meta.sharded.size() != state.sharded().size())
+      throw CheckpointError(meta_path + ": holds " + std::to_string(meta.sharded.size()) + " sharded tensors, this model " +
+                            std::to_string(state.sharded().size()) + ": a checkpoint of another model");
     for (const auto& want : state.sharded()) {
       auto it = std::find_if(meta.sharded.begin(), meta.sharded.end(), [&](const auto& t) { return t.name == want.name; });
       if (it == meta.sharded.end()) throw CheckpointError(meta_path + ": has no '" + want.name + "': a checkpoint of another model");
       require_same(meta_path, want.name, want.local, want.full_shape, *it);
-      load_sharded(dir, meta, want, *it, static_cast<size_t>(it - meta.sharded.begin()), blocks);
+      saved_index.push_back(static_cast<size_t>(it - meta.sharded.begin()));
     }
-    if (meta.sharded.size() != state.sharded().size())
-      throw CheckpointError(meta_path + ": holds " + std::to_string(meta.sharded.size()) + " sharded tensors, this model " +
-                            std::to_string(state.sharded().size()) + ": a checkpoint of another model");
     for (const auto& [name, value] : state.replicated()) {
       auto it = std::find_if(meta.replicated.begin(), meta.replicated.end(), [&](const auto& t) { return t.name == name; });
       if (it == meta.replicated.end()) throw CheckpointError(meta_path + ": has no '" + name + "'");
       require_same(meta_path, name, value, value.sizes().vec(), *it);
-      value.copy_(at::from_blob(const_cast<char*>(it->bytes.data()), value.sizes(), value.options().device(at::kCPU)));
+      saved_replicated.push_back(&*it);
+    }
+    for (size_t i = 0; i < state.sharded().size(); ++i)
+      load_sharded(dir, meta, state.sharded()[i], meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
+                   /*first_pass=*/true);
+  });
+  on_every_rank(comm, "loading " + dir, [&] {
+    for (size_t i = 0; i < state.sharded().size(); ++i)
+      load_sharded(dir, meta, state.sharded()[i], meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
+                   /*first_pass=*/false);
+    for (size_t i = 0; i < state.replicated().size(); ++i) {
+      const at::Tensor& value = state.replicated()[i].second;
+      value.copy_(at::from_blob(const_cast<char*>(saved_replicated[i]->bytes.data()), value.sizes(),
+                                value.options().device(at::kCPU)));
     }
     state.extra = meta.extra;
   });

@@ -302,8 +302,36 @@ def case_errors(args):
         other = shard(build("gpt2"))
         expect_error(RuntimeError, "a checkpoint of another model",
                      lambda: fsdpcpp.load_checkpoint(fsdpcpp.newest_checkpoint(args.dir), other))
+        check_failed_load_changes_nothing(args.dir)
     if fsdpcpp.rank() == 0:
         print("errors: each raised with its one-line message")
+
+
+def check_failed_load_changes_nothing(saved_dir):
+    """A damaged copy of case_save's checkpoint (its last file's last byte): the load fails on
+    every rank and leaves the model and the optimizer (which had no state) exactly as they were."""
+    import shutil
+    newest = fsdpcpp.newest_checkpoint(saved_dir)
+    damaged = os.path.join(saved_dir, "damaged")
+    if fsdpcpp.rank() == 0:
+        shutil.copytree(newest, damaged)
+        last = sorted(n for n in os.listdir(damaged) if n.startswith("shard-"))[-1]
+        with open(os.path.join(damaged, last), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([byte ^ 0x40]))
+    fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))  # the copy exists before anyone reads it
+    model = shard(build("plain"))
+    opt = optimizer_for(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        fsdpcpp.load_checkpoint(damaged, model, opt)
+        raise AssertionError("a damaged checkpoint loaded")
+    except RuntimeError as e:
+        assert "checksum mismatch" in str(e) or "failed on" in str(e), e
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert not changed and not opt.state, f"a failed load changed {changed}, optimizer state {len(opt.state)}"
 
 
 def case_hf_roundtrip(args):

@@ -95,6 +95,23 @@ def test_a_collective_that_never_completes_times_out():
 
 
 @cpu_only
+@pytest.mark.parametrize("variables, message", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "SLURM_NTASKS=4 but this process was not started by srun"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, "MPI sees rank 0 of 1 but the launch environment says rank 0 of 2"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "PMI_RANK/PMI_SIZE (MPICH's or Intel MPI's launcher) alone cannot connect"),
+])
+def test_init_refuses_a_launch_it_cannot_join(variables, message):
+    """srun's or a PMI launcher's variables that describe several processes are never joined as
+    one process alone: fsdpcpp.init() raises ValueError naming them."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), CUDA_VISIBLE_DEVICES="", **variables)
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", "import fsdpcpp\ntry:\n    fsdpcpp.init()\nexcept ValueError as e:\n"
+                           "    print('ValueError:', e)"], env=env, capture_output=True, text=True, timeout=120)
+    assert "ValueError:" in done.stdout and message in done.stdout, done.stdout + done.stderr
+
+
+@cpu_only
 def test_init_beside_a_process_group():
     run(2, "beside_process_group", "--port", str(29500 + os.getpid() % 2000))
 

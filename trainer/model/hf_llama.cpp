@@ -232,12 +232,31 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
                                     shape_text(expected) + " (another model size?)");
       const int64_t first = std::max(rows.first_row, part.first_row);
       const int64_t last = std::min(rows.first_row + rows.rows, part.first_row + part.rows);
-      if (first < last)
-        pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
+      if (first >= last) continue;
+      pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
+      if (!pieces.back().isfinite().all().item<bool>())  // else the first step's divergence would blame --lr
+        throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name +
+                                    "' holds NaN or infinite values: damaged weights, which no training can start from");
     }
     if (!pieces.empty()) param.copy_(at::cat(pieces).view(param.sizes()));
   }
-  if (model.config.tie_embeddings) unused.erase("lm_head.weight");  // the embedding, saved twice
+  // A tied model's head is its embedding. A file that also holds an lm_head.weight of other
+  // values was trained untied: tying would drop that head (transformers keeps it). Refused.
+  const auto head = where.find("lm_head.weight");
+  if (model.config.tie_embeddings && head != where.end()) {
+    at::Tensor embedding = model.tok_emb->weight;
+    const ShardRows rows = shard_rows_of(embedding);
+    if (rows.rows > 0 && !at::equal(head->second->read_rows("lm_head.weight", rows.first_row, rows.rows,
+                                                             embedding.scalar_type())
+                                              .to(embedding.device())
+                                              .view(embedding.sizes()),
+                                    embedding))
+      throw std::invalid_argument("'" + path + "': config.json ties the embeddings (tie_word_embeddings: true) but "
+                                  "lm_head.weight holds other values than model.embed_tokens.weight: tying would "
+                                  "drop that head. Set tie_word_embeddings to false in config.json to train it as "
+                                  "its own matrix, or delete lm_head.weight to tie the head to the embedding");
+    unused.erase("lm_head.weight");  // the embedding, saved twice
+  }
   if (!missing.empty())
     throw std::invalid_argument("'" + path + "' lacks the model's tensors:" + missing);
   if (!unused.empty())

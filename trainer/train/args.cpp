@@ -14,12 +14,14 @@
 #include <map>
 #include <sstream>
 
+#include "fsdp/launch.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "io/files.h"
 #include "model/hf_llama.h"
 #include "model/linear_cross_entropy.h"
 #include "model/llama.h"
 #include "train/data.h"
+#include "train/lineage.h"
 #include "train/memory.h"
 
 namespace fsdp::train {
@@ -165,9 +167,17 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                                number(a.plan_check_rounds)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
-      {"--overwrite", {"a fresh run may replace the checkpoints already in --save-dir (they are removed) and "
-                       "the model already at --export (replaced whole); without it either is refused",
-                       set_true(a.overwrite), false}},
+      {"--overwrite-checkpoints",
+       {"other runs' checkpoints in --save-dir may be replaced: they are removed once this run has saved its "
+        "first (this run's own, and those it resumed from, never are); without it they make the run refuse",
+        set_true(a.overwrite_checkpoints), false}},
+      {"--overwrite-export", {"the model already at --export may be replaced (whole, once the new one is "
+                              "written); without it an existing export is refused", set_true(a.overwrite_export), false}},
+      {"--overwrite", {"both --overwrite-checkpoints and --overwrite-export",
+                       [&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, false}},
+      {"--allow-resume-changes",
+       {"resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
+        "would go on with other data than it trained on)", set_true(a.allow_resume_changes), false}},
       {"--max-skipped-steps", {"steps whose loss or gradient norm is not finite are skipped (no optimizer step, "
                                "one host wait a step to check) up to this many times; 0 = the first one stops "
                                "the run with an error (default 0)", number(a.max_skipped_steps)}},
@@ -205,6 +215,9 @@ void check_flags_that_need_another(const TrainArgs& a) {
       {"--max-pending-host-steps", a.cpu_offload && a.optimizer_in_backward,
        "--cpu-offload and --optimizer-in-backward (the host steps it caps)"},
       {"--overwrite", !a.save_dir.empty() || !a.export_path.empty(), "--save-dir or --export (what it replaces)"},
+      {"--overwrite-checkpoints", !a.save_dir.empty(), "--save-dir (whose checkpoints it replaces)"},
+      {"--overwrite-export", !a.export_path.empty(), "--export (the model it replaces)"},
+      {"--allow-resume-changes", !a.resume.empty(), "--resume (the checkpoint whose settings may change)"},
   };
   for (const auto& rule : rules)
     require(!given(rule.flag) || rule.needed_is_there,
@@ -226,7 +239,8 @@ void check_ranges(const TrainArgs& a) {
   require(a.warmup >= 0, "--warmup must be 0 or more");
   require(a.weight_decay >= 0, "--weight-decay must be 0 or more");
   require(a.clip >= 0, "--clip must be 0 (off) or positive");
-  require(a.timeout_s >= 0, "--timeout must be 0 (default) or a positive number of seconds");
+  // Below a millisecond the timeout would be 0 ms: every collective would fail at once.
+  require(a.timeout_s == 0 || a.timeout_s >= 0.001, "--timeout must be 0 (default) or at least 0.001 seconds (1 ms)");
   require(a.runtime.prefetch_depth >= 0, "--prefetch-depth must be 0 or more");
   require(a.runtime.max_inflight_allgathers >= 0, "--max-inflight-allgathers must be 0 (unlimited) or more");
   require(a.runtime.max_inflight_reduce_scatters >= 0,
@@ -336,6 +350,12 @@ void check_data_file(const std::string& flag, const std::string& path, const Tra
   } catch (const std::invalid_argument& e) {
     throw UsageError(flag + ": " + e.what());
   }
+  // An imported model's ids are its tokenizer's: byte values would train it on nonsense.
+  require(layout.format != "bytes" || a.init_from.empty(),
+          flag + ": '" + path + "' is text, read one byte a token, but --init-from '" + a.init_from +
+              "' brings a model whose token ids are its tokenizer's: tokenise the text first, e.g. "
+              "fsdp-prepare-data --tokenizer " + (io::is_directory(a.init_from) ? a.init_from : std::string("DIR")) +
+              " " + path + " --out DATA.bin, and pass that .bin file");
   // A row is seq + 1 tokens (inputs and shifted targets) from a random start.
   require(layout.tokens >= static_cast<uint64_t>(a.seq) + 2,
           flag + ": '" + path + "' has " + std::to_string(layout.tokens) + " tokens (" + layout.format + "); --seq " +
@@ -358,9 +378,25 @@ void check_export_path(const TrainArgs& a) {
   require(single_file || !io::exists(a.export_path) || io::is_directory(a.export_path),
           "--export: '" + a.export_path + "' exists and is not a directory");
   const bool empty_directory = io::is_directory(a.export_path) && io::list_directory(a.export_path).empty();
-  require(!io::exists(a.export_path) || empty_directory || a.overwrite,
+  require(!io::exists(a.export_path) || empty_directory || a.overwrite_export,
           "--export: '" + a.export_path + "' already " + (single_file ? "exists" : "holds files") +
-              ": pass --overwrite to replace it, or export elsewhere");
+              ": pass --overwrite-export to replace it, or export elsewhere");
+  // The export replaces its path whole: nothing else the run reads or writes may be it or lie in it.
+  struct OtherPath {
+    const char* flag;
+    std::string path;
+  };
+  const OtherPath others[] = {{"--save-dir", a.save_dir},
+                              {"--resume", a.resume},
+                              {"--log's directory", a.log.empty() ? std::string("runs") : io::parent_of(a.log)},
+                              {"--init-from", a.init_from},
+                              {"--data", a.data == "synthetic" ? std::string() : a.data},
+                              {"--eval-data", a.eval_data},
+                              {"--save-init", a.save_init}};
+  for (const auto& other : others)
+    require(other.path.empty() || !io::is_within(other.path, a.export_path),
+            "--export: '" + a.export_path + "' would replace " + other.flag + " '" + other.path +
+                "' (the export is written whole over its path): export to a path of its own");
   // Written as PATH.tmp beside it, then renamed: its parent must take new names.
   require_writable("--export", a.export_path + ".tmp");
 }
@@ -385,40 +421,48 @@ std::map<std::string, std::string> check_resume(const TrainArgs& a) {
   require(done < a.steps || !a.export_path.empty(),
           "--resume: '" + from + "' is at step " + step->second + " and --steps is " + std::to_string(a.steps) +
               ": nothing to train; raise --steps, or add --export to export it as it is");
+  require(a.stop_at_step == 0 || a.stop_at_step > done,
+          "--stop-at-step " + std::to_string(a.stop_at_step) + " is not after the checkpoint's step " + step->second +
+              " ('" + from + "'): give a later step, or drop --stop-at-step");
+  // What the run trained on: going on with other data or another seed (which draws the rows)
+  // is another run, unless the user says so.
+  const auto recorded = [&](const char* key) {
+    const auto it = extra.find(key);
+    return it == extra.end() ? std::string() : it->second;
+  };
+  const std::string data = recorded("data"), seed = recorded("seed");
+  if (!a.allow_resume_changes) {
+    require(data.empty() || data == a.data || data == recorded_data(a.data),
+            "--resume: '" + from + "' was trained on --data " + data + ", this run has --data " + a.data +
+                ": pass the same --data, or --allow-resume-changes to go on with the new data");
+    require(seed.empty() || seed == std::to_string(a.seed),
+            "--resume: '" + from + "' was trained with --seed " + seed + ", this run has --seed " +
+                std::to_string(a.seed) + ": pass --seed " + seed + ", or --allow-resume-changes to draw other rows");
+  }
   return extra;
 }
 
-// --save-dir: a run saves where no other run's checkpoints are, unless it continues that run
-// (--resume of a checkpoint of the same run) or is told to replace them (--overwrite). Otherwise
-// a later --resume there would take the other run's newest step over this one's.
+// --save-dir: a run saves where no other run's checkpoints are, unless it is told to replace them
+// (--overwrite-checkpoints): a later --resume there would take the other run's newest step. A
+// resumed run's own lineage (the run id its checkpoint records) is its to continue.
 void check_save_dir(const TrainArgs& a, const std::map<std::string, std::string>& resumed) {
   require_writable_directory("--save-dir", a.save_dir);
-  const std::string newest = fsdp::newest_checkpoint(a.save_dir);
-  if (newest.empty() || a.overwrite) return;
-  std::map<std::string, std::string> there;
-  try {
-    there = fsdp::checkpoint_extra(newest);
-  } catch (const std::exception&) {
-  }
-  const auto run_of = [](const std::map<std::string, std::string>& extra) {
-    const auto it = extra.find("run");
-    return it == extra.end() ? std::string() : it->second;
-  };
-  require(!a.resume.empty() && run_of(resumed) == run_of(there),
-          "--save-dir: '" + a.save_dir + "' holds checkpoints of another run (newest '" + newest + "'" +
-              (run_of(there).empty() ? "" : ", run " + run_of(there)) +
-              "): --resume " + a.save_dir + " continues that run, --overwrite replaces its checkpoints; "
-              "or save elsewhere");
+  if (a.overwrite_checkpoints) return;
+  const auto others = other_runs(saved_checkpoints(a.save_dir), run_of(resumed));
+  if (others.empty()) return;
+  const auto& newest = others.back();
+  throw UsageError("--save-dir: '" + a.save_dir + "' holds checkpoints of another run (newest '" + newest.path + "'" +
+                   (newest.run.empty() ? "" : ", run " + newest.run) + "): --resume " + newest.path +
+                   " continues that run, --overwrite-checkpoints replaces its checkpoints; or save elsewhere");
 }
 
-int env_int(std::initializer_list<const char*> names, int fallback) {
-  for (const char* name : names)
-    if (const char* v = std::getenv(name)) {
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (end != v && *end == '\0' && n > 0 && n < (1 << 20)) return static_cast<int>(n);
-    }
-  return fallback;
+// The launcher's variables (fsdp::parse_launch_env), a malformed set being the user's to fix.
+LaunchEnv launch_env() {
+  try {
+    return launch_env_from_process();
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
 }
 
 std::string gib(double bytes) {
@@ -450,7 +494,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   const double host = available_host_bytes();
   const bool on_gpu = gpu > 0;
   const double compute_bytes = c10::elementSize(dtype_named(a.param_dtype, on_gpu));
-  const int world = env_int({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"}, 1);
+  const int world = launch_env().world_size;
   if (world % a.replicas != 0)
     throw UsageError("--replicas " + std::to_string(a.replicas) + " does not divide the " + std::to_string(world) +
                      " ranks: each replica needs as many ranks as the others");
@@ -511,7 +555,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
 
 }  // namespace
 
-int local_ranks() { return env_int({"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}, 1); }
+int local_ranks() { return launch_env().local_world_size; }
 
 c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
   if (name == "fp32") return c10::kFloat;
@@ -531,6 +575,8 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
     }
     auto it = table.find(name);
     if (it == table.end()) throw UsageError("unknown flag '" + name + "' (see --help)");
+    // One value a flag: which of two the user meant is not ours to guess.
+    if (a.given.count(name)) throw UsageError(name + " is given twice: give it once");
     std::string value;
     if (it->second.takes_value) {
       if (i + 1 >= argv.size()) throw UsageError(name + " needs a value");
@@ -636,14 +682,16 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
   check_memory(a, config, gpu);
 }
 
-std::string default_log_path() {
+std::string default_log_path(const std::string& run_id) {
   const std::time_t now = std::time(nullptr);
   std::tm local{};
   localtime_r(&now, &local);
-  char name[64];
-  std::strftime(name, sizeof(name), "runs/%Y%m%d-%H%M%S/fsdp-train.jsonl", &local);
-  return name;
+  char time[32];
+  std::strftime(time, sizeof(time), "%Y%m%d-%H%M%S", &local);
+  return "runs/" + std::string(time) + "-" + run_id + "/fsdp-train.jsonl";
 }
+
+std::string recorded_data(const std::string& data) { return data == "synthetic" ? data : io::canonical_path(data); }
 
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension) {
   return prefix + "-rank" + std::to_string(rank) + extension;

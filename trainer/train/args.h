@@ -61,7 +61,9 @@ struct TrainArgs {
   std::string plan_check;        // bench: predicted vs measured for several budgets' plans, to this file
   int plan_check_budgets = 8, plan_check_steps = 6, plan_check_rounds = 2;
   bool dry_run = false;  // check everything, print the plan, train nothing
-  bool overwrite = false;  // replace the checkpoints in --save-dir and the model at --export
+  bool overwrite_checkpoints = false;  // other runs' checkpoints in --save-dir may go (never this run's lineage)
+  bool overwrite_export = false;       // the model at --export may be replaced
+  bool allow_resume_changes = false;   // --resume with another --data or --seed than the checkpoint's
   int max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   bool help = false;
   std::set<std::string> given;  // the flags on the command line, to refuse those another flag makes moot
@@ -95,8 +97,13 @@ inline bool skips_nonfinite_steps(const TrainArgs& a) { return a.max_skipped_ste
 // Whether the run profiles a step and plans (--memory-budget or --plan-check).
 inline bool plans_schedule(const TrainArgs& a) { return a.memory_budget_gib > 0 || !a.plan_check.empty(); }
 
-// runs/<YYYYmmdd-HHMMSS>/fsdp-train.jsonl for the current local time.
-std::string default_log_path();
+// runs/<YYYYmmdd-HHMMSS>-<run id>/fsdp-train.jsonl for the current local time: two runs started
+// in the same second get logs of their own.
+std::string default_log_path(const std::string& run_id);
+
+// What a checkpoint records as the run's --data: the file's canonical path ("synthetic" as it is),
+// so that a resume from another working directory still names the same file.
+std::string recorded_data(const std::string& data);
 
 // The path a rank writes for a per-rank output PREFIX (trace, profile, snapshot, memory log).
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension);

@@ -1,25 +1,12 @@
 #include "train/step_log.h"
 
-#include <cmath>
-#include <cstdio>
-#include <sstream>
-#include <stdexcept>
+#include <nlohmann/json.hpp>
 
-#include "io/files.h"
+#include <cstdio>
+
+#include "train/args.h"
 
 namespace fsdp::train {
-namespace {
-
-// JSON has no NaN or infinity: a non-finite number is written as null.
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream out;
-  out.precision(9);
-  out << v;
-  return out.str();
-}
-
-}  // namespace
 
 RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& after) {
   RuntimeStats d;
@@ -33,16 +20,13 @@ RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& aft
   return d;
 }
 
-StepLog::StepLog(std::string path) : path_(std::move(path)) {
-  const std::string dir = io::parent_of(path_);
-  if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>/
-  out_.open(path_);
-  out_.precision(9);  // enough to compare runs (resume, resharding) step by step
-  check();
-}
-
-void StepLog::check() const {
-  if (!out_) throw std::runtime_error("cannot write the log '" + path_ + "'");
+StepLog::StepLog(const std::string& path) {
+  const std::string dir = io::parent_of(path);
+  if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>-<run>/
+  file_ = io::LockedFile::open(path);
+  if (!file_)
+    throw UsageError("--log: '" + path + "' is being written by another run (it holds the file's lock): give this "
+                     "run a --log of its own");
 }
 
 void StepLog::write(const StepRecord& r) {
@@ -60,26 +44,35 @@ void StepLog::write(const StepRecord& r) {
     std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", r.step, r.eval->loss,
                 r.eval->perplexity, (long long)r.eval->tokens);
   std::fflush(stdout);
-  out_ << "{\"step\":" << r.step << ",\"loss\":" << json_number(r.loss) << ",\"lr\":" << r.lr
-       << ",\"grad_norm\":" << (r.grad_norm ? json_number(*r.grad_norm) : "null")
-       << ",\"skipped\":" << (r.skipped ? "true" : "false") << ",\"tok_s\":" << tok_s << ",\"step_ms\":" << r.ms
-       << ",\"peak_alloc_gib\":" << mem.allocated_gib << ",\"peak_reserved_gib\":" << mem.reserved_gib
-       << ",\"peak_active_gib\":" << mem.active_gib << ",\"alloc_retries\":" << mem.alloc_retries
-       << ",\"allgather_waits\":" << r.waits.allgather_waits
-       << ",\"reduce_scatter_waits\":" << r.waits.reduce_scatter_waits
-       << ",\"host_step_waits\":" << r.waits.host_step_waits << ",\"prefetches\":" << r.waits.prefetches
-       << ",\"tokens_per_step\":" << r.tokens_per_step << ",\"flops_per_token\":" << r.flops_per_token
-       << ",\"alloc_end_bytes\":" << mem.allocated_now_bytes << ",\"reserved_end_bytes\":" << mem.reserved_now_bytes
-       << ",\"rss_gib\":" << mem.rss_now_gib << ",\"world\":" << r.world << ",\"model\":\"" << r.model << "\"";
-  if (r.eval) out_ << ",\"eval_loss\":" << r.eval->loss << ",\"eval_ppl\":" << r.eval->perplexity;
-  out_ << "}\n";
-  out_.flush();
-  check();
-}
-
-void StepLog::close() {
-  out_.close();
-  check();
+  // The JSON library writes a number that is not finite (a diverged loss, a failed memory sample)
+  // as null, and escapes any text (a model path with quotes).
+  nlohmann::ordered_json line = {{"step", r.step},
+                         {"loss", r.loss},
+                         {"lr", r.lr},
+                         {"grad_norm", r.grad_norm ? nlohmann::ordered_json(*r.grad_norm) : nlohmann::ordered_json()},
+                         {"skipped", r.skipped},
+                         {"tok_s", tok_s},
+                         {"step_ms", r.ms},
+                         {"peak_alloc_gib", mem.allocated_gib},
+                         {"peak_reserved_gib", mem.reserved_gib},
+                         {"peak_active_gib", mem.active_gib},
+                         {"alloc_retries", mem.alloc_retries},
+                         {"allgather_waits", r.waits.allgather_waits},
+                         {"reduce_scatter_waits", r.waits.reduce_scatter_waits},
+                         {"host_step_waits", r.waits.host_step_waits},
+                         {"prefetches", r.waits.prefetches},
+                         {"tokens_per_step", r.tokens_per_step},
+                         {"flops_per_token", r.flops_per_token},
+                         {"alloc_end_bytes", mem.allocated_now_bytes},
+                         {"reserved_end_bytes", mem.reserved_now_bytes},
+                         {"rss_gib", mem.rss_now_gib},
+                         {"world", r.world},
+                         {"model", r.model}};
+  if (r.eval) {
+    line["eval_loss"] = r.eval->loss;
+    line["eval_ppl"] = r.eval->perplexity;
+  }
+  file_->write(line.dump() + "\n");
 }
 
 }  // namespace fsdp::train

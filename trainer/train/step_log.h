@@ -3,11 +3,12 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "fsdp/runtime_options.h"
+#include "io/files.h"
 #include "train/evaluate.h"
 #include "train/memory.h"
 
@@ -33,18 +34,17 @@ struct StepRecord {
 // What the runtime counted between two readings of fsdp::runtime_stats().
 RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& after);
 
-// The JSONL log (rank 0). Throws naming the file when it cannot be written.
+// The JSONL log (rank 0), held under an exclusive lock for the run (io::LockedFile): two runs
+// given one --log never interleave their lines. Throws naming the file when it cannot be written,
+// and UsageError when another run is writing it.
 class StepLog {
  public:
-  explicit StepLog(std::string path);
+  explicit StepLog(const std::string& path);
   void write(const StepRecord& record);  // prints the step's line and appends its JSON line
-  void close();
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_->path(); }
 
  private:
-  void check() const;
-  std::string path_;
-  std::ofstream out_;
+  std::unique_ptr<io::LockedFile> file_;
 };
 
 }  // namespace fsdp::train

@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "model/fused_ops.h"
 #include "model/hf_llama.h"
 #include "train/evaluate.h"
+#include "train/lineage.h"
 #include "train/llama_schedule.h"
 #include "train/memory.h"
 #include "train/profile.h"
@@ -81,11 +83,20 @@ std::string new_run_id(Communicator& comm) {
   return text;
 }
 
-// --overwrite: the checkpoints another run left in the save directory go before this run saves,
-// so that a later --resume cannot take one of theirs.
-void remove_checkpoints(const std::string& dir) {
-  for (const auto& name : io::list_directory(dir))
-    if (name.rfind("step-", 0) == 0) io::remove_tree(dir + "/" + name);
+// The lock file that claims a --save-dir for one run at a time; it names its holder.
+constexpr const char* kSaveDirLock = ".fsdp-train.lock";
+
+std::string first_line_of(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string holder_description(const std::string& run_id) {
+  char host[256] = "?";
+  gethostname(host, sizeof(host) - 1);
+  return "run " + run_id + ", pid " + std::to_string(getpid()) + " on " + host;
 }
 
 // How a message writes a number that may not be finite.
@@ -117,21 +128,22 @@ Trainer::Trainer(const TrainArgs& args)
       device_(comm_->device()),
       config_(model_config(args)),
       lr_schedule_{args.lr, args.min_lr, args.warmup, args.steps} {
+  // The run's identity first: a resumed run keeps its checkpoint's (read by every rank).
+  if (!args.resume.empty()) {
+    resume_from_ = newest_checkpoint(args.resume);
+    run_id_ = run_of(checkpoint_extra(resume_from_));
+  }
+  if (run_id_.empty()) run_id_ = new_run_id(*comm_);
+  claim_outputs();
   data_ = args.data == "synthetic" ? synthetic_tokens(config_.vocab, args.seed) : file_tokens(args.data, args.seed);
   if (!args.eval_data.empty()) eval_data_ = file_tokens(args.eval_data, args.seed);
   set_runtime_options(args.runtime);
   if (plans_schedule(args) && device_.is_cpu()) count_host_allocations();  // the profile's memory, on CPU
   shard_model();
   resume();
-  if (lead_ && !args.save_dir.empty()) {
-    io::make_directories(args.save_dir);
-    if (args.overwrite) remove_checkpoints(args.save_dir);
-  }
+  if (lead_ && !args.save_dir.empty() && !resume_from_.empty()) set_aside_abandoned_branch();
   release_cached_memory(device_);  // measure what the model holds, not set-up leftovers
-  if (lead_) {
-    step_log_.emplace(args.log.empty() ? default_log_path() : args.log);
-    print_banner();
-  }
+  if (lead_) print_banner();
   take_memory_peaks(device_);
   stats_before_ = runtime_stats();
   if (!args.memory_log.empty())
@@ -196,20 +208,65 @@ void Trainer::shard_model() {
   optimizer_->add_to_checkpoint(checkpoint_, model_->named_parameters().pairs());
 }
 
-// --resume: the newest checkpoint's state and step; a resumed run keeps its checkpoints' run id.
-void Trainer::resume() {
-  if (!args_.resume.empty()) {
-    const std::string from = newest_checkpoint(args_.resume);
-    const auto begin = std::chrono::steady_clock::now();
-    load_checkpoint(from, checkpoint_);
-    first_step_ = std::stoi(checkpoint_.extra.at("step"));
-    if (checkpoint_.extra.count("run")) run_id_ = checkpoint_.extra.at("run");
-    if (lead_)
-      std::printf("fsdp-train: resumed from %s (step %d%s) in %.2f s\n", from.c_str(), first_step_,
-                  run_id_.empty() ? "" : (", run " + run_id_).c_str(), seconds_since(begin));
+// Rank 0 claims what the run writes before any work: the --save-dir (its lock file names this
+// run) and the log, each under an exclusive lock held until the process ends. If another run holds
+// either, every rank stops with that usage error (exit 2): two runs never overwrite each other's
+// step-N or interleave one log.
+void Trainer::claim_outputs() {
+  std::string refusal;
+  if (lead_) {
+    try {
+      if (!args_.save_dir.empty()) {
+        io::make_directories(args_.save_dir);
+        const std::string lock = args_.save_dir + "/" + kSaveDirLock;
+        save_dir_lock_ = io::LockedFile::open(lock);
+        if (!save_dir_lock_)
+          throw UsageError("--save-dir: '" + args_.save_dir + "' is in use by another run (" + first_line_of(lock) +
+                           "): wait for it to end, or save elsewhere");
+        save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
+      }
+      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log);
+    } catch (const UsageError& e) {
+      refusal = e.what();
+    }
   }
-  if (run_id_.empty()) run_id_ = new_run_id(*comm_);
+  at::Tensor refused = at::full({1}, refusal.empty() ? 0.0f : 1.0f, at::TensorOptions(at::kFloat).device(device_));
+  comm_->all_reduce(refused, ReduceOp::Sum);
+  if (refused.item<float>() > 0) throw UsageError(refusal);  // "" on the ranks that only learn of it
+}
+
+// --resume: the newest checkpoint's state and step. A checkpoint that cannot be loaded leaves
+// the model as it was (load_checkpoint checks everything first); the error names the next older
+// checkpoint, the one to fall back to.
+void Trainer::resume() {
+  if (!resume_from_.empty()) {
+    const auto begin = std::chrono::steady_clock::now();
+    try {
+      load_checkpoint(resume_from_, checkpoint_);
+    } catch (const std::exception& e) {
+      const auto saved = saved_checkpoints(io::parent_of(resume_from_));
+      const auto failed = std::find_if(saved.begin(), saved.end(), [&](const SavedCheckpoint& c) {
+        return io::canonical_path(c.path) == io::canonical_path(resume_from_);
+      });
+      const std::string older = failed != saved.end() && failed != saved.begin() ? std::prev(failed)->path : "";
+      throw std::runtime_error(error_text(e) + (older.empty() ? "" : "; the next older checkpoint is '" + older +
+                                                                          "': --resume " + older + " resumes from it"));
+    }
+    first_step_ = std::stoi(checkpoint_.extra.at("step"));
+    if (lead_)
+      std::printf("fsdp-train: resumed from %s (step %d, run %s) in %.2f s\n", resume_from_.c_str(), first_step_,
+                  run_id_.c_str(), seconds_since(begin));
+  }
   steps_done_ = first_step_;
+}
+
+// A resume from an older step of this run than the save directory's newest starts a new branch:
+// the old branch's later checkpoints go aside, where no --resume takes them, but nothing is lost.
+void Trainer::set_aside_abandoned_branch() {
+  const std::string aside = train::set_aside_abandoned_branch(args_.save_dir, run_id_, first_step_);
+  if (!aside.empty())
+    std::printf("fsdp-train: %s holds this run's checkpoints after step %d, a branch this resume leaves: moved to "
+                "%s\n", args_.save_dir.c_str(), first_step_, aside.c_str());
 }
 
 void Trainer::print_banner() const {
@@ -242,7 +299,9 @@ int Trainer::train() {
 
     const StepOutcome outcome = read_step(train_step(step, planned_ ? planned_->before_step(step) : nullptr), start);
     const int done = steps_done_ = step + 1;
-    const bool stop = outcome.stop_requested || done == args_.stop_at_step;
+    // A log that could not be written (found by the previous step's report) stops the run here,
+    // saved like a stop by a signal: its work is kept, and the run ends with the error.
+    const bool stop = outcome.stop_requested || outcome.log_failed || done == args_.stop_at_step;
     if (planned_) planned_->after_step(step, outcome.ms);
     report(step, outcome, lr, stop);
     if (!goes_on_after_nonfinite(done, outcome)) break;
@@ -263,8 +322,13 @@ int Trainer::train() {
     if (stop) {
       if (lead_)
         std::printf("fsdp-train: stopped after step %d (%s)%s\n", done,
-                    outcome.stop_requested ? "a signal" : "--stop-at-step",
+                    outcome.log_failed ? "the log cannot be written" : outcome.stop_requested ? "a signal" : "--stop-at-step",
                     args_.save_dir.empty() ? "; nothing saved: no --save-dir" : "");
+      if (outcome.log_failed) {
+        if (lead_) std::fprintf(stderr, "fsdp-train: error: %s\n", log_error_.c_str());
+        exit_code_ = 1;
+        break;
+      }
       // Stopped by a signal with nothing saved: the signal's exit code, as if it had ended us.
       exit_code_ = outcome.stop_requested && args_.save_dir.empty() ? 128 + (g_stop_signal ? g_stop_signal : SIGTERM) : 0;
       break;
@@ -307,13 +371,14 @@ Trainer::StepResult Trainer::train_step(int step, PlannedRun::StartRecording sta
 // The loss and whether any rank was asked to stop, in one all-reduce: every rank stops together.
 // `start`: when the step began; its time runs to the end of this wait.
 Trainer::StepOutcome Trainer::read_step(const StepResult& result, std::chrono::steady_clock::time_point start) {
-  auto loss_and_stop = at::stack(
-      {result.loss, at::scalar_tensor(static_cast<double>(g_stop_signal), result.loss.options().dtype(at::kFloat))});
+  const auto flag = [&](double v) { return at::scalar_tensor(v, result.loss.options().dtype(at::kFloat)); };
+  auto loss_and_stop = at::stack({result.loss, flag(g_stop_signal), flag(log_error_.empty() ? 0 : 1)});
   comm_->all_reduce(loss_and_stop, ReduceOp::Sum);
   const auto totals = loss_and_stop.cpu();  // also waits for the GPU
   StepOutcome outcome;
   outcome.loss = totals[0].item<double>() / comm_->world_size();
   outcome.stop_requested = totals[1].item<double>() > 0;
+  outcome.log_failed = totals[2].item<double>() > 0;
   if (result.grad_norm.defined()) outcome.grad_norm = result.grad_norm.item<double>();
   outcome.skipped = result.skipped;
   outcome.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -337,11 +402,16 @@ void Trainer::report(int step, const StepOutcome& outcome, double lr, bool stop)
   std::optional<EvalResult> eval;
   if (eval_data_ && (done == args_.steps || stop || (args_.eval_every > 0 && done % args_.eval_every == 0)))
     eval = evaluate(model_, *comm_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch, args_.seq);
-  if (step_log_)
-    step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
-                      args_.grad_accum * args_.batch * args_.seq * comm_->world_size(),
-                      config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
-                      args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), args_.model, eval});
+  if (step_log_ && log_error_.empty()) {
+    try {
+      step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
+                        args_.grad_accum * args_.batch * args_.seq * comm_->world_size(),
+                        config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
+                        args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), args_.model, eval});
+    } catch (const std::exception& e) {  // a full disk, a file size limit: the next step saves and stops
+      log_error_ = e.what();
+    }
+  }
 }
 
 // A step whose loss or gradient norm is not finite stops the run, unless --max-skipped-steps let
@@ -379,15 +449,31 @@ bool Trainer::state_is_finite(int done, const char* action) {
 
 void Trainer::save(int steps_done) {
   checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
-                       {"seed", std::to_string(args_.seed)}, {"data", args_.data}, {"run", run_id_}};
+                       {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_}};
   const std::string dir = args_.save_dir + "/" + checkpoint_name(steps_done);
+  if (io::exists(dir + "/metadata.bin") && run_of(checkpoint_extra(dir)) != run_id_)  // every rank reads it alike
+    throw std::runtime_error("'" + dir + "' was written by another run; not replaced. Its run id is in its "
+                             "metadata: resume that run there, or save this one elsewhere");
   const auto begin = std::chrono::steady_clock::now();
   save_checkpoint(dir, checkpoint_);
   if (lead_) std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(), seconds_since(begin));
+  // --overwrite-checkpoints: the other runs' checkpoints go once this run has one of its own.
+  if (lead_ && args_.overwrite_checkpoints && !replaced_other_runs_) {
+    const auto others = other_runs(saved_checkpoints(args_.save_dir), run_id_);
+    for (const auto& c : others) io::remove_tree(c.path);
+    if (!others.empty())
+      std::printf("fsdp-train: --overwrite-checkpoints: removed %zu checkpoint(s) of other runs from %s\n",
+                  others.size(), args_.save_dir.c_str());
+  }
+  replaced_other_runs_ = true;
 }
 
 int Trainer::finish() {
-  const bool failed = exit_code_ == 1 || exit_code_ == 2;  // diverged, or a budget refused
+  if (!log_error_.empty() && exit_code_ == 0) {  // the last step's line: saved, but the run failed
+    std::fprintf(stderr, "fsdp-train: error: %s\n", log_error_.c_str());
+    exit_code_ = 1;
+  }
+  const bool failed = exit_code_ == 1 || exit_code_ == 2;  // diverged, a budget refused, the log lost
   if (!args_.export_path.empty() && !failed) {
     if (state_is_finite(steps_done_, "exported")) {
       model::export_hf(*model_, *comm_, args_.export_path, args_.init_from);
@@ -399,10 +485,7 @@ int Trainer::finish() {
   if (!args_.profile.empty()) save_profile(rank_path(args_.profile, comm_->rank(), ".json"));
   if (!args_.memory_snapshot.empty()) write_memory_snapshot(device_, rank_path(args_.memory_snapshot, comm_->rank(), ".pickle"));
   if (sampler_) sampler_->close();
-  if (step_log_) {
-    step_log_->close();
-    std::printf("fsdp-train: %s, log in %s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str());
-  }
+  if (step_log_) std::printf("fsdp-train: %s, log in %s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str());
   shutdown();
   return exit_code_;
 }

@@ -43,10 +43,12 @@ class Trainer {
   struct StepOutcome {  // a step as read on the host, every rank agreeing
     double loss = 0, ms = 0;
     std::optional<double> grad_norm;
-    bool skipped = false, stop_requested = false;
+    bool skipped = false, stop_requested = false, log_failed = false;
   };
+  void claim_outputs();  // the save directory's lock and the log's, before any work; collective
   void shard_model();
   void resume();
+  void set_aside_abandoned_branch();
   void print_banner() const;
   StepResult train_step(int step, PlannedRun::StartRecording start_recording);  // one optimizer step
   StepOutcome read_step(const StepResult& result, std::chrono::steady_clock::time_point start);
@@ -66,11 +68,15 @@ class Trainer {
   ShardOptions shard_;
   std::unique_ptr<FusedAdamW> optimizer_;
   CheckpointState checkpoint_;
-  std::string run_id_;
+  std::string resume_from_;  // the checkpoint --resume takes ("" for a fresh run)
+  std::string run_id_;       // the lineage's: drawn by a fresh run, kept by its resumes
+  std::unique_ptr<io::LockedFile> save_dir_lock_;  // rank 0, held for the run
+  bool replaced_other_runs_ = false;               // --overwrite-checkpoints done
   int first_step_ = 0, steps_done_ = 0, skipped_steps_ = 0, exit_code_ = 0;
   LrSchedule lr_schedule_;
   double clip_norm_ = 0;  // 0: no norm computed
   std::optional<StepLog> step_log_;
+  std::string log_error_;  // rank 0: why the log could not be written ("" while it can)
   std::unique_ptr<MemorySampler> sampler_;
   std::optional<PlannedRun> planned_;  // --memory-budget / --plan-check
   int trace_step_ = 0;

@@ -1,0 +1,96 @@
+"""fsdp-prepare-data: text or JSONL files -> a token file fsdp-train reads (--data FILE.bin).
+
+    fsdp-prepare-data --tokenizer DIR FILE [FILE ...] --out DATA.bin [--field text] [--overwrite]
+
+DIR is a Hugging Face tokenizer directory (the --init-from model's own: tokenizer.json,
+tokenizer_config.json, ...), loaded by transformers' AutoTokenizer. A FILE ending in .jsonl holds
+one JSON object a line, its --field the document; any other FILE is one document. Each document is
+tokenised as the tokenizer does by default (its BOS, if it adds one), followed by its EOS token
+where it has one, so documents stay apart. DATA.bin gets llm.c's layout: a header of 256 int32
+(magic 20240520 for uint16 ids, 20240801 where an id needs 32 bits; version 1; the token count),
+then the ids, little-endian. It is written beside DATA.bin and renamed into place once complete;
+an existing DATA.bin is replaced only with --overwrite.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+MAGIC_UINT16, MAGIC_UINT32 = 20240520, 20240801
+MAX_TOKENS = 2**31 - 1  # the header counts tokens in an int32
+
+
+def documents(path, field):
+    """The documents of one input file, in order."""
+    if not path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            yield f.read()
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"fsdp-prepare-data: {path}:{number}: not JSON ({e.msg})")
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise SystemExit(f"fsdp-prepare-data: {path}:{number}: no text field '{field}' "
+                                 f"(pass --field NAME to read another)")
+            yield record[field]
+
+
+def write_token_file(ids, vocab_size, out):
+    wide = vocab_size > 2**16
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (MAGIC_UINT32 if wide else MAGIC_UINT16, 1, len(ids))
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(ids, dtype="<u4" if wide else "<u2").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="fsdp-prepare-data", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", metavar="FILE", help="text files, or .jsonl files of documents")
+    p.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="a Hugging Face tokenizer directory (the --init-from model's)")
+    p.add_argument("--out", required=True, metavar="DATA.bin", help="the token file to write")
+    p.add_argument("--field", default="text", help="the document's field in .jsonl files (default text)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = p.parse_args(argv)
+    if not args.out.endswith(".bin"):
+        p.error(f"--out '{args.out}' must end in .bin (fsdp-train reads other names as text)")
+    if os.path.exists(args.out) and not args.overwrite:
+        p.error(f"--out '{args.out}' exists: pass --overwrite to replace it, or write elsewhere")
+    for path in args.files:
+        if not os.path.isfile(path):
+            p.error(f"cannot read '{path}': no such file")
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    except (OSError, ValueError) as e:
+        p.error(f"--tokenizer '{args.tokenizer}': no Hugging Face tokenizer there ({e})")
+    vocab_size = len(tokenizer)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids = []
+    for path in args.files:
+        before, count = len(ids), 0
+        for text in documents(path, args.field):
+            ids += tokenizer(text)["input_ids"] + eos
+            count += 1
+        print(f"fsdp-prepare-data: {path}: {count} document(s), {len(ids) - before} tokens", flush=True)
+        if len(ids) > MAX_TOKENS:
+            raise SystemExit(f"fsdp-prepare-data: more than {MAX_TOKENS} tokens: split the input into several files")
+    write_token_file(ids, vocab_size, args.out)
+    print(f"fsdp-prepare-data: wrote {args.out}: {len(ids)} tokens of a {vocab_size}-id vocabulary "
+          f"(llm.c {'uint32' if vocab_size > 2**16 else 'uint16'})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
