@@ -8,7 +8,10 @@ import os
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor
+
 from . import _C
+from ._dtensor import managed
 
 newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
@@ -45,12 +48,13 @@ def _restore_optimizer_state(optimizer: torch.optim.Optimizer, before: dict) -> 
 def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     sharded, replicated = [], []
     names = {}
-    for name, p in model.named_parameters():
+    for name, face in model.named_parameters():
+        p = managed(face)
         if not _C.is_sharded_parameter(p):
             raise ValueError(f"fsdpcpp checkpoint: parameter '{name}' is not sharded: apply fully_shard to the root "
                              "module too")
         sharded.append((name, p.data, p))
-        names[p] = name
+        names[p] = names[face] = name  # an optimizer holds either (made before fully_shard: the managed one)
     for name, b in model.named_buffers():
         replicated.append((f"buffer/{name}", b.data))
     if optimizer is not None:
@@ -60,8 +64,10 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
                     raise ValueError("fsdpcpp checkpoint: the optimizer holds a parameter the model does not")
                 for key, value in optimizer.state[p].items():
                     entry = f"optimizer/{names[p]}/{key}"
-                    if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                        sharded.append((entry, value, p))
+                    if isinstance(value, DTensor):  # the state of a face: its local rows are the managed shape
+                        value = value._local_tensor
+                    if isinstance(value, torch.Tensor) and value.shape == managed(p).shape and value.dim() > 0:
+                        sharded.append((entry, value, managed(p)))
                     elif isinstance(value, torch.Tensor):
                         replicated.append((entry, value))
                     else:

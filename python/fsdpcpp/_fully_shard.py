@@ -11,7 +11,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import _C
+from . import _C, _dtensor
 from ._runtime import _ensure_init, _updated
 
 
@@ -54,6 +54,35 @@ class FSDPModule:
             "fsdpcpp: FSDPModule.unshard is not supported: the runtime all-gathers a module before its forward "
             "and prefetches from the recorded order; run the forward instead")
 
+    # FSDP2's scheduling hints. The runtime already does what they ask for, from the order it
+    # records each step and with events (docs/python.md): accepted, with nothing to do.
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """Accepted: the runtime prefetches the next modules of the order recorded in the previous
+        step (activation recomputation included); set_runtime_options(prefetch_depth=N) sets how far."""
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """Accepted: as set_modules_to_forward_prefetch, in backward order."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted: the runtime ends each backward itself (its end-of-backward callback)."""
+
+    def set_post_optim_event(self, event) -> None:
+        """Accepted: each all-gather already waits for the compute stream's position at its issue,
+        where the optimizer's writes to the shards are."""
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce across replicas; with a 1-D mesh (no replicas) there is none to skip."""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """True (FSDP2's default) is what the runtime does; False is not supported."""
+        if not reshard_after_backward:
+            raise NotImplementedError("fsdpcpp: set_reshard_after_backward(False) is not supported: the runtime "
+                                      "frees the unsharded parameters after each module's backward")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        raise NotImplementedError("fsdpcpp: set_gradient_divide_factor is not supported: gradients are averaged "
+                                  "over the ranks (divided by the world size); scale the loss instead")
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps the gradients unsharded and summed (gradient accumulation without
         communication); the first backward after True reduce-scatters the sums. Applies to this
@@ -93,12 +122,16 @@ class _RecomputedInBackward:
 
 
 class _UnitState:
-    __slots__ = ("unit", "mp_policy", "module_class")
+    __slots__ = ("unit", "mp_policy", "module_class", "faces", "reshard_by_default")
 
-    def __init__(self, unit, mp_policy, module_class):
+    def __init__(self, unit, mp_policy, module_class, faces, reshard_by_default):
         self.unit = unit
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
+        self.faces = faces  # the parameters' DTensor faces (_dtensor.py)
+        # reshard_after_forward=None (FSDP2's default): True, until the module turns out to be a
+        # root (the outermost sharded forward), which keeps its parameters for backward.
+        self.reshard_by_default = reshard_by_default
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -121,6 +154,10 @@ def _cast_floating(dtype, tree):
 @torch._dynamo.disable
 def _pre_forward(module, args, kwargs):
     state = module._fsdpcpp
+    if state.reshard_by_default and _dtensor.outermost():
+        state.unit.set_reshard_after_forward(False)
+        state.reshard_by_default = False
+    _dtensor.enter_forward(state.faces)
     state.unit.pre_forward()
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
@@ -136,9 +173,12 @@ def _post_forward(module, args, kwargs, output):
         # as they are. Non-reentrant checkpointing stops a recomputation this way once it has the
         # tensors backward needs, and backward still reads the gathered parameters after it.
         state.unit.abort_forward()
+        _dtensor.exit_forward(state.faces, [])
         return output
     leaves, _ = tree_flatten(output)
-    state.unit.post_forward([t for t in leaves if isinstance(t, torch.Tensor)])
+    outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+    state.unit.post_forward(outputs)
+    _dtensor.exit_forward(state.faces, outputs)
     if state.mp_policy.output_dtype is not None:
         output = _cast_floating(state.mp_policy.output_dtype, output)
     return output
@@ -150,6 +190,7 @@ def _unit_parameters(module: nn.Module, name: str):
     inner_prefixes = [prefix for prefix, sub in module.named_modules() if prefix and isinstance(sub, FSDPModule)]
     params, seen = [], set()
     for param_name, param in module.named_parameters(remove_duplicate=False):
+        param = _dtensor.managed(param)
         owner = _C.unit_name_of_parameter(param)
         if owner is not None:
             if not any(param_name.startswith(prefix + ".") for prefix in inner_prefixes):
@@ -166,7 +207,7 @@ def _unit_parameters(module: nn.Module, name: str):
     return params
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True, shard_placement_fn=None,
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> nn.Module:
     """Shards the parameters of `module` not already sharded by an inner fully_shard call into one
@@ -174,27 +215,33 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     (each block, then the root). Collective: every rank shards the same model in the same order.
     The parameters stay the same Python objects, now holding this rank's rows (dim 0, zero-padded
     where rows do not divide evenly), so an optimizer made before or after trains the same way.
-    Returns `module`, whose class now also derives from FSDPModule (as FSDP2)."""
+    Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
+    mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given).
+    reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
+    backward, None (FSDP2's default) is True except for a root module."""
     name = type(module).__name__
     if not isinstance(module, nn.Module):
         raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module, got {type(module).__name__} (a list of "
                         "modules sharded as one group is not supported: shard their parent)")
-    for unsupported, value in (("mesh", mesh), ("shard_placement_fn", shard_placement_fn),
-                               ("ignored_params", ignored_params)):
+    for unsupported, value in (("shard_placement_fn", shard_placement_fn), ("ignored_params", ignored_params)):
         if value is not None:
             raise NotImplementedError(f"fsdpcpp.fully_shard({name}): {unsupported}= is not supported (docs/python.md)")
     if isinstance(offload_policy, CPUOffloadPolicy) and not offload_policy.pin_memory:
         raise NotImplementedError(f"fsdpcpp.fully_shard({name}): CPUOffloadPolicy(pin_memory=False) is not supported")
-    if not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): reshard_after_forward must be True or False "
-                                  "(resharding to a smaller world is not supported)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): reshard_after_forward={reshard_after_forward!r}: "
+                                  "True, False or None (resharding to a smaller group of ranks is not supported)")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fsdpcpp.fully_shard({name}): this module is already sharded: call fully_shard once per module")
     _ensure_init()
-    inner = [sub._fsdpcpp.unit for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
-    unit = _C.shard_unit(name, _unit_parameters(module, name), inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                         reshard_after_forward, isinstance(offload_policy, CPUOffloadPolicy))
-    module._fsdpcpp = _UnitState(unit, mp_policy, type(module))
+    _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
+    inner_modules = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
+    inner = [sub._fsdpcpp.unit for sub in inner_modules]
+    params = _unit_parameters(module, name)
+    unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                         reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy))
+    module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules),
+                                 reshard_by_default=reshard_after_forward is None)
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
     # FSDP2's FSDPModule methods on this module alone: a class made once per module class.

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from . import _C
+from ._dtensor import managed
 
 
 def _named(parameters) -> list[tuple[str, torch.Tensor]]:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [(f"parameter {i}", p) for i, p in enumerate(parameters)]
+    return [(f"parameter {i}", managed(p)) for i, p in enumerate(parameters)]
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -28,7 +29,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
 def full_parameter(param: torch.Tensor) -> torch.Tensor:
     """A full (unsharded) copy of a sharded parameter, on the device. Collective over its group."""
-    return _C.full_parameter(param)
+    return _C.full_parameter(managed(param))
 
 
 def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -40,6 +41,7 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[
     full = {}
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
+            value = managed(value)
             if _C.is_sharded_parameter(value):
                 value = _C.full_parameter(value)
             else:
@@ -52,7 +54,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """Loads a full (unsharded) state dict into the sharded `model`: each rank copies its rows of
     every sharded parameter, and whole tensors into the rest. Not collective. strict=True raises
     naming missing and unexpected keys and shapes that differ, as load_state_dict does."""
-    own = model.state_dict(keep_vars=True)
+    own = {name: managed(value) for name, value in model.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if strict and (missing or unexpected):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._dtensor import managed
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -87,7 +88,7 @@ def convert_to_float8_training(module: nn.Module, *, recipe: str = "tensorwise",
     modules. Returns `module`."""
     _checked_recipe(recipe)
     params = list(module.named_parameters())
-    sharded = [name for name, param in params if _C.is_sharded_parameter(param)]
+    sharded = [name for name, param in params if _C.is_sharded_parameter(managed(param))]
     if sharded:
         raise ValueError(f"fsdpcpp.float8: {sharded[0]!r} is already sharded: call convert_to_float8_training "
                          "before fully_shard")

@@ -81,7 +81,7 @@ class Reference:
         dims = [p.shape[-1] for p in self.model.parameters()] + [ROWS * SEQ, VOCAB]
         layers = len(blocks_of(self.model))
         eps = 2 * LAMBDA * math.sqrt((10 * layers + 4) * max(dims)) * UNIT_ROUNDOFF
-        self.losses, self.relative, self.param_bound = [], [], 0.0
+        self.losses, self.relative, self.norms, self.param_bound = [], [], [], 0.0
         for step in range(steps):
             tokens = batch(step)
             loss = 0.0
@@ -91,7 +91,7 @@ class Reference:
                 loss += micro_loss.item()
             largest = max(p.grad.abs().max().item() for p in self.model.parameters() if p.grad is not None)
             if clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+                self.norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
             step_eps = (step + 1) * eps
@@ -220,6 +220,79 @@ def case_mixed_precision(args):
               f"{fsdpcpp.world_size()} ranks")
 
 
+def case_torch_calls(args):
+    """An FSDP2 training loop as its users write it, on --runtime fsdp2 or fsdpcpp (only the
+    fully_shard import differs): torch.nn.utils.clip_grad_norm_, a DCP checkpoint of torch's
+    get_state_dict (model and optimizer) at step 2 loaded into a fresh model and optimizer with
+    set_state_dict, or --resume-from another run's checkpoint (the other runtime's: they are
+    interchangeable), then torch's full get_model_state_dict and numel. Losses, gradient norms and
+    final parameters must match a single-process reference within the parity bounds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.tensor import DTensor
+    from fsdpcpp._dtensor import _ensure_process_group  # the test's process group, made as fsdpcpp makes it
+    _ensure_process_group()
+    if args.runtime == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = fsdpcpp.fully_shard
+    clip, steps = 0.5, 4
+    ref = Reference("plain", steps, clip=clip)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(fsdpcpp.device().type, (fsdpcpp.world_size(),))  # torchtitan passes one
+
+    def fresh():
+        model = build("plain")
+        for block in blocks_of(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, optimizer_for(model)
+
+    def load(model, opt, path):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    model, opt = fresh()
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.model.parameters()), "numel"
+    first = 2 if args.resume_from else 0
+    if args.resume_from:
+        load(model, opt, args.resume_from)
+    losses, norms = [], []
+    for step in range(first, steps):
+        if step == 2 and not args.resume_from:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.dir, "step-2"))
+            model, opt = fresh()  # as a job that restarts
+            load(model, opt, os.path.join(args.dir, "step-2"))
+        loss = loss_of(model, my_rows(batch(step)))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        fsdpcpp.all_reduce(loss, op="avg")
+        losses.append(loss.item())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+    problems = []
+    for t, (a, b, n, m) in enumerate(zip(losses, ref.losses[first:], norms, ref.norms[first:])):
+        bound = ref.relative[first + t]
+        if not (abs(a - b) <= bound * abs(b) and abs(n - m) <= bound * abs(m)):
+            problems.append(f"step {first + t}: loss {a:.9g} vs {b:.9g}, gradient norm {n:.9g} vs {m:.9g}")
+    for name, expected in ref.params.items():
+        difference = (full[name].cpu() - expected).abs().max().item()
+        if not difference <= ref.param_bound:
+            problems.append(f"parameter {name} differs by {difference:.3g}, over the bound {ref.param_bound:.3g}")
+    assert not problems, f"{args.runtime} on {fsdpcpp.world_size()} ranks:\n  " + "\n  ".join(problems)
+    if fsdpcpp.rank() == 0:
+        print(f"torch_calls: {args.runtime} on {fsdpcpp.world_size()} ranks"
+              f"{', resumed from ' + args.resume_from if args.resume_from else ''}: at parity, norms {norms}")
+
+
 def case_save(args):
     """Trains 2 of 4 steps and saves model and optimizer (resume continues on any rank count)."""
     model = shard(build(args.model))
@@ -264,7 +337,28 @@ def case_errors(args):
     expect_error(ValueError, "is on meta but the communicator",
                  lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device="meta")))
     expect_error(TypeError, "expected an nn.Module", lambda: fsdpcpp.fully_shard([block]))
-    expect_error(NotImplementedError, "mesh= is not supported", lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
+    expect_error(TypeError, "mesh must be a torch.distributed DeviceMesh",
+                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
+    if fsdpcpp.world_size() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        two_d = init_device_mesh(fsdpcpp.device().type, (1, fsdpcpp.world_size()), mesh_dim_names=("replicate", "shard"))
+        expect_error(NotImplementedError, "a mesh of shape (1, 2) is not supported",
+                     lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2, device=fsdpcpp.device()), mesh=two_d))
+    # FSDP2's other FSDPModule methods: accepted where the runtime already does what they ask,
+    # refused by name where it cannot; never an AttributeError.
+    hinted = shard(build("plain"))
+    hinted.set_modules_to_forward_prefetch(blocks_of(hinted)[:1])
+    hinted.set_modules_to_backward_prefetch(blocks_of(hinted)[:1])
+    hinted.set_is_last_backward(True)
+    hinted.set_post_optim_event(None)
+    hinted.set_requires_all_reduce(False)
+    hinted.set_reshard_after_backward(True)
+    expect_error(NotImplementedError, "set_reshard_after_backward(False) is not supported",
+                 lambda: hinted.set_reshard_after_backward(False))
+    expect_error(NotImplementedError, "set_gradient_divide_factor is not supported",
+                 lambda: hinted.set_gradient_divide_factor(2.0))
+    expect_error(NotImplementedError, "reshard_after_forward=2: True, False or None",
+                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2, device=fsdpcpp.device()), reshard_after_forward=2))
     if fsdpcpp.device().type == "cuda":
         expect_error(ValueError, "is on cpu but the communicator", lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4)))
     # A model that differs across ranks: every rank learns which rank differs.
@@ -598,7 +692,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+CASES = {"torch_calls": case_torch_calls, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 
@@ -616,6 +710,8 @@ def main():
     parser.add_argument("--checkpoint-calls", action="store_true")
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
+    parser.add_argument("--runtime", default="fsdpcpp", choices=["fsdp2", "fsdpcpp"])
+    parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
     args = parser.parse_args()

@@ -76,6 +76,17 @@ def test_save_on_3_ranks_resume_on_2(tmp_path):
 
 
 @cpu_only
+def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
+    """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
+    get_state_dict, get_model_state_dict, numel; each checkpoint resumed by the other runtime, on
+    another rank count (3 ranks: uneven shards)."""
+    run(2, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
+    run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
+    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
+    run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
+
+
+@cpu_only
 def test_errors(tmp_path):
     run(3, "save", "--model", "plain", "--dir", tmp_path)
     run(2, "errors", "--dir", tmp_path)

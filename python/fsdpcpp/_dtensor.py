@@ -1,0 +1,221 @@
+"""Sharded parameters as torch sees them: DTensors, as FSDP2's.
+
+The runtime shards each parameter in place: outside forward the tensor the C++ core manages holds
+this rank's rows. To torch that is an ordinary tensor, so its own helpers (clip_grad_norm_,
+get_total_norm, state_dict, DCP, get_model_state_dict, numel) would see one rank's share as the
+whole. So fully_shard registers, in the module, a DTensor "face" of each managed parameter:
+Shard(0) over the ranks (FSDP2's layout: ceil division, the last ranks short), whose local tensor
+is the managed tensor's storage. Outside forward the module holds the face; its forward pre-hook
+puts the managed tensor back for the forward (which the runtime all-gathers into), the post-hook
+the face again. At the end of each backward the managed gradients are mirrored as the faces'
+gradients (the same storage); an optimizer steps either object and both see it. An optimizer
+made before fully_shard holds the managed tensors and trains as before.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from . import _C
+from ._runtime import device, rank, world_size
+
+_mesh = None
+_units = weakref.WeakSet()  # the _Faces of every live sharded module
+_forward_depth = 0  # sharded forwards in progress: 0 outside the outermost
+_mirror_queued = False
+
+
+def _ensure_process_group() -> None:
+    """DeviceMesh, DTensor and DCP need torch.distributed's default process group. A script that
+    made one keeps it; otherwise one is made here over the same ranks (gloo on CPU ranks, NCCL
+    with gloo for CPU tensors on GPUs), meeting at a store rank 0 serves, whose address travels
+    by fsdp.cpp's own communicator."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size() or dist.get_rank() != rank():
+            raise ValueError(f"fsdpcpp: torch.distributed's process group has rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()}, fsdp.cpp's communicator rank {rank()} of {world_size()}: "
+                             "launch both over the same processes")
+        return
+    store = None
+    address = torch.zeros(258, dtype=torch.long, device=device())
+    if rank() == 0:
+        host = os.environ.get("MASTER_ADDR") or (socket.gethostname() if world_size() > 1 else "127.0.0.1")
+        store = dist.TCPStore(host, 0, world_size(), is_master=True, wait_for_workers=False)
+        encoded = host.encode()[:256]
+        address[0], address[1] = store.port, len(encoded)
+        address[2:2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.long)
+    _C.all_reduce(address, False)
+    address = address.cpu()
+    if rank() != 0:
+        host = bytes(address[2:2 + int(address[1])].tolist()).decode()
+        store = dist.TCPStore(host, int(address[0]), world_size(), is_master=False)
+    backend = "cpu:gloo,cuda:nccl" if device().type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank(), world_size=world_size())
+
+
+def default_mesh():
+    """FSDP2's default: a 1-D mesh over every rank."""
+    global _mesh
+    if _mesh is None:
+        _ensure_process_group()
+        from torch.distributed.device_mesh import init_device_mesh
+        _mesh = init_device_mesh(device().type, (world_size(),))
+    return _mesh
+
+
+def use_mesh(mesh, caller: str) -> None:
+    """fully_shard's mesh=: a 1-D mesh over every rank is the faces' mesh (the first one given
+    stays: every module shards over the same ranks); None takes FSDP2's default."""
+    global _mesh
+    if mesh is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{caller}: mesh must be a torch.distributed DeviceMesh, not {type(mesh).__name__}")
+    if mesh.ndim != 1 or mesh.size() != world_size():
+        raise NotImplementedError(
+            f"{caller}: a mesh of shape {tuple(mesh.shape)} is not supported: fsdpcpp shards over a 1-D mesh of all "
+            f"{world_size()} ranks (HSDP's 2-D meshes: the C++ API's fsdp::make_mesh)")
+    if mesh.device_type != device().type:
+        raise ValueError(f"{caller}: the mesh is on {mesh.device_type}, fsdpcpp's ranks on {device().type}")
+    if _mesh is not None and mesh is not _mesh and mesh.mesh.tolist() != _mesh.mesh.tolist():
+        raise ValueError(f"{caller}: another mesh than the earlier fully_shard calls': shard every module over one")
+    _mesh = _mesh or mesh
+
+
+def outermost() -> bool:
+    """Whether no sharded forward is running (the next one is a root's), outside backward."""
+    return _forward_depth == 0 and torch._C._current_graph_task_id() < 0
+
+
+def managed(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor the runtime manages behind a face (the tensor itself if it is none)."""
+    return getattr(tensor, "_fsdpcpp_managed", tensor)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, size = [], 1
+    for dim in reversed(shape):
+        stride.append(size)
+        size *= dim
+    return tuple(reversed(stride))
+
+
+class _Faces:
+    """One sharded module's faces: every slot (module, attribute name) that holds a managed
+    parameter, and the face registered there outside forward."""
+
+    __slots__ = ("slots", "__weakref__")
+
+    def __init__(self, slots):
+        self.slots = slots  # [(module, name, managed, face, spec)]
+
+    def use_managed(self) -> None:
+        for module, name, param, face, _ in self.slots:
+            module._parameters[name] = param
+
+    def use_managed_in_backward(self, grad):
+        self.use_managed()
+        return grad
+
+    def use_faces(self) -> None:
+        for module, name, param, face, _ in self.slots:
+            module._parameters[name] = face
+
+    def mirror_gradients(self) -> None:
+        for _, _, param, face, spec in self.slots:
+            grad = param.grad
+            if grad is None:
+                face.grad = None
+            elif face.grad is None or face.grad._local_tensor is not grad:
+                face.grad = DTensor(grad, spec, requires_grad=False)
+
+    def forward_settings(self) -> None:
+        """What the user changed on the faces since the last step: gradients set to None
+        (zero_grad), requires_grad."""
+        for _, _, param, face, _ in self.slots:
+            if face.grad is None and param.grad is not None:
+                param.grad = None
+            if param.requires_grad != face.requires_grad:
+                param.requires_grad_(face.requires_grad)
+
+
+def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
+    """Registers a face for each of `params` (the unit's managed (name, tensor) pairs) in every
+    slot of `module`'s tree (outside the inner sharded modules) that holds it."""
+    mesh = default_mesh()
+    inner = {id(m) for sub in inner_modules for m in sub.modules()}
+    faces, slots = {}, []
+    for _, param in params:
+        if param.dim() == 0:
+            continue  # a scalar has no rows to shard by (the runtime keeps it whole): it stays as it is
+        _, _, full_shape = _C.shard_rows(param)
+        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(full_shape), _contiguous_stride(full_shape),
+                                                         param.dtype))
+        face = nn.Parameter(DTensor(param.detach(), spec, requires_grad=False), requires_grad=param.requires_grad)
+        face._fsdpcpp_managed = param
+        faces[id(param)] = (face, spec)
+    for sub in module.modules():
+        if id(sub) in inner:
+            continue
+        for name, value in sub._parameters.items():
+            if value is not None and id(value) in faces:
+                slots.append((sub, name, value, *faces[id(value)]))
+    state = _Faces(slots)
+    state.use_faces()
+    _units.add(state)
+    return state
+
+
+def enter_forward(faces: _Faces) -> None:
+    global _forward_depth
+    if outermost():  # a step's first forward, not a recompute in backward
+        for state in list(_units):
+            state.forward_settings()
+    _forward_depth += 1
+    faces.use_managed()
+
+
+def exit_forward(faces: _Faces, outputs) -> None:
+    """After a module's forward (or its abort): its faces back. When its outputs' gradients arrive
+    in backward, the managed tensors are put back in for the backward (a recompute of the forward
+    that torch.utils.checkpoint runs inside the module's hooks reads them from the module); the end
+    of backward restores every face. Under the outermost forward, that end also mirrors every
+    module's gradients, once the runtime has committed them."""
+    global _forward_depth
+    _forward_depth -= 1
+    faces.use_faces()
+    if not torch.is_grad_enabled():
+        return
+    differentiable = [t for t in outputs if t.requires_grad]
+    for t in differentiable:
+        t.register_hook(faces.use_managed_in_backward)
+    if _forward_depth == 0:
+        for t in differentiable:
+            t.register_hook(_queue_mirror)
+
+
+def _queue_mirror(grad):
+    # Runs in backward after the runtime's own hooks on the same outputs (registered first), so the
+    # runtime's end-of-backward callback is already queued and this one runs after it.
+    global _mirror_queued
+    if not _mirror_queued:
+        _mirror_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+    return grad
+
+
+def _end_of_backward() -> None:
+    global _mirror_queued
+    _mirror_queued = False
+    for state in list(_units):
+        state.use_faces()
+        state.mirror_gradients()
