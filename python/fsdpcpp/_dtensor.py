@@ -14,6 +14,7 @@ made before fully_shard holds the managed tensors and trains as before.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import weakref
@@ -59,6 +60,14 @@ def _ensure_process_group() -> None:
         store = dist.TCPStore(host, int(address[0]), world_size(), is_master=False)
     backend = "cpu:gloo,cuda:nccl" if device().type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank(), world_size=world_size())
+    # Ended before the interpreter's own shutdown, which would stop its threads mid-call.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.barrier()  # no collective left in the backend's threads when it goes
+        dist.destroy_process_group()
 
 
 def default_mesh():
