@@ -15,8 +15,10 @@ made before fully_shard holds the managed tensors and trains as before.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import socket
+import sys
 import weakref
 
 import torch
@@ -60,14 +62,32 @@ def _ensure_process_group() -> None:
         store = dist.TCPStore(host, int(address[0]), world_size(), is_master=False)
     backend = "cpu:gloo,cuda:nccl" if device().type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank(), world_size=world_size())
-    # Ended before the interpreter's own shutdown, which would stop its threads mid-call.
+    # Ended before the interpreter's own shutdown, which would stop gloo's threads mid-call.
     atexit.register(_destroy_process_group)
+    previous_hook = sys.excepthook
+
+    def note_failure(*exc_info):
+        global _exiting_on_error
+        _exiting_on_error = True
+        previous_hook(*exc_info)
+
+    sys.excepthook = note_failure
+
+
+_exiting_on_error = False
 
 
 def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.barrier()  # no collective left in the backend's threads when it goes
-        dist.destroy_process_group()
+    """At exit: with gloo, a barrier first (bounded: another rank may be gone), so that no
+    collective is left in its threads; none when this rank dies of an exception."""
+    if not dist.is_initialized() or _exiting_on_error:
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError:
+            return  # another rank did not come: the launcher ends the job
+    dist.destroy_process_group()
 
 
 def default_mesh():
