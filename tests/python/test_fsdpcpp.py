@@ -168,6 +168,15 @@ def test_gpu_parity(model):
 
 
 @gpu_only
+def test_gpu_torch_calls_as_on_fsdp2(tmp_path):
+    """torch's clip and DCP through NCCL (DTensor gradients on the GPU), each runtime resuming the
+    other's checkpoint."""
+    run(1, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
+    run(1, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
+    run(1, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
+
+
+@gpu_only
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_gpu_mixed_precision(model):
     run(1, "mixed_precision", "--model", model)
