@@ -396,14 +396,15 @@ def case_errors(args):
         other = shard(build("gpt2"))
         expect_error(RuntimeError, "a checkpoint of another model",
                      lambda: fsdpcpp.load_checkpoint(fsdpcpp.newest_checkpoint(args.dir), other))
-        check_failed_load_changes_nothing(args.dir)
+        check_failed_load_changes_nothing(args.dir, args.model)
     if fsdpcpp.rank() == 0:
         print("errors: each raised with its one-line message")
 
 
-def check_failed_load_changes_nothing(saved_dir):
-    """A damaged copy of case_save's checkpoint (its last file's last byte): the load fails on
-    every rank and leaves the model and the optimizer (which had no state) exactly as they were."""
+def check_failed_load_changes_nothing(saved_dir, model_name):
+    """A damaged copy of case_save's checkpoint of `model_name` (its last file's last byte): the
+    load fails on every rank and leaves the model and the optimizer (which had no state) exactly as
+    they were."""
     import shutil
     newest = fsdpcpp.newest_checkpoint(saved_dir)
     damaged = os.path.join(saved_dir, "damaged")
@@ -416,7 +417,7 @@ def check_failed_load_changes_nothing(saved_dir):
             f.seek(-1, os.SEEK_END)
             f.write(bytes([byte ^ 0x40]))
     fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))  # the copy exists before anyone reads it
-    model = shard(build("plain"))
+    model = shard(build(model_name))
     opt = optimizer_for(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:

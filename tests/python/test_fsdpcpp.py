@@ -186,7 +186,7 @@ def test_gpu_mixed_precision(model):
 def test_gpu_save_resume_and_errors(tmp_path):
     run(1, "save", "--model", "llama", "--dir", tmp_path)
     run(1, "resume", "--model", "llama", "--dir", tmp_path)
-    run(1, "errors", "--dir", tmp_path)
+    run(1, "errors", "--model", "llama", "--dir", tmp_path)
 
 
 @gpu_only
