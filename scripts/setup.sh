@@ -79,5 +79,6 @@ fi
 # commands and the benchmark scripts: `build/python -c 'import torch'` works wherever setup ran.
 printf '#!/bin/sh\nexec %s "$@"\n' "$PYTHON_PATH" >build/python
 chmod +x build/python
-log "building (ninja -j$JOBS)"
-cmake --build build -j "$JOBS"
+log "building (ninja -j$JOBS)${FSDP_TARGETS:+: $FSDP_TARGETS}"
+# FSDP_TARGETS: only these targets (e.g. "fsdpcpp_C fsdp-train fsdp-run" for a quick device run).
+cmake --build build -j "$JOBS" ${FSDP_TARGETS:+--target $FSDP_TARGETS}
