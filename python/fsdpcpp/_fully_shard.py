@@ -122,16 +122,13 @@ class _RecomputedInBackward:
 
 
 class _UnitState:
-    __slots__ = ("unit", "mp_policy", "module_class", "faces", "reshard_by_default")
+    __slots__ = ("unit", "mp_policy", "module_class", "faces")
 
-    def __init__(self, unit, mp_policy, module_class, faces, reshard_by_default):
+    def __init__(self, unit, mp_policy, module_class, faces):
         self.unit = unit
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
         self.faces = faces  # the parameters' DTensor faces (_dtensor.py)
-        # reshard_after_forward=None (FSDP2's default): True, until the module turns out to be a
-        # root (the outermost sharded forward), which keeps its parameters for backward.
-        self.reshard_by_default = reshard_by_default
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -154,9 +151,6 @@ def _cast_floating(dtype, tree):
 @torch._dynamo.disable
 def _pre_forward(module, args, kwargs):
     state = module._fsdpcpp
-    if state.reshard_by_default and _dtensor.outermost():
-        state.unit.set_reshard_after_forward(False)
-        state.reshard_by_default = False
     _dtensor.enter_forward(state.faces)
     state.unit.pre_forward()
     mp = state.mp_policy
@@ -218,7 +212,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
     mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given).
     reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
-    backward, None (FSDP2's default) is True except for a root module."""
+    backward; None (FSDP2's default) is True here for every module, the root's too (FSDP2 keeps a
+    root's): its backward all-gather is prefetched, and the memory-budget planner decides which
+    modules to keep."""
     name = type(module).__name__
     if not isinstance(module, nn.Module):
         raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module, got {type(module).__name__} (a list of "
@@ -240,8 +236,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     params = _unit_parameters(module, name)
     unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
                          reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy))
-    module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules),
-                                 reshard_by_default=reshard_after_forward is None)
+    module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules))
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
     # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
