@@ -120,6 +120,12 @@ def use_mesh(mesh, caller: str) -> None:
     _mesh = _mesh or mesh
 
 
+def release_dropped_gradients() -> None:
+    """Frees now what each step's first forward would free (the planner measures from before it)."""
+    for state in list(_units):
+        state.release_dropped_gradients()
+
+
 def outermost() -> bool:
     """Whether no sharded forward is running (the next one is a root's), outside backward."""
     return _forward_depth == 0 and torch._C._current_graph_task_id() < 0
@@ -167,12 +173,20 @@ class _Faces:
             elif face.grad is None or face.grad._local_tensor is not grad:
                 face.grad = DTensor(grad, spec, requires_grad=False)
 
-    def forward_settings(self) -> None:
-        """What the user changed on the faces since the last step: gradients set to None
-        (zero_grad), requires_grad."""
+    def release_dropped_gradients(self) -> None:
+        """A gradient set to None on either object (zero_grad of an optimizer of faces, or of one
+        made before fully_shard) goes on the other too, so its memory is freed."""
         for _, _, param, face, _ in self.slots:
             if face.grad is None and param.grad is not None:
                 param.grad = None
+            elif param.grad is None and face.grad is not None:
+                face.grad = None
+
+    def forward_settings(self) -> None:
+        """What the user changed on the faces since the last step: gradients dropped (zero_grad),
+        requires_grad."""
+        self.release_dropped_gradients()
+        for _, _, param, face, _ in self.slots:
             if param.requires_grad != face.requires_grad:
                 param.requires_grad_(face.requires_grad)
 

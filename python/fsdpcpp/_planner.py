@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, _dtensor
 from ._fully_shard import FSDPModule, is_recomputed, set_recomputed
 from ._runtime import _fields, device, rank
 
@@ -107,6 +107,7 @@ def _recorded_step(model: nn.Module, train_step, micro_batches: int, start_recor
         nonlocal forwards
         forwards += 1
         if forwards == micro_batches:
+            _dtensor.release_dropped_gradients()  # as the forward's own hook will, before the record starts
             start_recording()
 
     handle = model.register_forward_pre_hook(before_forward, prepend=True)  # before the all-gather
