@@ -20,6 +20,18 @@ namespace {
   throw std::runtime_error("cannot " + what + " '" + path + "': " + std::strerror(errno));
 }
 
+// Every byte, across short writes and interrupted calls; throws naming `path`.
+void write_all(int fd, const void* data, size_t size, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("write", path);
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
 }  // namespace
 
 bool is_directory(const std::string& path) {
@@ -151,17 +163,7 @@ std::unique_ptr<LockedFile> LockedFile::open(const std::string& path) {
 
 LockedFile::~LockedFile() { ::close(fd_); }
 
-void LockedFile::write(const std::string& bytes) {
-  const char* p = bytes.data();
-  size_t size = bytes.size();
-  while (size > 0) {
-    const ssize_t n = ::write(fd_, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("write", path_);
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-}
+void LockedFile::write(const std::string& bytes) { write_all(fd_, bytes.data(), bytes.size(), path_); }
 
 void LockedFile::rewrite(const std::string& bytes) {
   if (::ftruncate(fd_, 0) != 0) fail("empty", path_);
@@ -176,16 +178,7 @@ OutputFile::~OutputFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void OutputFile::write(const void* data, size_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::write(fd_, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("write", path_);
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-}
+void OutputFile::write(const void* data, size_t size) { write_all(fd_, data, size, path_); }
 
 void OutputFile::close() {
   const bool synced = ::fsync(fd_) == 0;
