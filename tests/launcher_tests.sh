@@ -337,6 +337,10 @@ runs)
   "$run" "${common[@]}" --steps 4 --save-dir "$work/ck" --overwrite --log "$work/b.jsonl" >"$work/out" 2>&1 ||
     { cat "$work/out"; fail "--overwrite"; }
   [ "$(ls "$work/ck")" = step-000004 ] || fail "--overwrite left: $(ls "$work/ck")"
+  # The same command again: its first save replaces the other run's step-4 (as it was told).
+  "$run" "${common[@]}" --steps 4 --save-dir "$work/ck" --overwrite-checkpoints --log "$work/b2.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "--overwrite-checkpoints over a checkpoint of the same step"; }
+  [ "$(ls "$work/ck")" = step-000004 ] || fail "--overwrite-checkpoints left: $(ls "$work/ck")"
   # The same run continued in its own directory: allowed; the checkpoint itself names the run.
   "$run" "${common[@]}" --steps 6 --resume "$work/ck/step-000004" --save-dir "$work/ck" --log "$work/c.jsonl" \
     >"$work/out" 2>&1 || { cat "$work/out"; fail "resume from the checkpoint itself"; }

@@ -451,9 +451,11 @@ void Trainer::save(int steps_done) {
   checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
                        {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_}};
   const std::string dir = args_.save_dir + "/" + checkpoint_name(steps_done);
-  if (io::exists(dir + "/metadata.bin") && run_of(checkpoint_extra(dir)) != run_id_)  // every rank reads it alike
+  // Another run's step-N is replaced only where the user said so (--overwrite-checkpoints);
+  // every rank reads the metadata alike.
+  if (!args_.overwrite_checkpoints && io::exists(dir + "/metadata.bin") && run_of(checkpoint_extra(dir)) != run_id_)
     throw std::runtime_error("'" + dir + "' was written by another run; not replaced. Its run id is in its "
-                             "metadata: resume that run there, or save this one elsewhere");
+                             "metadata: resume that run there, save this one elsewhere, or pass --overwrite-checkpoints");
   const auto begin = std::chrono::steady_clock::now();
   save_checkpoint(dir, checkpoint_);
   if (lead_) std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(), seconds_since(begin));
