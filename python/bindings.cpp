@@ -157,6 +157,9 @@ PYBIND11_MODULE(_C, m) {
     return fsdp::unit_name(*unit);
   });
   m.def("full_parameter", [](const at::Tensor& p) { return fsdp::full_parameter(p); });
+  m.def("deferred_parameter", [](const std::vector<int64_t>& shape, at::ScalarType dtype, const std::string& device) {
+    return fsdp::deferred_parameter(shape, at::TensorOptions().dtype(dtype).device(device));
+  });
   m.def("shard_rows", [](const at::Tensor& p) {
     const auto rows = fsdp::shard_rows_of(p);
     return py::make_tuple(rows.first_row, rows.rows, rows.full_shape);

@@ -182,6 +182,30 @@ class _Faces:
             elif param.grad is None and face.grad is not None:
                 face.grad = None
 
+    def rebind(self, caller: str) -> None:
+        """After nn.Module._apply (to_empty, to, cuda, float, ...) swapped new contents into the
+        faces: each face is again the managed shard's (the same object, so an optimizer holding it
+        keeps it). to_empty(device=...) of a model sharded on meta is how FSDP2 allocates its
+        shards; here fully_shard already did, so its garbage is dropped. A conversion to another
+        dtype or device is refused: the runtime's shards cannot follow it."""
+        refused, rebound = [], set()
+        for _, name, param, face, spec in self.slots:
+            if id(face) in rebound:
+                continue  # a tied weight: one face in several slots
+            rebound.add(id(face))
+            local = face._local_tensor if isinstance(face, DTensor) else face
+            if (local.dtype, local.device) != (param.dtype, param.device):
+                refused.append(f"'{name}' to {local.dtype} on {local.device}")
+            face.grad = None  # a gradient keeps a tensor from being swapped; mirrored again below
+            torch.utils.swap_tensors(face, _face(param, spec, face.requires_grad))
+        self.mirror_gradients()
+        if refused:
+            raise ValueError(
+                f"{caller}: a sharded module's parameters cannot change dtype or device after fully_shard (the shards "
+                f"stay {self.slots[0][2].dtype} on {self.slots[0][2].device}; asked: {', '.join(refused[:3])}"
+                f"{', ...' if len(refused) > 3 else ''}): convert the model before fully_shard, or compute in "
+                "another dtype with MixedPrecisionPolicy")
+
     def forward_settings(self) -> None:
         """What the user changed on the faces since the last step: gradients dropped (zero_grad),
         requires_grad."""
@@ -189,6 +213,12 @@ class _Faces:
         for _, _, param, face, _ in self.slots:
             if param.requires_grad != face.requires_grad:
                 param.requires_grad_(face.requires_grad)
+
+
+def _face(param: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+    face = nn.Parameter(DTensor(param.detach(), spec, requires_grad=False), requires_grad=requires_grad)
+    face._fsdpcpp_managed = param
+    return face
 
 
 def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
@@ -203,9 +233,7 @@ def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
         _, _, full_shape = _C.shard_rows(param)
         spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(full_shape), _contiguous_stride(full_shape),
                                                          param.dtype))
-        face = nn.Parameter(DTensor(param.detach(), spec, requires_grad=False), requires_grad=param.requires_grad)
-        face._fsdpcpp_managed = param
-        faces[id(param)] = (face, spec)
+        faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
     for sub in module.modules():
         if id(sub) in inner:
             continue

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C, _dtensor
-from ._runtime import _ensure_init, _updated
+from ._runtime import _ensure_init, _updated, device
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,14 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 class FSDPModule:
     """Mixed into the class of every module fully_shard shards (as FSDP2 does), for its methods."""
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply (to_empty, to, cuda, float, ...), then the sharded parameters'
+        DTensor faces are again the runtime's shards: to_empty(device=...) of a model sharded on
+        meta keeps the shards fully_shard allocated (_dtensor.py)."""
+        module = super()._apply(fn, recurse)
+        self._fsdpcpp.faces.rebind(f"fsdpcpp: {type(self).__name__}._apply (to_empty, to, ...)")
+        return module
 
     def reshard(self) -> None:
         """Frees the module's unsharded parameters now, if it holds them."""
@@ -201,6 +209,19 @@ def _unit_parameters(module: nn.Module, name: str):
     return params
 
 
+def _off_meta(params) -> None:
+    """A parameter built on meta (FSDP2's way to build a model larger than one device) becomes, in
+    place (the same Python object: whatever holds it still does), a tensor of its shape on the
+    ranks' device that takes no memory (fsdp::deferred_parameter: one zero, stride 0). Sharding
+    then allocates only this rank's rows, zeros, for an init or a state dict to fill."""
+    for _, param in params:
+        if param.is_meta:
+            placed = nn.Parameter(_C.deferred_parameter(list(param.shape), param.dtype, str(device())),
+                                  requires_grad=param.requires_grad)
+            placed.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, placed)
+
+
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> nn.Module:
@@ -209,6 +230,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     (each block, then the root). Collective: every rank shards the same model in the same order.
     The parameters stay the same Python objects, now holding this rank's rows (dim 0, zero-padded
     where rows do not divide evenly), so an optimizer made before or after trains the same way.
+    A module built on the meta device (with torch.device("meta"): ...) is sharded as FSDP2 shards
+    it: each rank allocates only its rows (zeros); module.to_empty(device=...) keeps them, and an
+    init (reset_parameters, transformers' init_weights) or a full state dict
+    (set_model_state_dict with broadcast_from_rank0) fills them.
     Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
     mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given).
     reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
@@ -234,6 +259,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     inner_modules = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
     inner = [sub._fsdpcpp.unit for sub in inner_modules]
     params = _unit_parameters(module, name)
+    _off_meta(params)
     unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
                          reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy))
     module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules))

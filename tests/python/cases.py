@@ -220,6 +220,59 @@ def case_mixed_precision(args):
               f"{fsdpcpp.world_size()} ranks")
 
 
+def fully_shard_of(runtime):
+    """FSDP2's fully_shard or fsdpcpp's, and the 1-D mesh torchtitan passes to it, over a process
+    group made as fsdpcpp makes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fsdpcpp._dtensor import _ensure_process_group
+    _ensure_process_group()
+    if runtime == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = fsdpcpp.fully_shard
+    return fully_shard, init_device_mesh(fsdpcpp.device().type, (fsdpcpp.world_size(),))
+
+
+def torch_loop(model, opt, steps, clip, first=0, before_step=None):
+    """Steps first..steps-1 as FSDP2's users write them: torch's clip_grad_norm_, the optimizer,
+    zero_grad. before_step(step) may return a new (model, opt). Returns the global losses and the
+    gradient norms."""
+    from torch.distributed.tensor import DTensor
+    losses, norms = [], []
+    for step in range(first, steps):
+        if before_step:
+            model, opt = before_step(step) or (model, opt)
+        loss = loss_of(model, my_rows(batch(step)))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        fsdpcpp.all_reduce(loss, op="avg")
+        losses.append(loss.item())
+    return model, losses, norms
+
+
+def check_torch_loop(what, ref, model, losses, norms, first=0):
+    """Losses, gradient norms and torch's full get_model_state_dict (on every rank) within the
+    parity bounds of the single-process reference."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    problems = []
+    for t, (a, b, n, m) in enumerate(zip(losses, ref.losses[first:], norms, ref.norms[first:])):
+        bound = ref.relative[first + t]
+        if not (abs(a - b) <= bound * abs(b) and abs(n - m) <= bound * abs(m)):
+            problems.append(f"step {first + t}: loss {a:.9g} vs {b:.9g}, gradient norm {n:.9g} vs {m:.9g}")
+    for name, expected in ref.params.items():
+        difference = (full[name].cpu() - expected).abs().max().item()
+        if not difference <= ref.param_bound:
+            problems.append(f"parameter {name} differs by {difference:.3g}, over the bound {ref.param_bound:.3g}")
+    assert not problems, f"{what} on {fsdpcpp.world_size()} ranks:\n  " + "\n  ".join(problems)
+    if fsdpcpp.rank() == 0:
+        print(f"{what} on {fsdpcpp.world_size()} ranks: at parity, norms {norms}")
+
+
 def case_torch_calls(args):
     """An FSDP2 training loop as its users write it, on --runtime fsdp2 or fsdpcpp (only the
     fully_shard import differs): torch.nn.utils.clip_grad_norm_, a DCP checkpoint of torch's
@@ -228,20 +281,10 @@ def case_torch_calls(args):
     interchangeable), then torch's full get_model_state_dict and numel. Losses, gradient norms and
     final parameters must match a single-process reference within the parity bounds."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
-    from torch.distributed.tensor import DTensor
-    from fsdpcpp._dtensor import _ensure_process_group  # the test's process group, made as fsdpcpp makes it
-    _ensure_process_group()
-    if args.runtime == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        fully_shard = fsdpcpp.fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    fully_shard, mesh = fully_shard_of(args.runtime)
     clip, steps = 0.5, 4
     ref = Reference("plain", steps, clip=clip)
-
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(fsdpcpp.device().type, (fsdpcpp.world_size(),))  # torchtitan passes one
 
     def fresh():
         model = build("plain")
@@ -256,41 +299,54 @@ def case_torch_calls(args):
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+    def restart_at_step_2(step):
+        if step != 2 or args.resume_from:
+            return None
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.dir, "step-2"))
+        restarted = fresh()  # as a job that restarts
+        load(*restarted, os.path.join(args.dir, "step-2"))
+        return restarted
+
     model, opt = fresh()
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.model.parameters()), "numel"
     first = 2 if args.resume_from else 0
     if args.resume_from:
         load(model, opt, args.resume_from)
-    losses, norms = [], []
-    for step in range(first, steps):
-        if step == 2 and not args.resume_from:
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.dir, "step-2"))
-            model, opt = fresh()  # as a job that restarts
-            load(model, opt, os.path.join(args.dir, "step-2"))
-        loss = loss_of(model, my_rows(batch(step)))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        fsdpcpp.all_reduce(loss, op="avg")
-        losses.append(loss.item())
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
-    problems = []
-    for t, (a, b, n, m) in enumerate(zip(losses, ref.losses[first:], norms, ref.norms[first:])):
-        bound = ref.relative[first + t]
-        if not (abs(a - b) <= bound * abs(b) and abs(n - m) <= bound * abs(m)):
-            problems.append(f"step {first + t}: loss {a:.9g} vs {b:.9g}, gradient norm {n:.9g} vs {m:.9g}")
-    for name, expected in ref.params.items():
-        difference = (full[name].cpu() - expected).abs().max().item()
-        if not difference <= ref.param_bound:
-            problems.append(f"parameter {name} differs by {difference:.3g}, over the bound {ref.param_bound:.3g}")
-    assert not problems, f"{args.runtime} on {fsdpcpp.world_size()} ranks:\n  " + "\n  ".join(problems)
+    model, losses, norms = torch_loop(model, opt, steps, clip, first, before_step=restart_at_step_2)
+    check_torch_loop(f"torch_calls: {args.runtime}{', resumed from ' + args.resume_from if args.resume_from else ''}",
+                     ref, model, losses, norms, first)
+
+
+def case_meta_init(args):
+    """FSDP2's recipe for a model larger than one device, on --runtime fsdp2 or fsdpcpp:
+    transformers' Llama built on meta, sharded, to_empty (each rank allocates its rows),
+    transformers' init_weights (random rows through the sharded parameters, and the rotary
+    buffers, which no state dict holds), then a full state dict that only rank 0 has, loaded with
+    broadcast_from_rank0. Rank 0 writes the parameters as init_weights left them to DIR/init.pt
+    (the test compares the two runtimes'); the run then trains to parity with a single-process
+    reference of rank 0's weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    fully_shard, mesh = fully_shard_of(args.runtime)
+    clip, steps = 0.5, 3
+    ref = Reference("llama", steps, clip=clip)
+    with torch.device("meta"):
+        model = MODELS["llama"]()
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=fsdpcpp.device())
+    torch.manual_seed(1)
+    model.init_weights()
+    initialised = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if fsdpcpp.rank() == 0:
-        print(f"torch_calls: {args.runtime} on {fsdpcpp.world_size()} ranks"
-              f"{', resumed from ' + args.resume_from if args.resume_from else ''}: at parity, norms {norms}")
+        torch.save(initialised, os.path.join(args.dir, "init.pt"))
+    else:
+        assert not initialised, "cpu_offload=True: a full state dict on rank 0 only"
+    source = build("llama").state_dict() if fsdpcpp.rank() == 0 else {}
+    set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model, losses, norms = torch_loop(model, optimizer_for(model), steps, clip)
+    check_torch_loop(f"meta_init: {args.runtime}", ref, model, losses, norms)
 
 
 def case_save(args):
@@ -334,8 +390,12 @@ def case_errors(args):
     top_down = build("plain")
     fsdpcpp.fully_shard(top_down)
     expect_error(ValueError, "Apply fully_shard bottom-up", lambda: fsdpcpp.fully_shard(blocks_of(top_down)[0]))
-    expect_error(ValueError, "is on meta but the communicator",
-                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device="meta")))
+    # On meta: the shard is allocated, zeros; a later dtype or device change is refused.
+    on_meta = fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device="meta"))
+    assert on_meta.weight.to_local().device == fsdpcpp.device() and not on_meta.weight.to_local().any()
+    expect_error(ValueError, "parameters cannot change dtype or device after fully_shard",
+                 lambda: on_meta.to(torch.float64))
+    assert on_meta.weight.dtype == torch.float32 and on_meta.weight.to_local().device == fsdpcpp.device()
     expect_error(TypeError, "expected an nn.Module", lambda: fsdpcpp.fully_shard([block]))
     expect_error(TypeError, "mesh must be a torch.distributed DeviceMesh",
                  lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
@@ -693,7 +753,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"torch_calls": case_torch_calls, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+CASES = {"torch_calls": case_torch_calls, "meta_init": case_meta_init, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 

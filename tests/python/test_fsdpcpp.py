@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.abspath(os.environ.get("FSDP_BUILD", os.path.join(HERE, "..", "..", "build")))
@@ -84,6 +85,23 @@ def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
     run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
     run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
+
+
+def check_meta_init_as_on_fsdp2(ranks, tmp_path):
+    """FSDP2's recipe for a model built on meta: the same parameters after transformers'
+    init_weights under both runtimes, then rank 0's weights broadcast and trained to parity."""
+    for runtime in ("fsdp2", "fsdpcpp"):
+        (tmp_path / runtime).mkdir()
+        run(ranks, "meta_init", "--runtime", runtime, "--dir", tmp_path / runtime)
+    ours, theirs = (torch.load(tmp_path / runtime / "init.pt") for runtime in ("fsdpcpp", "fsdp2"))
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), f"{name} differs from FSDP2's after init_weights"
+
+
+@cpu_only
+def test_meta_device_init_as_on_fsdp2(tmp_path):
+    check_meta_init_as_on_fsdp2(2, tmp_path)
 
 
 @cpu_only
@@ -174,6 +192,11 @@ def test_gpu_torch_calls_as_on_fsdp2(tmp_path):
     run(1, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
     run(1, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
     run(1, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
+
+
+@gpu_only
+def test_gpu_meta_device_init_as_on_fsdp2(tmp_path):
+    check_meta_init_as_on_fsdp2(1, tmp_path)
 
 
 @gpu_only
