@@ -133,15 +133,22 @@ PYBIND11_MODULE(_C, m) {
       .def("set_runtime_options", [](PyUnit& u, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*u.unit, o); })
       .def("runtime_options", [](const PyUnit& u) { return fsdp::runtime_options(*u.unit); });
 
+  // HSDP's communicators (fsdp/mesh.h): the ranks of this rank's replica, and those holding its shard.
+  py::class_<fsdp::Mesh>(m, "Mesh").def_property_readonly("replicas", &fsdp::Mesh::replicas);
+  m.def("make_mesh", [](int replicas) { return fsdp::make_mesh(replicas); });
   m.def(
       "shard_unit",
       [](const std::string& name, const fsdp::NamedTensors& params, const std::vector<PyUnit*>& inner,
          std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
-         bool reshard_after_forward, bool cpu_offload) {
+         bool reshard_after_forward, bool cpu_offload, const fsdp::Mesh* mesh) {
         auto lifetime = std::make_shared<int>(0);
         fsdp::UnitSpec spec{name, params, {}, lifetime.get(), lifetime, "fsdpcpp.fully_shard"};
         for (const PyUnit* u : inner) spec.inner.push_back(u->unit);
         fsdp::ShardOptions options;
+        if (mesh) {
+          options.comm = mesh->shard;
+          options.replicate = mesh->replicate;
+        }
         options.reshard_after_forward = reshard_after_forward;
         options.cpu_offload = cpu_offload;
         options.mixed_precision.param_dtype = param_dtype;
@@ -149,7 +156,7 @@ PYBIND11_MODULE(_C, m) {
         return PyUnit{fsdp::shard_unit(std::move(spec), options), lifetime};
       },
       py::arg("name"), py::arg("params"), py::arg("inner"), py::arg("param_dtype"), py::arg("reduce_dtype"),
-      py::arg("reshard_after_forward"), py::arg("cpu_offload"));
+      py::arg("reshard_after_forward"), py::arg("cpu_offload"), py::arg("mesh") = nullptr);
   m.def("is_sharded_parameter", [](const at::Tensor& p) { return fsdp::unit_of_parameter(p) != nullptr; });
   m.def("unit_name_of_parameter", [](const at::Tensor& p) -> std::optional<std::string> {
     auto unit = fsdp::unit_of_parameter(p);

@@ -4,7 +4,8 @@ The runtime shards each parameter in place: outside forward the tensor the C++ c
 this rank's rows. To torch that is an ordinary tensor, so its own helpers (clip_grad_norm_,
 get_total_norm, state_dict, DCP, get_model_state_dict, numel) would see one rank's share as the
 whole. So fully_shard registers, in the module, a DTensor "face" of each managed parameter:
-Shard(0) over the ranks (FSDP2's layout: ceil division, the last ranks short), whose local tensor
+Shard(0) over the ranks (HSDP: (Replicate(), Shard(0)) over replicas and shards; FSDP2's layout:
+ceil division, the last ranks short), whose local tensor
 is the managed tensor's storage. Outside forward the module holds the face; its forward pre-hook
 puts the managed tensor back for the forward (which the runtime all-gathers into), the post-hook
 the face again. At the end of each backward the managed gradients are mirrored as the faces'
@@ -24,13 +25,14 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import _C
 from ._runtime import device, rank, world_size
 
-_mesh = None
+_mesh = None  # the DeviceMesh of every face
+_hsdp = None  # its C++ communicators where it is 2-D (HSDP), else None
 _units = weakref.WeakSet()  # the _Faces of every live sharded module
 _forward_depth = 0  # sharded forwards in progress: 0 outside the outermost
 _mirror_queued = False
@@ -100,24 +102,34 @@ def default_mesh():
     return _mesh
 
 
-def use_mesh(mesh, caller: str) -> None:
-    """fully_shard's mesh=: a 1-D mesh over every rank is the faces' mesh (the first one given
-    stays: every module shards over the same ranks); None takes FSDP2's default."""
-    global _mesh
+def use_mesh(mesh, caller: str):
+    """fully_shard's mesh=: a 1-D mesh over every rank (FSDP), or a 2-D one (replicate, shard)
+    laid out as init_device_mesh lays it out (HSDP: replica r holds ranks r*S .. r*S+S-1, as
+    fsdp::make_mesh). The first mesh given is every module's (one layout for all); None takes it,
+    or FSDP2's default 1-D mesh. Returns the C++ communicators to shard over under HSDP (None:
+    all ranks)."""
+    global _mesh, _hsdp
     if mesh is None:
-        return
+        default_mesh()
+        return _hsdp
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{caller}: mesh must be a torch.distributed DeviceMesh, not {type(mesh).__name__}")
-    if mesh.ndim != 1 or mesh.size() != world_size():
+    if mesh.ndim > 2 or mesh.mesh.flatten().tolist() != list(range(world_size())):
         raise NotImplementedError(
-            f"{caller}: a mesh of shape {tuple(mesh.shape)} is not supported: fsdpcpp shards over a 1-D mesh of all "
-            f"{world_size()} ranks (HSDP's 2-D meshes: the C++ API's fsdp::make_mesh)")
+            f"{caller}: a mesh of shape {tuple(mesh.shape)} over ranks {mesh.mesh.tolist()} is not supported: fsdpcpp "
+            f"shards over a 1-D mesh of all {world_size()} ranks, or a 2-D (replicate, shard) one laid out as "
+            "init_device_mesh lays it out")
     if mesh.device_type != device().type:
         raise ValueError(f"{caller}: the mesh is on {mesh.device_type}, fsdpcpp's ranks on {device().type}")
-    if _mesh is not None and mesh is not _mesh and mesh.mesh.tolist() != _mesh.mesh.tolist():
-        raise ValueError(f"{caller}: another mesh than the earlier fully_shard calls': shard every module over one")
-    _mesh = _mesh or mesh
+    if _mesh is not None and mesh is not _mesh and tuple(mesh.shape) != tuple(_mesh.shape):
+        raise ValueError(f"{caller}: a mesh of shape {tuple(mesh.shape)} after one of shape {tuple(_mesh.shape)}: "
+                         "shard every module over one mesh")
+    if _mesh is None:
+        _mesh = mesh
+        if mesh.ndim == 2:
+            _hsdp = _C.make_mesh(mesh.shape[0])
+    return _hsdp
 
 
 def release_dropped_gradients() -> None:
@@ -225,13 +237,14 @@ def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
     """Registers a face for each of `params` (the unit's managed (name, tensor) pairs) in every
     slot of `module`'s tree (outside the inner sharded modules) that holds it."""
     mesh = default_mesh()
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # FSDP2's, FSDP and HSDP
     inner = {id(m) for sub in inner_modules for m in sub.modules()}
     faces, slots = {}, []
     for _, param in params:
         if param.dim() == 0:
             continue  # a scalar has no rows to shard by (the runtime keeps it whole): it stays as it is
         _, _, full_shape = _C.shard_rows(param)
-        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(full_shape), _contiguous_stride(full_shape),
+        spec = DTensorSpec(mesh, placements, TensorMeta(torch.Size(full_shape), _contiguous_stride(full_shape),
                                                          param.dtype))
         faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
     for sub in module.modules():

@@ -79,7 +79,8 @@ class FSDPModule:
         where the optimizer's writes to the shards are."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce across replicas; with a 1-D mesh (no replicas) there is none to skip."""
+        """Accepted: under HSDP the gradients are all-reduced across replicas after every backward;
+        skipping it for all but the last micro-batch saves communication, not a different result."""
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """True (FSDP2's default) is what the runtime does; False is not supported."""
@@ -235,7 +236,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     init (reset_parameters, transformers' init_weights) or a full state dict
     (set_model_state_dict with broadcast_from_rank0) fills them.
     Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
-    mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given).
+    mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given), or a 2-D
+    (replicate, shard) one from init_device_mesh: HSDP, each replica shards the model over its
+    ranks and the gradients are averaged across replicas. One mesh for every module.
     reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
     backward; None (FSDP2's default) is True here for every module, the root's too (FSDP2 keeps a
     root's): its backward all-gather is prefetched, and the memory-budget planner decides which
@@ -255,13 +258,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     if isinstance(module, FSDPModule):
         raise ValueError(f"fsdpcpp.fully_shard({name}): this module is already sharded: call fully_shard once per module")
     _ensure_init()
-    _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
+    hsdp = _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
     inner_modules = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
     inner = [sub._fsdpcpp.unit for sub in inner_modules]
     params = _unit_parameters(module, name)
     _off_meta(params)
     unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                         reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy))
+                         reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy), hsdp)
     module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules))
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)

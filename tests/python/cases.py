@@ -220,9 +220,9 @@ def case_mixed_precision(args):
               f"{fsdpcpp.world_size()} ranks")
 
 
-def fully_shard_of(runtime):
-    """FSDP2's fully_shard or fsdpcpp's, and the 1-D mesh torchtitan passes to it, over a process
-    group made as fsdpcpp makes it."""
+def fully_shard_of(runtime, replicas=1):
+    """FSDP2's fully_shard or fsdpcpp's, and the mesh torchtitan passes to it (1-D, or HSDP's
+    (replicate, shard) for replicas > 1), over a process group made as fsdpcpp makes it."""
     from torch.distributed.device_mesh import init_device_mesh
     from fsdpcpp._dtensor import _ensure_process_group
     _ensure_process_group()
@@ -230,7 +230,10 @@ def fully_shard_of(runtime):
         from torch.distributed.fsdp import fully_shard
     else:
         fully_shard = fsdpcpp.fully_shard
-    return fully_shard, init_device_mesh(fsdpcpp.device().type, (fsdpcpp.world_size(),))
+    world, kind = fsdpcpp.world_size(), fsdpcpp.device().type
+    if replicas == 1:
+        return fully_shard, init_device_mesh(kind, (world,))
+    return fully_shard, init_device_mesh(kind, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
 def torch_loop(model, opt, steps, clip, first=0, before_step=None):
@@ -282,7 +285,7 @@ def case_torch_calls(args):
     final parameters must match a single-process reference within the parity bounds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    fully_shard, mesh = fully_shard_of(args.runtime)
+    fully_shard, mesh = fully_shard_of(args.runtime, args.replicas)
     clip, steps = 0.5, 4
     ref = Reference("plain", steps, clip=clip)
 
@@ -314,7 +317,8 @@ def case_torch_calls(args):
     if args.resume_from:
         load(model, opt, args.resume_from)
     model, losses, norms = torch_loop(model, opt, steps, clip, first, before_step=restart_at_step_2)
-    check_torch_loop(f"torch_calls: {args.runtime}{', resumed from ' + args.resume_from if args.resume_from else ''}",
+    check_torch_loop(f"torch_calls: {args.runtime} on a mesh of shape {tuple(mesh.shape)}"
+                     f"{', resumed from ' + args.resume_from if args.resume_from else ''}",
                      ref, model, losses, norms, first)
 
 
@@ -400,10 +404,10 @@ def case_errors(args):
     expect_error(TypeError, "mesh must be a torch.distributed DeviceMesh",
                  lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
     if fsdpcpp.world_size() > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        two_d = init_device_mesh(fsdpcpp.device().type, (1, fsdpcpp.world_size()), mesh_dim_names=("replicate", "shard"))
-        expect_error(NotImplementedError, "a mesh of shape (1, 2) is not supported",
-                     lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2, device=fsdpcpp.device()), mesh=two_d))
+        from torch.distributed.device_mesh import DeviceMesh
+        reversed_ranks = DeviceMesh(fsdpcpp.device().type, list(reversed(range(fsdpcpp.world_size()))))
+        expect_error(NotImplementedError, "over ranks [1, 0] is not supported",
+                     lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2, device=fsdpcpp.device()), mesh=reversed_ranks))
     # FSDP2's other FSDPModule methods: accepted where the runtime already does what they ask,
     # refused by name where it cannot; never an AttributeError.
     hinted = shard(build("plain"))
@@ -772,6 +776,7 @@ def main():
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     parser.add_argument("--runtime", default="fsdpcpp", choices=["fsdp2", "fsdpcpp"])
+    parser.add_argument("--replicas", type=int, default=1, help="torch_calls: HSDP's replicas (a 2-D mesh)")
     parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")

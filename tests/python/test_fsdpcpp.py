@@ -80,11 +80,14 @@ def test_save_on_3_ranks_resume_on_2(tmp_path):
 def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
     get_state_dict, get_model_state_dict, numel; each checkpoint resumed by the other runtime, on
-    another rank count (3 ranks: uneven shards)."""
+    another rank count (3 ranks: uneven shards), and under HSDP."""
     run(2, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
     run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
     run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
     run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
+    # HSDP from a 2-D mesh: 2 replicas of 2 shards, its own checkpoint and FSDP2's 1-D one.
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--resume-from", tmp_path / "fsdp2" / "step-2")
 
 
 def check_meta_init_as_on_fsdp2(ranks, tmp_path):
