@@ -84,6 +84,8 @@ class Communicator {
   std::string describe() const;
   /// What a backend reports when a collective outlives the timeout.
   std::string timeout_message(const std::string& what) const;
+  /// What ranks that issue different collectives look like, and how to find the first difference.
+  static std::string mismatch_hint();
 
  protected:
   /// One all-gather or reduce-scatter: world_size x more elements on the
@@ -92,9 +94,14 @@ class Communicator {
     at::Tensor output;  ///< all-gather: world x the input; reduce-scatter: one rank's part
     at::Tensor input;   ///< all-gather: this rank's part; reduce-scatter: world x the output
   };
-  /// Backends implement batches; the checked public calls above funnel here.
-  virtual void do_all_gather(const std::vector<Buffers>& ops) = 0;
-  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) = 0;  ///< see do_all_gather
+  /// "all_gather of 1024 bytes + 512 bytes (#3 Block)": how a backend names a batch (its inputs'
+  /// sizes, and the tag) in its errors.
+  static std::string describe_batch(const std::string& op, const std::vector<Buffers>& ops, const std::string& tag);
+  static std::string bytes_of(const at::Tensor& t);  ///< "1024 bytes"
+  /// Backends implement batches; the checked public calls above funnel here. `tag` (may be empty)
+  /// goes into their errors: a rank that waits on a collective names what it was moving.
+  virtual void do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) = 0;
+  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) = 0;
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;  ///< see all_reduce
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;      ///< see broadcast
   virtual void do_barrier() = 0;                                          ///< see barrier

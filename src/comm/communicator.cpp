@@ -25,12 +25,28 @@ std::string Communicator::describe() const {
          " ranks, " + backend() + ")";
 }
 
+std::string Communicator::bytes_of(const at::Tensor& t) {
+  return std::to_string(t.numel() * t.element_size()) + " bytes";
+}
+
+std::string Communicator::describe_batch(const std::string& op, const std::vector<Buffers>& ops,
+                                         const std::string& tag) {
+  std::string what = op;
+  for (size_t i = 0; i < ops.size(); ++i) what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+  return tag.empty() ? what : what + " (" + tag + ")";
+}
+
+std::string Communicator::mismatch_hint() {
+  return " (ranks whose forwards differ, a sharded module run on some ranks only, name different modules in their "
+         "errors; FSDP_CHECK_COLLECTIVES=1 names the first collective that differs)";
+}
+
 std::string Communicator::timeout_message(const std::string& what) const {
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
   return "fsdp: " + what + " on " + describe() + " did not complete within " + seconds +
-         " s: another rank has exited, is stuck, or called a different collective. Raise the limit with "
-         "FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
+         " s: another rank has exited, is stuck, or called a different collective" + mismatch_hint() +
+         ". Raise the limit with FSDP_TIMEOUT_S (fsdp-train --timeout) if ranks are just slow.";
 }
 
 void Communicator::check_tensor(const at::Tensor& t, const char* op, const char* role) const {
@@ -99,7 +115,7 @@ void Communicator::check_same_on_all_ranks(Describe&& signature_of) {
   const auto opts = at::TensorOptions().dtype(at::kLong).device(device());
   const auto hash = static_cast<int64_t>(std::hash<std::string>{}(what));
   at::Tensor all = at::empty({world_size_}, opts);
-  do_all_gather({{all, at::full({1}, hash, opts)}});
+  do_all_gather({{all, at::full({1}, hash, opts)}}, "the cross-rank check");
   const at::Tensor hashes = all.cpu();
   const int64_t* of_rank = hashes.data_ptr<int64_t>();
   std::string differing;
@@ -124,7 +140,7 @@ void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
       if (!op.output.is_same(op.input)) op.output.copy_(op.input);  // the same tensor: gathered in place
     return;
   }
-  do_all_gather(ops);
+  do_all_gather(ops, tag);
 }
 
 void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
@@ -142,7 +158,7 @@ void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outpu
       if (s.output.data_ptr() != s.input.data_ptr()) s.output.copy_(s.input);
     return;
   }
-  do_reduce_scatter(ops, op);
+  do_reduce_scatter(ops, op, tag);
 }
 
 void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {

@@ -36,10 +36,6 @@ MPI_Datatype mpi_type(at::ScalarType t) {
 
 bool needs_float_reduction(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-std::string bytes_of(const at::Tensor& t) {
-  return std::to_string(t.numel() * t.element_size()) + " bytes";
-}
-
 }  // namespace
 
 bool mpi_is_initialized() {
@@ -113,8 +109,8 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const std::string
       char msg[MPI_MAX_ERROR_STRING];
       int len = 0;
       MPI_Error_string(rc, msg, &len);
-      throw CollectiveError("fsdp: " + what + " failed on " + describe() + ": " +
-                            std::string(msg, len));
+      throw CollectiveError("fsdp: " + what + " failed on " + describe() + ": " + std::string(msg, len) +
+                            "; the ranks may have called different collectives" + mismatch_hint());
     }
     if (done) return;
     if (std::chrono::steady_clock::now() > deadline) {
@@ -127,21 +123,19 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& requests, const std::string
   }
 }
 
-void MpiCommunicator::do_all_gather(const std::vector<Buffers>& ops) {
+void MpiCommunicator::do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) {
   std::vector<MPI_Request> requests(ops.size());
-  std::string what = "all_gather";
   for (size_t i = 0; i < ops.size(); ++i) {
     const auto& op = ops[i];
     MPI_Iallgather(op.input.data_ptr(), static_cast<int>(op.input.numel()),
                    mpi_type(op.input.scalar_type()), op.output.data_ptr(),
                    static_cast<int>(op.input.numel()), mpi_type(op.input.scalar_type()), comm_,
                    &requests[i]);
-    what += (i ? " + " : " of ") + bytes_of(op.input);
   }
-  wait(requests, what);
+  wait(requests, describe_batch("all_gather", ops, tag));
 }
 
-void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) {
+void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) {
   // MPI reads `in` and writes `out`; for 16-bit floats these are float32
   // copies, and `out` goes back into `result` once the requests complete.
   struct Pending {
@@ -149,7 +143,6 @@ void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceO
   };
   std::vector<Pending> pending;
   std::vector<MPI_Request> requests(ops.size());
-  std::string what = op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)";
   for (size_t i = 0; i < ops.size(); ++i) {
     Pending p{ops[i].input, ops[i].output, ops[i].output};
     if (needs_float_reduction(p.in.scalar_type())) {
@@ -158,10 +151,9 @@ void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceO
     }
     MPI_Ireduce_scatter_block(p.in.data_ptr(), p.out.data_ptr(), static_cast<int>(p.out.numel()),
                               mpi_type(p.in.scalar_type()), MPI_SUM, comm_, &requests[i]);
-    what += (i ? " + " : " of ") + bytes_of(ops[i].input);
     pending.push_back(std::move(p));
   }
-  wait(requests, what);
+  wait(requests, describe_batch(op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)", ops, tag));
   for (auto& p : pending) {
     if (op == ReduceOp::Avg) p.out.div_(world_size());
     if (p.out.data_ptr() != p.result.data_ptr()) p.result.copy_(p.out);

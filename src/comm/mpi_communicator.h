@@ -23,8 +23,8 @@ class MpiCommunicator : public Communicator {
   at::Device device() const override { return at::kCPU; }
 
  protected:
-  void do_all_gather(const std::vector<Buffers>& ops) override;
-  void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) override;
+  void do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) override;
+  void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) override;
   void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override;
   void do_broadcast(const at::Tensor& tensor, int root) override;
   void do_barrier() override;

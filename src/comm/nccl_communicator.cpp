@@ -29,10 +29,6 @@ ncclDataType_t nccl_type(at::ScalarType t) {
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : ncclSum; }
 
-std::string bytes_of(const at::Tensor& t) {
-  return std::to_string(t.numel() * t.element_size()) + " bytes";
-}
-
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
     throw CollectiveError(std::string("fsdp: ") + what + ": " + cudaGetErrorString(e));
@@ -168,13 +164,12 @@ void NcclCommunicator::watchdog_loop() {
   }
 }
 
-void NcclCommunicator::do_all_gather(const std::vector<Buffers>& ops) {
-  std::string what = "all_gather";
-  for (size_t i = 0; i < ops.size(); ++i) {
-    check_device(ops[i].input, "all_gather");
-    check_device(ops[i].output, "all_gather");
-    what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+void NcclCommunicator::do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) {
+  for (const auto& op : ops) {
+    check_device(op.input, "all_gather");
+    check_device(op.output, "all_gather");
   }
+  const std::string what = describe_batch("all_gather", ops, tag);
   run(what, [&](cudaStream_t stream) {
     check(ncclGroupStart(), "ncclGroupStart");
     for (const auto& op : ops)
@@ -185,13 +180,12 @@ void NcclCommunicator::do_all_gather(const std::vector<Buffers>& ops) {
   });
 }
 
-void NcclCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op) {
-  std::string what = op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)";
-  for (size_t i = 0; i < ops.size(); ++i) {
-    check_device(ops[i].input, "reduce_scatter");
-    check_device(ops[i].output, "reduce_scatter");
-    what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+void NcclCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) {
+  for (const auto& s : ops) {
+    check_device(s.input, "reduce_scatter");
+    check_device(s.output, "reduce_scatter");
   }
+  const std::string what = describe_batch(op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)", ops, tag);
   run(what, [&](cudaStream_t stream) {
     check(ncclGroupStart(), "ncclGroupStart");
     for (const auto& s : ops)

@@ -567,6 +567,30 @@ def case_timeout(args):
     loss_of(model, my_rows(batch(0)))
 
 
+def case_divergent_forward(args):
+    """Rank-dependent control flow: rank 1 skips the second block's forward. Every rank must fail
+    naming the sharded module its collective was moving, not hang or train on."""
+    model = shard(build("plain"))
+    if fsdpcpp.rank() == 1:
+        del model.layers[1]
+    for step in range(2):
+        loss_of(model, my_rows(batch(step))).backward()
+
+
+def case_generate(args):
+    """transformers' generate on a sharded Llama, each rank its own prompt and length (so the ranks
+    finish at different steps): generate syncs them as under FSDP2 (synced_gpus, detected), and
+    each rank's tokens equal the unsharded model's."""
+    reference = build("llama").eval()
+    model = shard(build("llama")).eval()
+    prompt = my_rows(batch(0))[:1, :4 + fsdpcpp.rank()]
+    new_tokens = 3 + 3 * fsdpcpp.rank()
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+        got = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+    assert torch.equal(got, expected), f"rank {fsdpcpp.rank()}: {got.tolist()} vs {expected.tolist()}"
+
+
 def case_beside_process_group(args):
     """A script that made its torch.distributed process group first, as FSDP2 scripts do: init()
     joins the same ranks beside it, and training matches the reference."""
@@ -757,7 +781,8 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"torch_calls": case_torch_calls, "meta_init": case_meta_init, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
+CASES = {"torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+         "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 

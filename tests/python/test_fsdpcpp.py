@@ -20,8 +20,8 @@ gpu_only = pytest.mark.skipif(not GPU, reason="GPU cases: FSDPCPP_TEST_GPU=1 (ct
 cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
 
 
-def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120):
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s))
+def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120, env=None):
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s), **(env or {}))
     command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
                os.path.join(HERE, "cases.py"), *map(str, args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -124,6 +124,26 @@ def test_a_collective_that_never_completes_times_out():
     output = run(2, "timeout", expect_failure=True, collective_timeout_s=3)
     assert "on rank 0 of group 'world' (2 ranks, mpi) did not complete within 3.0 s" in output, output
     assert "all_gather" in output, output
+
+
+@cpu_only
+def test_generate_with_ranks_finishing_apart():
+    run(2, "generate")
+
+
+@cpu_only
+@pytest.mark.parametrize("check", [False, True])
+def test_a_forward_that_differs_across_ranks_is_named(check):
+    """A sharded block run on some ranks only: without the check the collective's error names the
+    module each rank was moving and says what that means; FSDP_CHECK_COLLECTIVES=1 names the
+    first collective that differs."""
+    output = run(2, "divergent_forward", expect_failure=True, collective_timeout_s=3,
+                 env={"FSDP_CHECK_COLLECTIVES": "1" if check else "0"})
+    if check:
+        assert "differs across ranks: this rank issues all_gather of" in output, output
+    else:
+        assert "ranks whose forwards differ" in output or "failed on rank" in output, output
+    assert " Block)" in output, output
 
 
 @cpu_only
