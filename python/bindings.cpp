@@ -129,6 +129,8 @@ PYBIND11_MODULE(_C, m) {
       .def("set_requires_gradient_sync", [](PyUnit& u, bool sync) { fsdp::set_requires_gradient_sync(*u.unit, sync); })
       .def("set_reshard_after_forward", [](PyUnit& u, bool r) { fsdp::set_reshard_after_forward(*u.unit, r); })
       .def("reshard", [](PyUnit& u) { fsdp::reshard(*u.unit); })
+      .def("unshard", [](PyUnit& u) { fsdp::unshard(*u.unit); })
+      .def("wait_for_unshard", [](PyUnit& u) { fsdp::wait_for_unshard(*u.unit); })
       .def_property_readonly("reshard_after_forward", [](const PyUnit& u) { return fsdp::reshard_after_forward(*u.unit); })
       .def("set_runtime_options", [](PyUnit& u, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*u.unit, o); })
       .def("runtime_options", [](const PyUnit& u) { return fsdp::runtime_options(*u.unit); });

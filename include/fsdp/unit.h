@@ -79,6 +79,12 @@ void set_reshard_after_forward(ModuleState& unit, bool reshard);
 bool reshard_after_forward(const ModuleState& unit);
 /// Frees the unit's unsharded parameters now, if it holds them (FSDP2's FSDPModule.reshard).
 void reshard(ModuleState& unit);
+/// FSDP2's FSDPModule.unshard: issues the unit's all-gather now (a no-op while it holds its
+/// unsharded parameters), as a prefetch its next forward uses; wait_for_unshard makes the compute
+/// stream wait for it. The parameters then hold their full values until reshard() or the end of
+/// that forward (with reshard_after_forward).
+void unshard(ModuleState& unit);
+void wait_for_unshard(ModuleState& unit);
 /// The scheduling options of the root whose top unit is `unit`, instead of the process-wide
 /// default (set_runtime_options(options)) for that root alone; takes effect from its next step.
 /// Throws std::invalid_argument for negative values.

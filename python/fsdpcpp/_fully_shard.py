@@ -54,13 +54,23 @@ class FSDPModule:
         return module
 
     def reshard(self) -> None:
-        """Frees the module's unsharded parameters now, if it holds them."""
+        """Frees the module's unsharded parameters now, if it holds them; the module holds its
+        sharded DTensors again."""
         self._fsdpcpp.unit.reshard()
+        self._fsdpcpp.faces.use_faces()
 
     def unshard(self, async_op: bool = False):
-        raise NotImplementedError(
-            "fsdpcpp: FSDPModule.unshard is not supported: the runtime all-gathers a module before its forward "
-            "and prefetches from the recorded order; run the forward instead")
+        """As FSDP2's: all-gathers the module's parameters now. The module then holds them whole
+        (plain tensors) until reshard() or the end of its next forward (with
+        reshard_after_forward); that forward uses this all-gather. async_op=True returns a handle
+        whose wait() ends it (the forward waits for it by itself)."""
+        state = self._fsdpcpp
+        state.unit.unshard()
+        handle = _UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     # FSDP2's scheduling hints. The runtime already does what they ask for, from the order it
     # records each step and with events (docs/python.md): accepted, with nothing to do.
@@ -113,6 +123,17 @@ class FSDPModule:
         process-wide defaults: prefetch depth, the caps on in-flight collectives, bucketing."""
         unit = self._fsdpcpp.unit
         unit.set_runtime_options(_updated(unit.runtime_options(), options, "FSDPModule.set_runtime_options"))
+
+
+class _UnshardHandle:
+    """FSDPModule.unshard(async_op=True)'s handle, as FSDP2's UnshardHandle."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.unit.wait_for_unshard()
+        self._state.faces.use_managed()
 
 
 class _RecomputedInBackward:

@@ -87,9 +87,10 @@ RootState& Runtime::root_of(ModuleState& state) {
       root->add_member(sub);
       continue;
     }
-    // A root of its own before (it ran forward alone): if it lies inside this one and is idle,
-    // its groups join this root.
-    RootState& other = *sub->root_;
+    // A root of its own before (it ran forward or unshard() alone): if it lies inside this one and
+    // is idle, its groups join this root. Held here: adopting its groups drops their references.
+    const std::shared_ptr<RootState> held = sub->root_;
+    RootState& other = *held;
     const auto other_top = other.top_unit().lock();
     const bool other_under = std::find(under.begin(), under.end(), other_top) != under.end();
     if (!other_under || other.busy())

@@ -151,6 +151,9 @@ void reshard(ModuleState& unit) {
   if (unit.group().is_unsharded()) unit.reshard();
 }
 
+void unshard(ModuleState& unit) { unit.prefetch(); }
+void wait_for_unshard(ModuleState& unit) { unit.group().wait_for_unshard(); }
+
 void set_runtime_options(ModuleState& unit, const RuntimeOptions& options) {
   check_runtime_options(options);
   unit.set_runtime_options(options);

@@ -326,10 +326,11 @@ def case_meta_init(args):
     """FSDP2's recipe for a model larger than one device, on --runtime fsdp2 or fsdpcpp:
     transformers' Llama built on meta, sharded, to_empty (each rank allocates its rows),
     transformers' init_weights (random rows through the sharded parameters, and the rotary
-    buffers, which no state dict holds), then a full state dict that only rank 0 has, loaded with
-    broadcast_from_rank0. Rank 0 writes the parameters as init_weights left them to DIR/init.pt
-    (the test compares the two runtimes'); the run then trains to parity with a single-process
-    reference of rank 0's weights."""
+    buffers, which no state dict holds), then the reference's weights: a full state dict that only
+    rank 0 has, loaded with broadcast_from_rank0, or (--load safetensors) the model's
+    save_pretrained files read by DCP's HuggingFaceStorageReader, each rank reading its rows.
+    Rank 0 writes the parameters as init_weights left them to DIR/init.pt (the test compares the
+    two runtimes'); the run then trains to parity with a single-process reference."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     fully_shard, mesh = fully_shard_of(args.runtime)
     clip, steps = 0.5, 3
@@ -347,8 +348,16 @@ def case_meta_init(args):
         torch.save(initialised, os.path.join(args.dir, "init.pt"))
     else:
         assert not initialised, "cpu_offload=True: a full state dict on rank 0 only"
-    source = build("llama").state_dict() if fsdpcpp.rank() == 0 else {}
-    set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if args.load == "safetensors":
+        import torch.distributed.checkpoint as dcp
+        if fsdpcpp.rank() == 0:
+            build("llama").save_pretrained(os.path.join(args.dir, "hf"))
+        fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))  # the files are written
+        dcp.load(model.state_dict(), storage_reader=dcp.HuggingFaceStorageReader(os.path.join(args.dir, "hf")))
+    else:
+        source = build("llama").state_dict() if fsdpcpp.rank() == 0 else {}
+        set_model_state_dict(model, source,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model, losses, norms = torch_loop(model, optimizer_for(model), steps, clip)
     check_torch_loop(f"meta_init: {args.runtime}", ref, model, losses, norms)
 
@@ -417,6 +426,22 @@ def case_errors(args):
     hinted.set_post_optim_event(None)
     hinted.set_requires_all_reduce(False)
     hinted.set_reshard_after_backward(True)
+    # unshard(): the whole parameters in the module now, until reshard() or the end of a forward.
+    from torch.distributed.tensor import DTensor
+    full = fsdpcpp.get_model_state_dict(hinted)
+    first = blocks_of(hinted)[0]
+    first.unshard()
+    assert not isinstance(first.qkv.weight, DTensor), type(first.qkv.weight)
+    assert torch.equal(first.qkv.weight.detach().cpu(), full["layers.0.qkv.weight"]), "unshard(): not the full weight"
+    first.reshard()
+    assert isinstance(first.qkv.weight, DTensor), type(first.qkv.weight)
+    handle = hinted.unshard(async_op=True)  # the root's, as a script prefetches it before the step
+    handle.wait()
+    loss = loss_of(hinted, my_rows(batch(0)))
+    expected = loss_of(build("plain"), my_rows(batch(0)))
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=0), f"after unshard(): {loss.item()} vs {expected.item()}"
+    loss.backward()
+    assert isinstance(hinted.head.weight, DTensor) and hinted.head.weight.grad is not None
     expect_error(NotImplementedError, "set_reshard_after_backward(False) is not supported",
                  lambda: hinted.set_reshard_after_backward(False))
     expect_error(NotImplementedError, "set_gradient_divide_factor is not supported",
@@ -801,6 +826,7 @@ def main():
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     parser.add_argument("--runtime", default="fsdpcpp", choices=["fsdp2", "fsdpcpp"])
+    parser.add_argument("--load", default="broadcast", choices=["broadcast", "safetensors"], help="meta_init")
     parser.add_argument("--replicas", type=int, default=1, help="torch_calls: HSDP's replicas (a 2-D mesh)")
     parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")

@@ -100,6 +100,8 @@ def check_meta_init_as_on_fsdp2(ranks, tmp_path):
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), f"{name} differs from FSDP2's after init_weights"
+    (tmp_path / "safetensors").mkdir()
+    run(ranks, "meta_init", "--load", "safetensors", "--dir", tmp_path / "safetensors")
 
 
 @cpu_only
