@@ -4,6 +4,7 @@
     FSDP_BUILD=build build/python -m pytest tests/python    (ctest runs it as python_tests)
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -88,6 +89,39 @@ def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     # HSDP from a 2-D mesh: 2 replicas of 2 shards, its own checkpoint and FSDP2's 1-D one.
     run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp")
     run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--resume-from", tmp_path / "fsdp2" / "step-2")
+
+
+def run_fsdp2_style(ranks, runtime, tmp_path, name, *options):
+    """examples/python/fsdp2_style.py, an FSDP2 script whose only difference between runtimes is
+    the import; returns rank 0's logged steps."""
+    log = tmp_path / f"{name}.jsonl"
+    env = {"PYTHONPATH": os.path.join(BUILD, "py")}
+    command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
+               os.path.join(HERE, "..", "..", "examples", "python", "fsdp2_style.py"), "--runtime", runtime,
+               "--steps", "4", "--log", str(log), *map(str, options)]
+    done = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout + done.stderr}"
+    return [json.loads(line) for line in open(log)]
+
+
+def check_fsdp2_script(ranks, tmp_path, relative_bound, *options):
+    """The FSDP2-style script under both runtimes, each saving a DCP checkpoint at step 2, and
+    fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`."""
+    theirs = run_fsdp2_style(ranks, "fsdp2", tmp_path, "fsdp2", "--save", tmp_path / "fsdp2", "--save-at", 2, *options)
+    ours = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "fsdpcpp", "--save", tmp_path / "fsdpcpp", "--save-at", 2,
+                           *options)
+    resumed = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "resumed", "--resume", tmp_path / "fsdp2", *options)
+    assert [s["step"] for s in ours] == [1, 2, 3, 4] and [s["step"] for s in resumed] == [3, 4]
+    for got, expected in list(zip(ours, theirs)) + list(zip(resumed, theirs[2:])):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - expected[key]) <= relative_bound * abs(expected[key]), (got, expected)
+
+
+@cpu_only
+def test_an_fsdp2_script_with_only_the_import_changed(tmp_path):
+    # Two CPU ranks in float32 do the same arithmetic under both runtimes (sums of two terms are
+    # exact in either order): a few units of float32 rounding at most.
+    check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24)
 
 
 def check_meta_init_as_on_fsdp2(ranks, tmp_path):
@@ -217,6 +251,13 @@ def test_gpu_torch_calls_as_on_fsdp2(tmp_path):
     run(1, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
     run(1, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
     run(1, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
+
+
+@gpu_only
+def test_gpu_fsdp2_script_compiled_with_only_the_import_changed(tmp_path):
+    # bfloat16 compute, compiled layers: the runtimes may order a reduction differently, each
+    # difference a bfloat16 rounding (2^-8) of the loss at most.
+    check_fsdp2_script(1, tmp_path, 2.0 ** -8, "--compile")
 
 
 @gpu_only
