@@ -18,8 +18,11 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
                       head), tensorwise with float8 all-gather and precomputed scales (torchtitan's
                       recipe); needs torchao
         [--runtime fsdpcpp]   the same script sharded by fsdp.cpp's Python package instead of FSDP2:
-                      only the import of fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy and
-                      clip_grad_norm_ changes (PYTHONPATH=build/py, or pip install .)
+                      only the import of fully_shard, MixedPrecisionPolicy and CPUOffloadPolicy
+                      changes, and fsdpcpp.init() joins (PYTHONPATH=build/py, or pip install .)
+        [--hf]        transformers' own LlamaForCausalLM of the preset's shapes (SDPA) instead of
+                      the model below, built on meta and initialised by its init_weights (the same
+                      seed under either runtime); --checkpoint is transformers' gradient checkpointing
 """
 import argparse
 import json
@@ -144,6 +147,18 @@ class Llama(nn.Module):
         return self.head(self.norm(h))
 
 
+def hf_llama(c, max_seq):
+    """transformers' LlamaForCausalLM of preset `c`'s shapes, as its users configure it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    assert "rope_scaling" not in c, "--hf: presets with RoPE scaling (3b) are not mapped to transformers' config"
+    config = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["dim"], intermediate_size=c["ffn"],
+                         num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
+                         num_key_value_heads=c["n_kv_heads"], rope_theta=c["theta"], rms_norm_eps=EPS,
+                         max_position_embeddings=max_seq, tie_word_embeddings=c.get("tie", False),
+                         attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
 def synthetic_rows(vocab, seed, step, first, rows, seq):
     """trainer/train/data.cpp's SyntheticTokens, row for row."""
     out = torch.empty(rows, seq + 1, dtype=torch.long)
@@ -231,6 +246,7 @@ def main():
                    help="CPUOffloadPolicy: sharded parameters, gradients and AdamW on the host")
     p.add_argument("--runtime", choices=["fsdp2", "fsdpcpp"], default="fsdp2",
                    help="who shards the model: PyTorch's FSDP2 or fsdp.cpp's Python package (fsdpcpp)")
+    p.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM of the preset's shapes")
     p.add_argument("--memory-budget", type=float, default=0.0,
                    help="GiB a GPU may hold: fsdpcpp.plan_memory_budget picks recomputation and prefetch (fsdpcpp only)")
     args = p.parse_args()
@@ -243,6 +259,12 @@ def main():
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
+    for name, ompi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
+                       ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")):  # under mpirun rather than torchrun
+        if ompi in os.environ:
+            os.environ.setdefault(name, os.environ[ompi])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
     # Offloaded gradients are CPU tensors: clip_grad_norm_'s all-reduce of them needs gloo.
     dist.init_process_group("cuda:nccl,cpu:gloo" if on_gpu and args.cpu_offload else "nccl" if on_gpu else "gloo")
     if args.cpu_offload:  # torchrun sets OMP_NUM_THREADS=1; the host optimizer gets this rank's share, as fsdp-train's
@@ -259,19 +281,21 @@ def main():
     if args.attention == "flash":
         torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
-    if args.init:
+    if args.hf:
+        assert not (args.init or args.float8 or args.checkpoint_blocks or args.ddp or args.optimizer_before_shard), \
+            "--hf: its own initial weights, all or no blocks recomputed, FSDP only"
+        torch.manual_seed(args.seed)
+        with torch.device("meta"):
+            model = hf_llama(c, max(args.seq, 2048))
+        if args.checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif args.init:
         model = Llama(c, max(args.seq, 2048), checkpointed)
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
             weights = torch.load(args.init)
         missing = model.load_state_dict(weights, strict=False)
         assert not missing.missing_keys and not missing.unexpected_keys, missing
         model.to(device)
-    elif args.runtime == "fsdpcpp":  # no meta-device models (docs/python.md): made whole on the device
-        assert not args.optimizer_before_shard, "--optimizer-before-shard needs --init"
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            model = Llama(c, max(args.seq, 2048), checkpointed)
-            model.init_weights()
     else:  # FSDP2's recipe for models too large for one process: shapes now, memory after sharding
         assert not args.ddp and not args.optimizer_before_shard, "--ddp and --optimizer-before-shard need --init"
         torch.manual_seed(args.seed)
@@ -291,27 +315,30 @@ def main():
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
         if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
             precompute_float8_scales = precompute_float8_dynamic_scale_for_fsdp
+    blocks = model.model.layers if args.hf else model.blocks
     if args.compile:  # after loading (the wrapper renames parameters), before sharding
         # Each block is its own frame to dynamo: past recompile_limit (8 by default) FSDP2's later
         # blocks would silently run eager. Raised for every block, and a hit fails the run.
         torch._dynamo.config.recompile_limit = 64
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block)
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block)
     opt = make_optimizer() if args.optimizer_before_shard else None
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=on_gpu) if args.cpu_offload else None
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
-        if not args.init and args.runtime == "fsdp2":
+        if not args.init:
             model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards live on the host
             model.init_weights()
         if args.cpu_offload:  # buffers are not offloaded: the forward reads them on the device
-            model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
+            for name, buffer in model.named_buffers():
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, buffer.to(device))
     opt = opt or make_optimizer()
     if on_gpu:
         torch.cuda.empty_cache()
@@ -339,16 +366,13 @@ def main():
                                     args.seq).to(device)
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, torch.bfloat16, enabled=args.ddp):
-                logits = model(tokens[:, :-1])
+                logits = model(input_ids=tokens[:, :-1]).logits if args.hf else model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
             loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
-            if args.runtime == "fsdpcpp":
-                grad_norm = fsdpcpp.clip_grad_norm_(model.parameters(), args.clip)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
             if precompute_float8_scales:
                 precompute_float8_scales(model)

@@ -62,6 +62,10 @@ CONFIGS = {
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--checkpoint"], {}),
     "8b-ac-nolimit": ("8b", 2048, 2, ["--checkpoint", "--max-inflight-allgathers", "0"], {}),
+    # transformers' own Llama of the 1B's shapes under FSDP2 and fsdpcpp (issue #46); with
+    # --checkpoint, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
+    "1b-hf": ("1b", 2048, 4, [], {}),
+    "1b-hf-ac": ("1b", 2048, 4, ["--checkpoint"], {}),
 }
 # The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
 PYTORCH_SYSTEMS = {
@@ -71,10 +75,19 @@ PYTORCH_SYSTEMS = {
     # The same script sharded by fsdp.cpp's Python package (issue #31): only the import changes.
     "fsdpcpp-python": ("fsdpcppy", ["--runtime", "fsdpcpp"]),
     "fsdpcpp-python-compile": ("fsdpcppyc", ["--runtime", "fsdpcpp", "--compile"]),
+    # transformers' LlamaForCausalLM instead of the script's model, under each runtime.
+    "hf-fsdp2": ("hffsdp2", ["--hf"]),
+    "hf-fsdp2-compile": ("hffsdp2c", ["--hf", "--compile"]),
+    "hf-fsdpcpp": ("hffsdpcppy", ["--hf", "--runtime", "fsdpcpp"]),
+    "hf-fsdpcpp-compile": ("hffsdpcppyc", ["--hf", "--runtime", "fsdpcpp", "--compile"]),
 }
-PYTHON_FRONT_END = ["fsdpcpp-python", "fsdpcpp-python-compile"]
+PYTHON_FRONT_END = ["fsdpcpp-python", "fsdpcpp-python-compile", "hf-fsdpcpp", "hf-fsdpcpp-compile"]
 # Each of the Python front end's systems is compared with FSDP2 run the same way.
-PYTHON_PAIRS = [("fsdpcpp-python", "pytorch-fsdp2"), ("fsdpcpp-python-compile", "pytorch-fsdp2-compile")]
+PYTHON_PAIRS = [("fsdpcpp-python", "pytorch-fsdp2"), ("fsdpcpp-python-compile", "pytorch-fsdp2-compile"),
+                ("hf-fsdpcpp", "hf-fsdp2"), ("hf-fsdpcpp-compile", "hf-fsdp2-compile")]
+# Systems that make their own initial weights (transformers' init, the same seed under either
+# runtime): their losses are compared only with each other's.
+OWN_INIT_SYSTEMS = {"hf-fsdp2", "hf-fsdp2-compile", "hf-fsdpcpp", "hf-fsdpcpp-compile"}
 SAVED_INITS = set()
 # Presets whose full weights are too large to hand over in one file (8B: 32 GB): each system makes
 # its own initial weights, of the same distribution, so their losses are not compared.
@@ -87,7 +100,8 @@ REFERENCES = {
     "1b-lowlr": ["pytorch-fsdp2"],
     "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": EAGER_AND_COMPILED + PYTHON_FRONT_END,
     "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
-    "tiny": EAGER_AND_COMPILED + ["pytorch-ddp"],
+    "tiny": EAGER_AND_COMPILED + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
+    "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),
 }
 
 def run(cmd, log_path, env):
@@ -172,10 +186,14 @@ def run_config(config, world, args, repeat):
             continue
         name, system_flags = PYTORCH_SYSTEMS[system]
         log2, profile2 = log_paths(args.out, name, config, world, repeat)
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={world}", "bench/fsdp2_llama.py",
+        # fsdp.cpp's CPU ranks are MPI processes: fsdp-run (mpirun) starts them; torchrun otherwise.
+        launcher = ([os.path.join(args.build, "fsdp-run"), "--cpu", "-n", str(world), sys.executable]
+                    if args.cpu and system in PYTHON_FRONT_END else
+                    [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"])
+        run([*launcher, "bench/fsdp2_llama.py",
              "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
-             str(batch), *flags, *system_flags, *(["--init", init] if shared_init else []),
+             str(batch), *flags, *system_flags,
+             *(["--init", init] if shared_init and system not in OWN_INIT_SYSTEMS else []),
              "--jsonl", log2, "--profile", profile2,
              "--profile-steps", str(args.profile_steps)],
             log2.replace(".jsonl", ".log"),
@@ -309,8 +327,10 @@ def comparison(by_key, config, world, ours_system, system, repeated, name=None):
         return []
     pairs = list(zip(ours["runs"], theirs["runs"]))
     gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
-    loss_note = ("not compared (each system its own initial weights)" if CONFIGS[config][0] in OWN_INIT_PRESETS
-                 else f"largest loss difference over {len(ours['losses'])} steps {gap:.4f}")
+    same_init = CONFIGS[config][0] not in OWN_INIT_PRESETS and (ours_system in OWN_INIT_SYSTEMS) == (
+        system in OWN_INIT_SYSTEMS)
+    loss_note = (f"largest loss difference over {len(ours['losses'])} steps {gap:.4f}" if same_init
+                 else "not compared (each system its own initial weights)")
     per_run = sorted(x["tok_s_gpu"] / y["tok_s_gpu"] for x, y in pairs)
     return [
         f"- {config} on {world} GPUs: {name + ' ' if name else ''}tokens/s/GPU "
