@@ -1,59 +1,68 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one device call: builds; runs launcher_sigterm_gpu alone (it checks that
-# no process is left on a GPU), then the Python package's GPU cases (python_gpu_tests) beside the
-# other GPU tests one at a time and the CPU tests six at a time; then fsdp-train's 1B on one GPU
-# for 30 steps (its step time) and with a memory budget (the planner's steps on the GPU), and the
-# benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget). Logs and JSON to OUT_DIR.
-#   bash bench/gpu_checks.sh OUT_DIR COMMIT
+# On a GPU machine: the final check of a change, in two parts that each fit one device call (run
+# `native` then `python` back to back while the machine is warm; `all` runs both). Each builds
+# (incremental on a warm machine).
+#   native: launcher_sigterm_gpu alone (it checks that no process is left on a GPU), the other GPU
+#           tests one at a time beside the CPU tests six at a time; then fsdp-train's 1B on one
+#           GPU for 30 steps (its step time) and with a memory budget (the planner's steps).
+#   python: the Python package's GPU cases (python_gpu_tests_*, three parts side by side), then
+#           the benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget).
+# Logs and JSON to OUT_DIR.
+#   bash bench/gpu_checks.sh OUT_DIR COMMIT [all|native|python]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
 commit=${2:-unknown}
+part=${3:-all}
 mkdir -p "$out"
 source bench/gpu_env.sh
 record_env "$out/env.txt" "$commit"
 cat "$out/env.txt"
-FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$part.log" 2>&1 || { tail -30 "$out/build-$part.log"; exit 1; }
 status=0
-# launcher_sigterm_gpu first and alone: it checks that no process is left on a GPU. Then the
-# Python package's GPU cases (the long pole, mostly process start-up) beside the other GPU tests
-# and the CPU tests; the timed runs below start once all are done.
-(cd build && ctest --output-on-failure -R launcher_sigterm_gpu) > "$out/gpu-tests-sigterm.log" 2>&1 || status=1
-(cd build && ctest --output-on-failure -R python_gpu_tests) > "$out/gpu-tests-python.log" 2>&1 &
-python_tests=$!
-(cd build && ctest --output-on-failure -R gpu -E "launcher_sigterm_gpu|python_gpu_tests") > "$out/gpu-tests.log" 2>&1 || status=1
-# The CPU-only suites CI runs anyway (benchmark smoke tests, the README's commands, the Python
-# package on CPU ranks) are left to it: the device call has ten minutes.
-(cd build && ctest --output-on-failure -j6 -E "gpu|bench_c|memreport_cpu|readme_commands|python_tests") \
-  > "$out/other-tests.log" 2>&1 || status=1
-wait $python_tests || status=1
-grep -hE "Test +#|tests passed" "$out/gpu-tests-sigterm.log" "$out/gpu-tests.log" "$out/gpu-tests-python.log"
-grep -E "tests passed|\*\*\*Failed|Total Test" "$out/other-tests.log"
-one_gpu=(build/fsdp-run --gpu -n 1 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16)
-"${one_gpu[@]}" --steps 30 --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
-"${one_gpu[@]}" --steps 10 --memory-budget 16 --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
-# Planned from Python: the benchmark's own Llama sharded by fsdpcpp (its float32 logits and
-# PyTorch's AdamW need more than fsdp-train's 16 GiB: the smallest schedule peaks at 15.2 GiB).
-PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py \
-  --runtime fsdpcpp --model 1b --seq 2048 --batch 4 --steps 10 --memory-budget 20 \
-  --jsonl "$out/budget-1b-python.jsonl" > "$out/budget-1b-python.log" 2>&1 || status=1
-python3 - "$out" <<'PY' || status=1
+if [[ $part != python ]]; then
+  (cd build && ctest --output-on-failure -R launcher_sigterm_gpu) > "$out/gpu-tests-sigterm.log" 2>&1 || status=1
+  (cd build && ctest --output-on-failure -R gpu -E "launcher_sigterm_gpu|python_gpu_tests") \
+    > "$out/gpu-tests.log" 2>&1 || status=1
+  # The CPU-only suites CI runs anyway (benchmark smoke tests, the README's commands, the Python
+  # package on CPU ranks) are left to it: the device call has ten minutes.
+  (cd build && ctest --output-on-failure -j6 -E "gpu|bench_c|memreport_cpu|readme_commands|python_tests") \
+    > "$out/other-tests.log" 2>&1 || status=1
+  grep -hE "Test +#|tests passed" "$out/gpu-tests-sigterm.log" "$out/gpu-tests.log"
+  grep -E "tests passed|\*\*\*Failed|Total Test" "$out/other-tests.log"
+  one_gpu=(build/fsdp-run --gpu -n 1 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16)
+  "${one_gpu[@]}" --steps 30 --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
+  "${one_gpu[@]}" --steps 10 --memory-budget 16 --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
+  grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
+fi
+if [[ $part != native ]]; then
+  (cd build && ctest --output-on-failure -j3 -R python_gpu_tests) > "$out/gpu-tests-python.log" 2>&1 || status=1
+  grep -hE "Test +#|tests passed" "$out/gpu-tests-python.log"
+  # Planned from Python: the benchmark's own Llama sharded by fsdpcpp (its float32 logits and
+  # PyTorch's AdamW need more than fsdp-train's 16 GiB: the smallest schedule peaks at 15.2 GiB).
+  PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node=1 bench/fsdp2_llama.py \
+    --runtime fsdpcpp --model 1b --seq 2048 --batch 4 --steps 10 --memory-budget 20 \
+    --jsonl "$out/budget-1b-python.jsonl" > "$out/budget-1b-python.log" 2>&1 || status=1
+  grep -E "fsdpcpp: plan for" "$out/budget-1b-python.log" | head -1
+fi
+python3 - "$out" "$part" <<'PY' || status=1
 import json, statistics, sys
-out = sys.argv[1]
-rows = [json.loads(line) for line in open(f"{out}/train-1b.jsonl")][5:]
-print(f"1b on one GPU: median step {statistics.median(r['step_ms'] for r in rows):.1f} ms over steps 6-30, "
-      f"peak allocated/reserved {rows[-1]['peak_alloc_gib']:.2f}/{rows[-1]['peak_reserved_gib']:.2f} GiB")
-budget = [json.loads(line) for line in open(f"{out}/budget-1b.jsonl")]
-planned = budget[5:]
-print(f"1b with --memory-budget 16: planned steps 6-10 median {statistics.median(r['step_ms'] for r in planned):.1f} ms, "
-      f"peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
-python_planned = [json.loads(line) for line in open(f"{out}/budget-1b-python.jsonl")][5:]
-print(f"1b from Python with fsdpcpp.plan_memory_budget, 20 GiB: planned steps 6-10 median "
-      f"{statistics.median(r['step_ms'] for r in python_planned):.1f} ms, "
-      f"peak allocated {max(r['peak_alloc_gib'] for r in python_planned):.2f} GiB (budget 20)")
-sys.exit(0 if max(r['peak_alloc_gib'] for r in planned) <= 16 and
-         max(r['peak_alloc_gib'] for r in python_planned) <= 20 else 1)
+out, part = sys.argv[1], sys.argv[2]
+within_budget = True
+if part != "python":
+    rows = [json.loads(line) for line in open(f"{out}/train-1b.jsonl")][5:]
+    print(f"1b on one GPU: median step {statistics.median(r['step_ms'] for r in rows):.1f} ms over steps 6-30, "
+          f"peak allocated/reserved {rows[-1]['peak_alloc_gib']:.2f}/{rows[-1]['peak_reserved_gib']:.2f} GiB")
+    planned = [json.loads(line) for line in open(f"{out}/budget-1b.jsonl")][5:]
+    print(f"1b with --memory-budget 16: planned steps 6-10 median {statistics.median(r['step_ms'] for r in planned):.1f} "
+          f"ms, peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
+    within_budget &= max(r['peak_alloc_gib'] for r in planned) <= 16
+if part != "native":
+    python_planned = [json.loads(line) for line in open(f"{out}/budget-1b-python.jsonl")][5:]
+    print(f"1b from Python with fsdpcpp.plan_memory_budget, 20 GiB: planned steps 6-10 median "
+          f"{statistics.median(r['step_ms'] for r in python_planned):.1f} ms, "
+          f"peak allocated {max(r['peak_alloc_gib'] for r in python_planned):.2f} GiB (budget 20)")
+    within_budget &= max(r['peak_alloc_gib'] for r in python_planned) <= 20
+sys.exit(0 if within_budget else 1)
 PY
-grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
-grep -E "fsdpcpp: plan for" "$out/budget-1b-python.log" | head -1
 exit $status
