@@ -164,12 +164,16 @@ def check_import_refusals(work, original):
     expect_refused("a tied config beside an lm_head.weight of its own", 1,
                    "config.json ties the embeddings (tie_word_embeddings: true) but lm_head.weight holds other values",
                    "--steps", "1", "--seq", "32", "--init-from", untied_head)
-    same_head = edited_weights(original, work, "same-head", lambda w: w.__setitem__(
+    # A directory name JSON must escape: the step log names the model by its --init-from path.
+    same_head = edited_weights(original, work, 'same "head"', lambda w: w.__setitem__(
         "lm_head.weight", w["model.embed_tokens.weight"].clone()))
     code, out = run_train("--steps", "1", "--seq", "32", "--init-from", same_head, "--log", f"{work}/same-head.jsonl")
     if code != 0:
         sys.exit(f"hf_roundtrip: FAIL: a tied model saved with its head beside the embedding is refused:\n{out}")
-    print("hf_roundtrip: a tied model saved with an equal lm_head.weight loads: ok")
+    logged = json.loads(open(f"{work}/same-head.jsonl").readline())["model"]
+    if logged != same_head:
+        sys.exit(f"hf_roundtrip: FAIL: the step log names the model {logged!r}, not its --init-from {same_head!r}")
+    print("hf_roundtrip: a tied model saved with an equal lm_head.weight loads, and the log names it: ok")
     nan = edited_weights(original, work, "nan", lambda w: w["model.layers.1.mlp.up_proj.weight"].view(-1).__setitem__(
         5, float("nan")))
     expect_refused("weights holding NaN", 1, "tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or infinite values",

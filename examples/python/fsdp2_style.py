@@ -77,11 +77,9 @@ if args.resume:
 
 log = open(args.log, "a") if args.log and rank == 0 else None
 for step in range(first, args.steps):
-    # Learnable sequences: each row counts up by a random stride from a random start.
-    g = torch.Generator().manual_seed(step * world + rank)
-    start = torch.randint(0, 256, (8, 1), generator=g)
-    stride = torch.randint(1, 5, (8, 1), generator=g)
-    tokens = ((start + stride * torch.arange(65)) % 256).to(device)
+    # Learnable rows: each repeats a random pattern of 8 tokens, this rank's own.
+    pattern = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(step * world + rank))
+    tokens = pattern.repeat(1, 9)[:, :65].to(device)
     logits = model(input_ids=tokens[:, :-1]).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()

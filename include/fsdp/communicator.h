@@ -57,6 +57,9 @@ class Communicator {
   void broadcast(const at::Tensor& tensor, int root);
   /// Returns once every rank has called it (waits for the device on GPUs).
   void barrier();
+  /// Collective: how many ranks pass true (one small all-reduce, waited for). How ranks agree to
+  /// stop together when one of them fails.
+  int count_ranks(bool condition);
   /// Collective. The ranks passing the same `color` (>= 0) form a new communicator, ordered by
   /// `key` (ties by rank here), with this one's backend, device and timeout; `group_name` names it
   /// in errors. A timed barrier comes first, so a missing peer fails with this group's timeout

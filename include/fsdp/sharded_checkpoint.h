@@ -1,6 +1,6 @@
 // Sharded checkpoints: every rank writes only its own rows, rank 0 the metadata, last; a
 // checkpoint loads on any number of ranks (the rows are re-split), and is visible only once
-// complete. The format is in src/io/checkpoint_format.h and docs/design.md.
+// complete. The format is in src/io/checkpoint_format.h and docs/checkpoints.md.
 //
 //   fsdp::CheckpointState state = fsdp::model_state(*model);   // the parameters, by name
 //   state.add_sharded("adam.exp_avg." + name, moment, param);    // anything laid out like a parameter
@@ -80,5 +80,7 @@ std::string newest_checkpoint(const std::string& parent);
 std::map<std::string, std::string> checkpoint_extra(const std::string& dir);
 /// "step-000120": how save directories are named for newest_checkpoint.
 std::string checkpoint_name(int64_t step);
+/// The step a directory name says ("step-000120" -> 120; "step-7" -> 7), or -1 for any other name.
+int64_t checkpoint_step(const std::string& name);
 
 }  // namespace fsdp

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import _C
@@ -148,14 +149,6 @@ def managed(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_fsdpcpp_managed", tensor)
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, size = [], 1
-    for dim in reversed(shape):
-        stride.append(size)
-        size *= dim
-    return tuple(reversed(stride))
-
-
 class _Faces:
     """One sharded module's faces: every slot (module, attribute name) that holds a managed
     parameter, and the face registered there outside forward."""
@@ -244,8 +237,8 @@ def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
         if param.dim() == 0:
             continue  # a scalar has no rows to shard by (the runtime keeps it whole): it stays as it is
         _, _, full_shape = _C.shard_rows(param)
-        spec = DTensorSpec(mesh, placements, TensorMeta(torch.Size(full_shape), _contiguous_stride(full_shape),
-                                                         param.dtype))
+        meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
+        spec = DTensorSpec(mesh, placements, meta)
         faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
     for sub in module.modules():
         if id(sub) in inner:

@@ -185,6 +185,12 @@ void Communicator::barrier() {
   if (world_size_ > 1) do_barrier();
 }
 
+int Communicator::count_ranks(bool condition) {
+  at::Tensor count = at::full({1}, condition ? 1L : 0L, at::TensorOptions(at::kLong).device(device()));
+  all_reduce(count, ReduceOp::Sum);
+  return static_cast<int>(count.item<int64_t>());
+}
+
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& group_name) {
   if (color < 0)
     throw std::invalid_argument("fsdp: split of " + describe() + " into '" + group_name + "': color " +

@@ -35,6 +35,14 @@ int parse_int(const char* name, const char* value) {
   return static_cast<int>(v);
 }
 
+// MASTER_PORT's value: an integer that is a TCP port.
+int parse_port(const char* value) {
+  const int port = parse_int("MASTER_PORT", value);
+  if (port < 1 || port > 65535)
+    throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(port) + " is not a TCP port (1-65535)");
+  return port;
+}
+
 std::chrono::milliseconds timeout_from(const InitOptions& options) {
   if (options.timeout) return *options.timeout;
   if (const char* s = std::getenv("FSDP_TIMEOUT_S")) {
@@ -165,7 +173,7 @@ void read_scheduler_launch(const std::function<const char*(const char*)>& get, L
       env.local_world_size = std::max(1, std::atoi(per_node));
     const char* nodes = get("SLURM_STEP_NODELIST") ? get("SLURM_STEP_NODELIST") : get("SLURM_JOB_NODELIST");
     env.master_addr = get("MASTER_ADDR") ? get("MASTER_ADDR") : nodes ? first_host(nodes) : "";
-    env.master_port = get("MASTER_PORT") ? number("MASTER_PORT")
+    env.master_port = get("MASTER_PORT") ? parse_port(get("MASTER_PORT"))
                       : get("SLURM_JOB_ID") ? 29500 + number("SLURM_JOB_ID") % 1000 : 29500;
   } else if (get("PMI_RANK") || get("PMI_SIZE")) {
     if (!get("PMI_RANK") || !get("PMI_SIZE"))
@@ -181,12 +189,9 @@ void read_scheduler_launch(const std::function<const char*(const char*)>& get, L
       env.master_addr = get("MASTER_ADDR");
       if (!get("MASTER_PORT"))
         throw std::invalid_argument("fsdp: MASTER_PORT is not set, but MASTER_ADDR is (rank 0 listens there)");
-      env.master_port = number("MASTER_PORT");
+      env.master_port = parse_port(get("MASTER_PORT"));
     }
   }
-  if (env.master_port < 0 || env.master_port > 65535)
-    throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(env.master_port) +
-                                " is not a TCP port (1-65535)");
 }
 
 }  // namespace
@@ -243,10 +248,7 @@ LaunchEnv parse_launch_env(const std::function<const char*(const char*)>& getenv
       const char* why = "but RANK and WORLD_SIZE are (rank 0 listens there)";
       env.master_addr = mpirun && !get("MASTER_ADDR") ? "" : need("MASTER_ADDR", why);
       if (!env.master_addr.empty()) {
-        env.master_port = parse_int("MASTER_PORT", need("MASTER_PORT", why));
-        if (env.master_port < 1 || env.master_port > 65535)
-          throw std::invalid_argument("fsdp: MASTER_PORT=" + std::to_string(env.master_port) +
-                                      " is not a TCP port (1-65535)");
+        env.master_port = parse_port(need("MASTER_PORT", why));
       }
     }
   }

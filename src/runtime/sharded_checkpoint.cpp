@@ -27,6 +27,13 @@
 #include "shard/shard_layout.h"
 
 namespace fsdp {
+int64_t checkpoint_step(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() < 6 || name.size() > 23 ||
+      name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return -1;
+  return std::stoll(name.substr(5));
+}
+
 namespace {
 
 using io::CheckpointError;
@@ -58,9 +65,7 @@ void on_every_rank(Communicator& comm, const std::string& action, F&& work) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  at::Tensor failed = at::tensor({error.empty() ? 0L : 1L}, at::TensorOptions(at::kLong)).to(comm.device());
-  comm.all_reduce(failed, ReduceOp::Sum);
-  const long failures = failed.item<long>();
+  const int failures = comm.count_ranks(!error.empty());
   if (!error.empty()) throw CheckpointError(error);
   if (failures > 0)
     throw CheckpointError(action + " failed on " + std::to_string(failures) + " other rank(s); their messages say why");
@@ -340,12 +345,14 @@ std::map<std::string, std::string> checkpoint_extra(const std::string& dir) {
 
 std::string newest_checkpoint(const std::string& parent) {
   if (io::exists(parent + "/metadata.bin")) return parent;  // a checkpoint itself
-  std::string best;  // names of equal length (step-%06d) compare like their numbers
+  std::string best;
+  int64_t best_step = -1;
   for (const auto& name : io::list_directory(parent)) {
-    if (name.rfind("step-", 0) != 0 || name.size() < 6 || name.find_first_not_of("0123456789", 5) != std::string::npos)
-      continue;
-    if (!io::exists(parent + "/" + name + "/metadata.bin")) continue;
-    if (best.empty() || name.size() > best.size() || (name.size() == best.size() && name > best)) best = name;
+    const int64_t step = checkpoint_step(name);
+    if (step > best_step && io::exists(parent + "/" + name + "/metadata.bin")) {
+      best = name;
+      best_step = step;
+    }
   }
   return best.empty() ? "" : parent + "/" + best;
 }

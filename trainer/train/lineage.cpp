@@ -12,8 +12,8 @@ namespace fsdp::train {
 std::vector<SavedCheckpoint> saved_checkpoints(const std::string& dir) {
   std::vector<SavedCheckpoint> found;
   for (const auto& name : io::list_directory(dir)) {
-    if (name.rfind("step-", 0) != 0 || name.size() < 6 || name.find_first_not_of("0123456789", 5) != std::string::npos)
-      continue;
+    const int64_t step = checkpoint_step(name);
+    if (step < 0) continue;
     const std::string path = dir + "/" + name;
     if (!io::exists(path + "/metadata.bin")) continue;  // an interrupted save
     std::string run;
@@ -21,7 +21,7 @@ std::vector<SavedCheckpoint> saved_checkpoints(const std::string& dir) {
       run = run_of(checkpoint_extra(path));
     } catch (const std::exception&) {  // damaged metadata: a checkpoint of no known run
     }
-    found.push_back({path, std::atoi(name.c_str() + 5), run});
+    found.push_back({path, static_cast<int>(step), run});
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
   return found;

@@ -67,8 +67,7 @@ bool parameters_finite(torch::nn::Module& model, Communicator& comm) {
   at::Tensor bad = at::zeros({1}, at::TensorOptions(at::kFloat).device(comm.device()));
   for (const auto& p : model.parameters())
     if (p.numel() > 0) bad += p.detach().isfinite().logical_not().any().to(at::kFloat);
-  comm.all_reduce(bad, ReduceOp::Sum);
-  return bad.item<float>() == 0;
+  return comm.count_ranks(bad.item<float>() > 0) == 0;
 }
 
 // A run's identity, recorded in each checkpoint it saves: rank 0 draws it, every rank learns it.
@@ -230,9 +229,7 @@ void Trainer::claim_outputs() {
       refusal = e.what();
     }
   }
-  at::Tensor refused = at::full({1}, refusal.empty() ? 0.0f : 1.0f, at::TensorOptions(at::kFloat).device(device_));
-  comm_->all_reduce(refused, ReduceOp::Sum);
-  if (refused.item<float>() > 0) throw UsageError(refusal);  // "" on the ranks that only learn of it
+  if (comm_->count_ranks(!refusal.empty()) > 0) throw UsageError(refusal);  // "" on the ranks that only learn of it
 }
 
 // --resume: the newest checkpoint's state and step. A checkpoint that cannot be loaded leaves
@@ -407,7 +404,7 @@ void Trainer::report(int step, const StepOutcome& outcome, double lr, bool stop)
       step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
                         args_.grad_accum * args_.batch * args_.seq * comm_->world_size(),
                         config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
-                        args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), args_.model, eval});
+                        args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), model_name(args_), eval});
     } catch (const std::exception& e) {  // a full disk, a file size limit: the next step saves and stops
       log_error_ = e.what();
     }
