@@ -5,7 +5,7 @@ Per trace file: the blocks' compute time by phase (forward, recompute, backward,
 root's spans are left out, its forward and backward enclose the others), the all-gathers' and
 reduce-scatters' time, and how much of it ran beside the blocks' compute. Comparing a run at
 --prefetch-depth 0 with one at depth 1 shows the contention the planner calibrates
-(docs/design.md, "The calibration step"): compute that grows and collectives that stretch when
+(docs/planner.md, "The calibration step"): compute that grows and collectives that stretch when
 they share the GPU.
 
   python3 bench/trace_overlap.py run-rank0.json [more.json ...] [--json OUT]

@@ -3,7 +3,7 @@
 
   doc_links.py REPO
 
-In README.md and docs/*.md: each markdown link's target (relative
+In README.md, docs/*.md and the notes beside the code (src/*/README.md, trainer/*/README.md): each markdown link's target (relative
 to the file) and each path in backticks that starts at a top-level folder of the repository
 (`docs/...`, `bench/results/...`, `src/...`) must exist. Paths with a placeholder (`<`, `*`, `N`,
 `...`) are patterns, not files, and are skipped. Prints `doc_links: ok`.
@@ -20,6 +20,8 @@ def main():
     repo = os.path.abspath(sys.argv[1])
     tops = {n for n in os.listdir(repo) if os.path.isdir(f"{repo}/{n}") and not n.startswith(".")} - {"build"}
     pages = ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(f"{repo}/docs") if n.endswith(".md"))
+    pages += sorted(f"{top}/{sub}/README.md" for top in ("src", "trainer") for sub in os.listdir(f"{repo}/{top}")
+                    if os.path.exists(f"{repo}/{top}/{sub}/README.md"))  # the mechanism notes beside the code
     missing, checked = [], 0
     for page in pages:
         text = open(f"{repo}/{page}").read()

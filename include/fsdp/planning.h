@@ -1,5 +1,5 @@
-// Planning a schedule under a GPU memory budget (docs/design.md, "Planning a schedule under a
-// memory budget"): profile one step, let the planner choose, apply its choice.
+// Planning a schedule under a GPU memory budget (docs/planner.md, "How the planner works"):
+// profile one step, let the planner choose, apply its choice.
 //
 //   train_one_step();                               // records the forward order
 //   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and checkpoint every block

@@ -1,7 +1,7 @@
 // GPU collectives through NCCL, called directly (not through c10d's
 // ProcessGroupNCCL) so that every collective runs on the stream the caller
 // chose, allocates nothing behind the caller's back and never calls
-// record_stream: buffer lifetimes stay with the FSDP runtime (docs/design.md).
+// record_stream: buffer lifetimes stay with the FSDP runtime (src/shard/README.md).
 #pragma once
 
 #include <nccl.h>

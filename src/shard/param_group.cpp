@@ -48,7 +48,7 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 
 // Runs `issue` on the side stream of `track` (on GPUs): the side stream first
 // waits for the compute stream's position (the first stream rule in
-// docs/design.md), and the work is one trace span. Returns the side stream's
+// src/shard/README.md), and the work is one trace span. Returns the side stream's
 // event after it; null on CPU, where everything completed in the call.
 // `after`: an event of another side stream the work must also follow.
 template <class Issue>

@@ -4,7 +4,7 @@
 // inert.
 //
 // The rules that make buffers safe to free without record_stream (details in
-// docs/design.md): every operation issued on the all-gather or reduce-scatter
+// src/shard/README.md): every operation issued on the all-gather or reduce-scatter
 // stream first waits for the compute stream's position at the time of issue,
 // so it may use memory just allocated from the compute stream's pool; and a
 // buffer a side stream used is dropped only once the compute stream has
