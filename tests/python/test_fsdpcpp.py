@@ -104,14 +104,15 @@ def run_fsdp2_style(ranks, runtime, tmp_path, name, *options):
     return [json.loads(line) for line in open(log)]
 
 
-def check_fsdp2_script(ranks, tmp_path, relative_bound, *options):
+def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True):
     """The FSDP2-style script under both runtimes, each saving a DCP checkpoint at step 2, and
-    fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`."""
+    (resume) fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`."""
     theirs = run_fsdp2_style(ranks, "fsdp2", tmp_path, "fsdp2", "--save", tmp_path / "fsdp2", "--save-at", 2, *options)
     ours = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "fsdpcpp", "--save", tmp_path / "fsdpcpp", "--save-at", 2,
                            *options)
-    resumed = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "resumed", "--resume", tmp_path / "fsdp2", *options)
-    assert [s["step"] for s in ours] == [1, 2, 3, 4] and [s["step"] for s in resumed] == [3, 4]
+    resumed = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "resumed", "--resume", tmp_path / "fsdp2",
+                              *options) if resume else []
+    assert [s["step"] for s in ours] == [1, 2, 3, 4] and [s["step"] for s in resumed] == ([3, 4] if resume else [])
     for got, expected in list(zip(ours, theirs)) + list(zip(resumed, theirs[2:])):
         for key in ("loss", "grad_norm"):
             assert abs(got[key] - expected[key]) <= relative_bound * abs(expected[key]), (got, expected)
@@ -256,8 +257,8 @@ def test_gpu_torch_calls_as_on_fsdp2(tmp_path):
 @gpu_only
 def test_gpu_fsdp2_script_compiled_with_only_the_import_changed(tmp_path):
     # bfloat16 compute, compiled layers: the runtimes may order a reduction differently, each
-    # difference a bfloat16 rounding (2^-8) of the loss at most.
-    check_fsdp2_script(1, tmp_path, 2.0 ** -8, "--compile")
+    # difference a bfloat16 rounding (2^-8) of the loss at most. (Resuming is the CPU test's.)
+    check_fsdp2_script(1, tmp_path, 2.0 ** -8, "--compile", resume=False)
 
 
 @gpu_only
