@@ -134,7 +134,7 @@ class ParamGroup {
   // so each parameter's goes in a tensor of its own instead of one flat buffer of the group. The
   // allocator can then put each where the block's activations were: a 3B block's flat buffer
   // (384 MiB in float32) is larger than that space (352 MiB) and landed above it, leaving it
-  // unused at the step's peak (docs/float8.md, "Issue #32's targets").
+  // unused at the step's peak (docs/results.md, "Issue #32's targets").
   bool reduces_each_in_place() const { return comm_->world_size() == 1 && !replicate_ && !offloaded(); }
   // Rank-major gathered data into the parameter-major unsharded storage (of the float8 parameters,
   // or the others).
