@@ -256,9 +256,11 @@ def test_gpu_torch_calls_as_on_fsdp2(tmp_path):
 
 @gpu_only
 def test_gpu_fsdp2_script_compiled_with_only_the_import_changed(tmp_path):
-    # bfloat16 compute, compiled layers: the runtimes may order a reduction differently, each
-    # difference a bfloat16 rounding (2^-8) of the loss at most. (Resuming is the CPU test's.)
-    check_fsdp2_script(1, tmp_path, 2.0 ** -8, "--compile", resume=False)
+    # bfloat16 compute, compiled layers: where the runtimes' kernels round differently, each of the
+    # ~10 operations of a layer on the chain through 4 layers and the root (44) may differ by one
+    # bfloat16 rounding (unit roundoff 2^-9). Measured on an H200: losses 1e-5 apart, gradient
+    # norms up to 0.9%. (Resuming is the CPU test's.)
+    check_fsdp2_script(1, tmp_path, (10 * 4 + 4) * 2.0 ** -9, "--compile", resume=False)
 
 
 @gpu_only
