@@ -287,9 +287,12 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
                          reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy), hsdp)
     module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules))
-    # transformers' mark of a module FSDP manages: generate() then defaults to synced_gpus, running
-    # forwards on a rank that finished until every rank has, so the all-gathers stay paired.
+    # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate() then
+    # defaults to synced_gpus (running forwards on a rank that finished until every rank has, so
+    # the all-gathers stay paired), and dynamo compiles it as FSDP2's (without parameter guards;
+    # the first mark alone makes dynamo refuse the module: nothing compiles).
     module._is_fsdp_managed_module = True
+    module._fsdp_use_orig_params = True
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
     # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
