@@ -104,7 +104,8 @@ class Communicator {
   /// Backends implement batches; the checked public calls above funnel here. `tag` (may be empty)
   /// goes into their errors: a rank that waits on a collective names what it was moving.
   virtual void do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) = 0;
-  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) = 0;
+  virtual void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op,
+                                 const std::string& tag) = 0;  ///< see do_all_gather
   virtual void do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;  ///< see all_reduce
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;      ///< see broadcast
   virtual void do_barrier() = 0;                                          ///< see barrier
