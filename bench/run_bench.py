@@ -42,6 +42,8 @@ CONFIGS = {
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
+    "1b-depth4": ("1b", 2048, 4, ["--prefetch-depth", "4"], {}),
+    "1b-depth4-nolimit": ("1b", 2048, 4, ["--prefetch-depth", "4", "--max-inflight-allgathers", "0"], {}),
     # The all-gather cap where the CPU has the most room to run ahead (issue #48): NCCL held to one
     # channel and its simple protocol, so each block's all-gather outlasts its compute and the GPU
     # falls behind the CPU; at prefetch depth 1 and 4, capped (default 2) and not (0).
