@@ -62,6 +62,8 @@ fi
 # The Hugging Face round-trip test loads our exports with transformers.
 "$PYTHON" -c 'import transformers, safetensors' 2>/dev/null || pip_install transformers safetensors \
   || log "no transformers; the Hugging Face round-trip test will be skipped"
+# The Python tests shard through accelerate's FSDP2 path (fsdpcpp.use_as_fsdp2).
+"$PYTHON" -c 'import accelerate' 2>/dev/null || pip_install accelerate || log "no accelerate; its Python test will fail"
 
 # The Python package's tests (tests/python) run under pytest.
 "$PYTHON" -c 'import pytest' 2>/dev/null || pip_install pytest || log "no pytest; the Python tests cannot run"

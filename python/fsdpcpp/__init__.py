@@ -42,6 +42,7 @@ from ._fully_shard import (
     fully_shard,
     set_recomputed,
     is_recomputed,
+    use_as_fsdp2,
 )
 from ._state import clip_grad_norm_, get_model_state_dict, set_model_state_dict, full_parameter
 from ._checkpoint import save_checkpoint, load_checkpoint, newest_checkpoint, checkpoint_name
@@ -54,7 +55,7 @@ __all__ = [
     "runtime_options", "set_runtime_options", "runtime_stats", "all_reduce",
     "allocated_bytes", "reset_peak_allocated", "start_trace", "write_trace",
     "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard",
-    "set_recomputed", "is_recomputed",
+    "set_recomputed", "is_recomputed", "use_as_fsdp2",
     "clip_grad_norm_", "get_model_state_dict", "set_model_state_dict", "full_parameter",
     "save_checkpoint", "load_checkpoint", "newest_checkpoint", "checkpoint_name",
     "plan_memory_budget", "Plan", "BudgetTooSmall",

@@ -226,9 +226,10 @@ def _face(param: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Par
     return face
 
 
-def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
+def make_faces(modules, params, inner_modules) -> _Faces:
     """Registers a face for each of `params` (the unit's managed (name, tensor) pairs) in every
-    slot of `module`'s tree (outside the inner sharded modules) that holds it."""
+    slot of the trees of `modules` (the unit's: one, or a fully_shard list) outside the inner
+    sharded modules that holds it."""
     mesh = default_mesh()
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # FSDP2's, FSDP and HSDP
     inner = {id(m) for sub in inner_modules for m in sub.modules()}
@@ -240,7 +241,7 @@ def make_faces(module: nn.Module, params, inner_modules) -> _Faces:
         meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
         spec = DTensorSpec(mesh, placements, meta)
         faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
-    for sub in module.modules():
+    for sub in dict.fromkeys(sub for module in modules for sub in module.modules()):
         if id(sub) in inner:
             continue
         for name, value in sub._parameters.items():

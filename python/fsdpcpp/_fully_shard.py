@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 from torch import nn
+import torch.distributed.fsdp as _fsdp2
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C, _dtensor
@@ -152,13 +153,46 @@ class _RecomputedInBackward:
 
 
 class _UnitState:
-    __slots__ = ("unit", "mp_policy", "module_class", "faces")
+    __slots__ = ("unit", "mp_policy", "module_class", "faces", "group")
 
-    def __init__(self, unit, mp_policy, module_class, faces):
+    def __init__(self, unit, mp_policy, module_class, faces, group=None):
         self.unit = unit
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
         self.faces = faces  # the parameters' DTensor faces (_dtensor.py)
+        self.group = group  # a _ModuleGroup where one fully_shard call took a list of modules
+
+
+class _ModuleGroup:
+    """fully_shard([a, b, ...]): one unit for several modules. Its forward starts when the first
+    of them starts and ends once each has run (FSDP2's rule), so the group is all-gathered once
+    and its backward starts at whichever of their outputs' gradients comes first."""
+
+    __slots__ = ("names", "waiting", "outputs")
+
+    def __init__(self, modules):
+        self.names = {id(m): type(m).__name__ for m in modules}
+        self.waiting = set()  # the modules yet to run in the current forward; empty: none running
+        self.outputs = []
+
+    def starts_forward(self, module) -> bool:
+        """Whether `module`'s forward starts the group's."""
+        if self.waiting:
+            return False
+        self.waiting = set(self.names)
+        return True
+
+    def ends_forward(self, module, outputs):
+        """The outputs of the group's whole forward once `module` was the last to run, else None."""
+        self.outputs += outputs
+        self.waiting.discard(id(module))
+        if self.waiting:
+            return None
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+    def abort(self) -> None:
+        self.waiting, self.outputs = set(), []
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -167,6 +201,9 @@ def set_recomputed(module: FSDPModule, recompute: bool) -> None:
     if not isinstance(module, FSDPModule):
         raise ValueError(f"fsdpcpp.set_recomputed({type(module).__name__}): the module is not sharded; "
                          "fully_shard it first")
+    if recompute and module._fsdpcpp.group is not None:
+        raise NotImplementedError(f"fsdpcpp.set_recomputed({type(module).__name__}): the module was sharded in a "
+                                  "list with others (one group); recomputing one module of a group is not supported")
     module.__class__ = _fsdp_class(module._fsdpcpp.module_class, recompute)
 
 
@@ -181,8 +218,9 @@ def _cast_floating(dtype, tree):
 @torch._dynamo.disable
 def _pre_forward(module, args, kwargs):
     state = module._fsdpcpp
-    _dtensor.enter_forward(state.faces)
-    state.unit.pre_forward()
+    if state.group is None or state.group.starts_forward(module):
+        _dtensor.enter_forward(state.faces)
+        state.unit.pre_forward()
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floating(mp.param_dtype, (args, kwargs))
@@ -196,39 +234,59 @@ def _post_forward(module, args, kwargs, output):
         # Called for a forward that raised (always_call): its bookkeeping ends, the parameters stay
         # as they are. Non-reentrant checkpointing stops a recomputation this way once it has the
         # tensors backward needs, and backward still reads the gathered parameters after it.
+        if state.group is not None:
+            state.group.abort()
         state.unit.abort_forward()
         _dtensor.exit_forward(state.faces, [])
         return output
     leaves, _ = tree_flatten(output)
     outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-    state.unit.post_forward(outputs)
-    _dtensor.exit_forward(state.faces, outputs)
+    if state.group is not None:
+        outputs = state.group.ends_forward(module, outputs)
+    if outputs is not None:
+        state.unit.post_forward(outputs)
+        _dtensor.exit_forward(state.faces, outputs)
     if state.mp_policy.output_dtype is not None:
         output = _cast_floating(state.mp_policy.output_dtype, output)
     return output
 
 
-def _unit_parameters(module: nn.Module, name: str):
-    """The parameters this call shards: those no inner fully_shard took, each tensor once (a weight
-    tied within the module is one parameter under its first name)."""
-    inner_prefixes = [prefix for prefix, sub in module.named_modules() if prefix and isinstance(sub, FSDPModule)]
-    params, seen = [], set()
-    for param_name, param in module.named_parameters(remove_duplicate=False):
-        param = _dtensor.managed(param)
-        owner = _C.unit_name_of_parameter(param)
-        if owner is not None:
-            if not any(param_name.startswith(prefix + ".") for prefix in inner_prefixes):
-                raise ValueError(
-                    f"fsdpcpp.fully_shard({name}): parameter '{param_name}' is already managed by "
-                    f"fully_shard({owner}). Apply fully_shard bottom-up (inner modules first, the root last), and "
-                    "shard modules that share a weight (e.g. a tied embedding and output head) in one fully_shard "
-                    "call that contains both.")
-            continue
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        params.append((param_name, param))
+def _unit_parameters(modules, name: str, ignored: set):
+    """The parameters this call shards: those of `modules` no inner fully_shard took and not in
+    `ignored` (ids), each tensor once (a weight tied within them is one parameter under its first
+    name)."""
+    params, seen = [], set(ignored)
+    for module in modules:
+        inner_prefixes = [prefix for prefix, sub in module.named_modules() if prefix and isinstance(sub, FSDPModule)]
+        for param_name, param in module.named_parameters(remove_duplicate=False):
+            param = _dtensor.managed(param)
+            owner = _C.unit_name_of_parameter(param)
+            if owner is not None:
+                if not any(param_name.startswith(prefix + ".") for prefix in inner_prefixes):
+                    raise ValueError(
+                        f"fsdpcpp.fully_shard({name}): parameter '{param_name}' is already managed by "
+                        f"fully_shard({owner}). Apply fully_shard bottom-up (inner modules first, the root last), "
+                        "and shard modules that share a weight (e.g. a tied embedding and output head) in one "
+                        "fully_shard call: their parent, or a list of both.")
+                continue
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append((param_name, param))
     return params
+
+
+def _check_placements(shard_placement_fn, params, name: str) -> None:
+    """FSDP2's shard_placement_fn, where it asks for what the runtime does: rows (Shard(0)) or
+    None (the default) for every parameter. Any other dimension is refused, naming the parameter."""
+    if shard_placement_fn is None:
+        return
+    for param_name, param in params:
+        placement = shard_placement_fn(param)
+        if placement is not None and getattr(placement, "dim", None) != 0:
+            raise NotImplementedError(
+                f"fsdpcpp.fully_shard({name}): shard_placement_fn gave {placement!r} for '{param_name}': only Shard(0) "
+                "(or None) is supported; the runtime shards every parameter by rows")
 
 
 def _off_meta(params) -> None:
@@ -244,9 +302,9 @@ def _off_meta(params) -> None:
             torch.utils.swap_tensors(param, placed)
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None, shard_placement_fn=None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None) -> nn.Module:
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after_forward: bool | None = None,
+                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params=None):
     """Shards the parameters of `module` not already sharded by an inner fully_shard call into one
     group: all-gathered before its forward, reduce-scattered after its backward. Apply bottom-up
     (each block, then the root). Collective: every rank shards the same model in the same order.
@@ -257,47 +315,62 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     init (reset_parameters, transformers' init_weights) or a full state dict
     (set_model_state_dict with broadcast_from_rank0) fills them.
     Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
+    A list of modules is one group (as FSDP2's): gathered when the first of them starts its forward,
+    freed once each has run (e.g. a final norm and the output head); each becomes an FSDPModule.
     mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given), or a 2-D
     (replicate, shard) one from init_device_mesh: HSDP, each replica shards the model over its
     ranks and the gradients are averaged across replicas. One mesh for every module.
     reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
     backward; None (FSDP2's default) is True here for every module, the root's too (FSDP2 keeps a
     root's): its backward all-gather is prefetched, and the memory-budget planner decides which
-    modules to keep."""
-    name = type(module).__name__
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module, got {type(module).__name__} (a list of "
-                        "modules sharded as one group is not supported: shard their parent)")
-    for unsupported, value in (("shard_placement_fn", shard_placement_fn), ("ignored_params", ignored_params)):
-        if value is not None:
-            raise NotImplementedError(f"fsdpcpp.fully_shard({name}): {unsupported}= is not supported (docs/python.md)")
-    if isinstance(offload_policy, CPUOffloadPolicy) and not offload_policy.pin_memory:
-        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): CPUOffloadPolicy(pin_memory=False) is not supported")
+    modules to keep.
+    ignored_params: parameters this call leaves alone (as FSDP2): not sharded, not moved, their
+    gradients not reduced across ranks. shard_placement_fn: accepted where it returns Shard(0) or
+    None for each parameter (what the runtime does), refused otherwise."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module or a list of them, got {name}")
+    if any(isinstance(m, FSDPModule) for m in modules):
+        raise ValueError(f"fsdpcpp.fully_shard({name}): already sharded: call fully_shard once per module")
+    offload = _offloads(offload_policy, name)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(f"fsdpcpp.fully_shard({name}): reshard_after_forward={reshard_after_forward!r}: "
                                   "True, False or None (resharding to a smaller group of ranks is not supported)")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fsdpcpp.fully_shard({name}): this module is already sharded: call fully_shard once per module")
     _ensure_init()
     hsdp = _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
-    inner_modules = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
-    inner = [sub._fsdpcpp.unit for sub in inner_modules]
-    params = _unit_parameters(module, name)
+    members = {id(m) for m in modules}
+    inner_modules = list({id(sub): sub for m in modules for sub in m.modules()
+                          if id(sub) not in members and isinstance(sub, FSDPModule)}.values())
+    inner = list({id(sub._fsdpcpp.unit): sub._fsdpcpp.unit for sub in inner_modules}.values())
+    params = _unit_parameters(modules, name, {id(_dtensor.managed(p)) for p in ignored_params or ()})
+    _check_placements(shard_placement_fn, params, name)
     _off_meta(params)
     unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                         reshard_after_forward is not False, isinstance(offload_policy, CPUOffloadPolicy), hsdp)
-    module._fsdpcpp = _UnitState(unit, mp_policy, type(module), _dtensor.make_faces(module, params, inner_modules))
-    # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate() then
-    # defaults to synced_gpus (running forwards on a rank that finished until every rank has, so
-    # the all-gathers stay paired), and dynamo compiles it as FSDP2's (without parameter guards;
-    # the first mark alone makes dynamo refuse the module: nothing compiles).
-    module._is_fsdp_managed_module = True
-    module._fsdp_use_orig_params = True
-    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
-    # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
-    module.__class__ = _fsdp_class(type(module), recompute=False)
+                         reshard_after_forward is not False, offload, hsdp)
+    faces = _dtensor.make_faces(modules, params, inner_modules)
+    group = _ModuleGroup(modules) if len(modules) > 1 else None
+    for m in modules:
+        m._fsdpcpp = _UnitState(unit, mp_policy, type(m), faces, group)
+        # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate()
+        # then defaults to synced_gpus (running forwards on a rank that finished until every rank
+        # has, so the all-gathers stay paired), and dynamo compiles it as FSDP2's (without
+        # parameter guards; the first mark alone makes dynamo refuse the module: nothing compiles).
+        m._is_fsdp_managed_module = True
+        m._fsdp_use_orig_params = True
+        m.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
+        # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
+        m.__class__ = _fsdp_class(type(m), recompute=False)
     return module
+
+
+def _offloads(offload_policy, name: str) -> bool:
+    """Whether the policy (fsdpcpp's or torch's own, as FSDP2 scripts import it) is CPU offload."""
+    cpu = isinstance(offload_policy, (CPUOffloadPolicy, _fsdp2.CPUOffloadPolicy))
+    if cpu and not offload_policy.pin_memory:
+        raise NotImplementedError(f"fsdpcpp.fully_shard({name}): CPUOffloadPolicy(pin_memory=False) is not supported")
+    return cpu
 
 
 _classes: dict[tuple[type, bool], type] = {}
@@ -308,3 +381,13 @@ def _fsdp_class(cls: type, recompute: bool) -> type:
         bases = (_RecomputedInBackward, FSDPModule, cls) if recompute else (FSDPModule, cls)
         _classes[cls, recompute] = type(f"{'Recomputed' if recompute else ''}FSDP{cls.__name__}", bases, {})
     return _classes[cls, recompute]
+
+
+def use_as_fsdp2() -> None:
+    """Opt-in for libraries that shard with FSDP2 themselves (accelerate's FSDP2 path, and so
+    transformers' Trainer): from this call on, torch.distributed.fsdp.fully_shard and FSDPModule
+    are fsdpcpp's in this process, so code that imports them when it shards (accelerate does, in
+    Accelerator.prepare) shards with fsdpcpp. Process-wide: FSDP2 itself is then unreachable by
+    those names. Call it after fsdpcpp.init() and before the library shards the model."""
+    _fsdp2.fully_shard = fully_shard
+    _fsdp2.FSDPModule = FSDPModule

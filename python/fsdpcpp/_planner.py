@@ -56,6 +56,11 @@ class _Root:
                              "fully_shard its blocks and then the model itself (the root), then plan")
         self.name = model._fsdpcpp.module_class.__name__  # the user's class, not fully_shard's mixin
         self.modules = {path or "root": m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
+        grouped = [path for path, m in self.modules.items() if m._fsdpcpp.group is not None]
+        if grouped:
+            raise NotImplementedError(f"fsdpcpp.plan_memory_budget({self.name}): '{grouped[0]}' was sharded in a list "
+                                      "with other modules (one group); the planner plans one module a unit: shard "
+                                      "them one by one, or together through their parent")
         self.units = [(path, m._fsdpcpp.unit) for path, m in self.modules.items()]
 
     def call(self, function, *args):

@@ -362,6 +362,47 @@ def case_meta_init(args):
     check_torch_loop(f"meta_init: {args.runtime}", ref, model, losses, norms)
 
 
+def case_accelerate(args):
+    """accelerate's FSDP2 path (fsdp2_prepare_model, which Accelerator.prepare and so transformers'
+    Trainer run) on --runtime fsdp2, or on fsdpcpp through its opt-in fsdpcpp.use_as_fsdp2():
+    accelerate's auto-wrap of each decoder layer, the final norm and output head as one group
+    (a list; the token embedding joins it where the head is tied to it), then the root. Then
+    torch's loop, at parity with a single-process reference."""
+    from types import SimpleNamespace
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    import torch.distributed.fsdp
+    fully_shard_of(args.runtime)  # the process group
+    if args.runtime == "fsdpcpp":
+        fsdpcpp.use_as_fsdp2()
+    clip, steps = 0.5, 3
+    ref = Reference(args.model, steps, clip=clip)
+    layer = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}[args.model]
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=[layer])
+    model = build(args.model)
+    if fsdpcpp.device().type == "cuda":
+        # The whole Accelerator, launched as torchrun launches it (accelerate reads its variables):
+        # prepare() shards the model and moves the optimizer made before it onto the shards.
+        from accelerate import Accelerator
+        os.environ.update(RANK=str(fsdpcpp.rank()), WORLD_SIZE=str(fsdpcpp.world_size()),
+                          LOCAL_RANK=str(fsdpcpp.device().index))
+        accelerator = Accelerator(fsdp_plugin=plugin)
+        assert accelerator.is_fsdp2, f"accelerate chose {accelerator.distributed_type}, not FSDP2"
+        model, opt = accelerator.prepare(model, optimizer_for(model))
+    else:
+        # What fsdp2_prepare_model reads of its Accelerator: on CPU ranks an Accelerator does not
+        # take FSDP (accelerate enables it for GPU-like devices only), so these stand in for one.
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                      is_main_process=fsdpcpp.rank() == 0, device=fsdpcpp.device())
+        model = fsdp2_prepare_model(accelerator, model)
+        opt = optimizer_for(model)
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.distributed.fsdp.FSDPModule), "accelerate left the output head unsharded"
+    model, losses, norms = torch_loop(model, opt, steps, clip)
+    check_torch_loop(f"accelerate: {args.model} on {args.runtime}", ref, model, losses, norms)
+
+
 def case_save(args):
     """Trains 2 of 4 steps and saves model and optimizer (resume continues on any rank count)."""
     model = shard(build(args.model))
@@ -409,7 +450,29 @@ def case_errors(args):
     expect_error(ValueError, "parameters cannot change dtype or device after fully_shard",
                  lambda: on_meta.to(torch.float64))
     assert on_meta.weight.dtype == torch.float32 and on_meta.weight.to_local().device == fsdpcpp.device()
-    expect_error(TypeError, "expected an nn.Module", lambda: fsdpcpp.fully_shard([block]))
+    expect_error(TypeError, "expected an nn.Module or a list of them", lambda: fsdpcpp.fully_shard([block, 1]))
+    expect_error(ValueError, "already sharded", lambda: fsdpcpp.fully_shard([torch.nn.Linear(2, 2), block]))
+    # shard_placement_fn: rows are what the runtime does; another dimension is refused by name.
+    from torch.distributed.tensor import Shard
+    rows = fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device=fsdpcpp.device()), shard_placement_fn=lambda p: Shard(0))
+    expect_error(NotImplementedError, "shard_placement_fn gave Shard(dim=1) for 'weight'",
+                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device=fsdpcpp.device()),
+                                             shard_placement_fn=lambda p: Shard(1)))
+    # ignored_params: left as they are (not sharded, the same tensor); the rest sharded.
+    partly = torch.nn.Linear(4, 4, device=fsdpcpp.device())
+    bias = partly.bias
+    fsdpcpp.fully_shard(partly, ignored_params={partly.bias})
+    from torch.distributed.tensor import DTensor
+    assert partly.bias is bias and not isinstance(bias, DTensor) and not fsdpcpp._C.is_sharded_parameter(bias)
+    assert isinstance(partly.weight, DTensor) and isinstance(rows.weight, DTensor)
+    # A module of a list group cannot be recomputed alone, nor planned.
+    grouped = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(fsdpcpp.device())
+    fsdpcpp.fully_shard([grouped[0], grouped[1]])
+    expect_error(NotImplementedError, "recomputing one module of a group is not supported",
+                 lambda: fsdpcpp.set_recomputed(grouped[0], True))
+    fsdpcpp.fully_shard(grouped)
+    expect_error(NotImplementedError, "'0' was sharded in a list with other modules",
+                 lambda: fsdpcpp.plan_memory_budget(grouped, lambda: None, 1 << 30))
     expect_error(TypeError, "mesh must be a torch.distributed DeviceMesh",
                  lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2), mesh=1))
     if fsdpcpp.world_size() > 1:
@@ -427,7 +490,6 @@ def case_errors(args):
     hinted.set_requires_all_reduce(False)
     hinted.set_reshard_after_backward(True)
     # unshard(): the whole parameters in the module now, until reshard() or the end of a forward.
-    from torch.distributed.tensor import DTensor
     full = fsdpcpp.get_model_state_dict(hinted)
     first = blocks_of(hinted)[0]
     first.unshard()
@@ -806,7 +868,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"accelerate": case_accelerate, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 

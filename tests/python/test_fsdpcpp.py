@@ -90,6 +90,16 @@ def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp")
 
 
+@cpu_only
+@pytest.mark.parametrize("model,runtimes", [("llama", ["fsdpcpp"]), ("gpt2", ["fsdp2", "fsdpcpp"])])
+def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
+    """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
+    single-process reference, as the same case is on FSDP2 (run for the tied GPT-2, whose group
+    of a norm, the embedding and the head spans the whole forward)."""
+    for runtime in runtimes:
+        run(2, "accelerate", "--runtime", runtime, "--model", model)
+
+
 def run_fsdp2_style(ranks, runtime, tmp_path, name, *options):
     """examples/python/fsdp2_style.py, an FSDP2 script whose only difference between runtimes is
     the import; returns rank 0's logged steps."""
@@ -260,6 +270,13 @@ def test_gpu_fsdp2_script_compiled_with_only_the_import_changed(tmp_path):
     # bfloat16 rounding (unit roundoff 2^-9). Measured on an H200: losses 1e-5 apart, gradient
     # norms up to 0.9%. (Resuming is the CPU test's.)
     check_fsdp2_script(1, tmp_path, (10 * 4 + 4) * 2.0 ** -9, "--compile", resume=False)
+
+
+@gpu_only
+def test_gpu_accelerate_on_fsdpcpp():
+    """accelerate's Accelerator.prepare (FSDP2 path) on fsdpcpp through use_as_fsdp2(), the
+    optimizer made before prepare(), at parity with the single-process reference."""
+    run(1, "accelerate", "--runtime", "fsdpcpp", "--model", "gpt2")
 
 
 @gpu_only
