@@ -371,7 +371,6 @@ def case_accelerate(args):
     from types import SimpleNamespace
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    import torch.distributed.fsdp
     fully_shard_of(args.runtime)  # the process group
     if args.runtime == "fsdpcpp":
         fsdpcpp.use_as_fsdp2()
@@ -397,8 +396,8 @@ def case_accelerate(args):
                                       is_main_process=fsdpcpp.rank() == 0, device=fsdpcpp.device())
         model = fsdp2_prepare_model(accelerator, model)
         opt = optimizer_for(model)
-    head = model.get_output_embeddings()
-    assert isinstance(head, torch.distributed.fsdp.FSDPModule), "accelerate left the output head unsharded"
+    import torch.distributed.fsdp as fsdp2  # fsdpcpp's names after use_as_fsdp2()
+    assert isinstance(model.get_output_embeddings(), fsdp2.FSDPModule), "accelerate left the output head unsharded"
     model, losses, norms = torch_loop(model, opt, steps, clip)
     check_torch_loop(f"accelerate: {args.model} on {args.runtime}", ref, model, losses, norms)
 
@@ -458,6 +457,11 @@ def case_errors(args):
     expect_error(NotImplementedError, "shard_placement_fn gave Shard(dim=1) for 'weight'",
                  lambda: fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device=fsdpcpp.device()),
                                              shard_placement_fn=lambda p: Shard(1)))
+    # torch's own policy classes, as FSDP2 scripts import them, are read as fsdpcpp's.
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    expect_error(NotImplementedError, "CPUOffloadPolicy(pin_memory=False) is not supported",
+                 lambda: fsdpcpp.fully_shard(torch.nn.Linear(2, 2, device=fsdpcpp.device()),
+                                             offload_policy=TorchCPUOffloadPolicy(pin_memory=False)))
     # ignored_params: left as they are (not sharded, the same tensor); the rest sharded.
     partly = torch.nn.Linear(4, 4, device=fsdpcpp.device())
     bias = partly.bias
