@@ -10,12 +10,13 @@
       held-out loss of float8 against bf16, and a plot (loss-curves.png)
 """
 import glob
-import json
 import math
 import os
 import re
 import statistics
 import sys
+
+import step_log
 
 PRECISIONS = ("off", "tensorwise", "tensorwise-cast", "rowwise")  # the loss runs' variants, in order
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of SXM Hopper parts
@@ -33,11 +34,6 @@ def flops_per_token(model, seq):
     return 6.0 * (d["layers"] * block + d["vocab"] * d["dim"]) + 6.0 * d["layers"] * seq * d["dim"]
 
 
-def rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def gpu_peak(out):
     env = open(glob.glob(f"{out}/env-*.txt")[0]).read()
     return next((v for k, v in PEAK_BF16.items() if k in env), 989e12)
@@ -51,7 +47,7 @@ def speed(out):
                          os.path.basename(path))
         if not m:
             continue
-        steps = rows(path)[5:]
+        steps = step_log.read(path)[5:]
         if not steps:
             continue
         runs.setdefault((m[1], m[2]), []).append(steps)
@@ -60,7 +56,7 @@ def speed(out):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     table = {}
     for (model, precision), runs_of in sorted(runs.items()):
-        ms = statistics.median(statistics.median(r["step_ms"] for r in steps) for steps in runs_of)
+        ms = statistics.median(step_log.median_step_ms(steps, 0) for steps in runs_of)
         last = runs_of[-1][-1]
         tokens = last.get("tokens_per_step") or (last["tok_s"] * last["step_ms"] / 1000)
         seq = 2048
@@ -94,7 +90,7 @@ def loss(out):
             path = f"{out}/loss-{model}-{precision}.jsonl"
             if not os.path.exists(path):
                 continue
-            r = rows(path)
+            r = step_log.read(path)
             curves[(model, precision)] = r
             train = statistics.mean(x["loss"] for x in r[-50:])
             held = [x["eval_loss"] for x in r if "eval_loss" in x]

@@ -26,10 +26,12 @@ for i in $(seq "$runs"); do
   done
 done
 python3 - "$out" "$runs" "$model" <<'PY'
-import json, statistics, sys
+import statistics, sys
+sys.path.insert(0, "bench")
+import step_log
 out, runs, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-median = lambda side, i: statistics.median(json.loads(l)["step_ms"] for l in list(open(f"{out}/ab-{side}-{i}.jsonl"))[5:])
-peak = lambda side, key: max(json.loads(l)[key] for i in range(1, runs + 1) for l in open(f"{out}/ab-{side}-{i}.jsonl"))
+median = lambda side, i: step_log.median_step_ms(step_log.read(f"{out}/ab-{side}-{i}.jsonl"), 5)
+peak = lambda side, key: max(r[key] for i in range(1, runs + 1) for r in step_log.read(f"{out}/ab-{side}-{i}.jsonl"))
 for side in ("new", "base"):
     each = [median(side, i) for i in range(1, runs + 1)]
     alloc, reserved = peak(side, "peak_alloc_gib"), peak(side, "peak_reserved_gib")

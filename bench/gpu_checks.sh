@@ -46,21 +46,23 @@ if [[ $part != native ]]; then
   grep -E "fsdpcpp: plan for" "$out/budget-1b-python.log" | head -1
 fi
 python3 - "$out" "$part" <<'PY' || status=1
-import json, statistics, sys
+import sys
+sys.path.insert(0, "bench")
+import step_log
 out, part = sys.argv[1], sys.argv[2]
 within_budget = True
 if part != "python":
-    rows = [json.loads(line) for line in open(f"{out}/train-1b.jsonl")][5:]
-    print(f"1b on one GPU: median step {statistics.median(r['step_ms'] for r in rows):.1f} ms over steps 6-30, "
+    rows = step_log.timed(step_log.read(f"{out}/train-1b.jsonl"), 5)
+    print(f"1b on one GPU: median step {step_log.median_step_ms(rows, 0):.1f} ms over steps 6-30, "
           f"peak allocated/reserved {rows[-1]['peak_alloc_gib']:.2f}/{rows[-1]['peak_reserved_gib']:.2f} GiB")
-    planned = [json.loads(line) for line in open(f"{out}/budget-1b.jsonl")][5:]
-    print(f"1b with --memory-budget 16: planned steps 6-10 median {statistics.median(r['step_ms'] for r in planned):.1f} "
+    planned = step_log.timed(step_log.read(f"{out}/budget-1b.jsonl"), 5)
+    print(f"1b with --memory-budget 16: planned steps 6-10 median {step_log.median_step_ms(planned, 0):.1f} "
           f"ms, peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
     within_budget &= max(r['peak_alloc_gib'] for r in planned) <= 16
 if part != "native":
-    python_planned = [json.loads(line) for line in open(f"{out}/budget-1b-python.jsonl")][5:]
+    python_planned = step_log.timed(step_log.read(f"{out}/budget-1b-python.jsonl"), 5)
     print(f"1b from Python with fsdpcpp.plan_memory_budget, 20 GiB: planned steps 6-10 median "
-          f"{statistics.median(r['step_ms'] for r in python_planned):.1f} ms, "
+          f"{step_log.median_step_ms(python_planned, 0):.1f} ms, "
           f"peak allocated {max(r['peak_alloc_gib'] for r in python_planned):.2f} GiB (budget 20)")
     within_budget &= max(r['peak_alloc_gib'] for r in python_planned) <= 20
 sys.exit(0 if within_budget else 1)

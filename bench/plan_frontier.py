@@ -15,16 +15,12 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 
+import step_log
+
 GIB = 2**30
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def run_fsdp2(flags, blocks, world, out):
@@ -38,8 +34,8 @@ def run_fsdp2(flags, blocks, world, out):
                                  stdout=console, stderr=subprocess.STDOUT)
     if status != 0 or not os.path.exists(log):
         return None
-    rows = read_jsonl(log)
-    return dict(ms=statistics.median(r["step_ms"] for r in rows[2:] or rows),
+    rows = step_log.read(log)
+    return dict(ms=step_log.median_step_ms(rows, 2),
                 peak_gib=max(r["peak_alloc_gib"] for r in rows))
 
 
@@ -55,7 +51,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows = read_jsonl(args.check)
+    rows = step_log.read(args.check)
     none = next(r for r in rows if r["name"] == "no checkpointing")
     full = next(r for r in rows if r["name"] == "full checkpointing")
     lines = ["| schedule | checkpointed | predicted ms | measured ms | each round | error | predicted peak GiB | "

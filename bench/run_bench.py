@@ -26,6 +26,7 @@ import sys
 import torch
 
 import profile_summary
+import step_log
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
@@ -116,11 +117,11 @@ def run(cmd, log_path, env):
 
 
 def summarize(jsonl, world, steps, profile):
-    rows = [json.loads(line) for line in open(jsonl)]
-    measured = rows[WARMUP:steps]
+    rows = step_log.read(jsonl)
+    measured = step_log.timed(rows[:steps], WARMUP)
     traces = [profile + "-rank0.json" + gz for gz in ("", ".gz") if os.path.exists(profile + "-rank0.json" + gz)]
     prof = profile_summary.summarize(traces[0]) if traces else None
-    step_ms = statistics.median(r["step_ms"] for r in measured)
+    step_ms = step_log.median_step_ms(measured, 0)
     return dict(
         step_ms=step_ms,
         tok_s_gpu=statistics.median(r["tok_s"] for r in measured) / world,
