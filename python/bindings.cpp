@@ -185,15 +185,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_float8_device", [](const std::string& device) { fsdp::check_float8_device(c10::Device(device)); });
 
   // The structs bound field by field: Python reads their fields' names from the class.
-  py::class_<fsdp::RuntimeOptions>(m, "RuntimeOptions")
-      .def(py::init<>())
-      .def(py::init<const fsdp::RuntimeOptions&>())
-      .def_readwrite("prefetch_depth", &fsdp::RuntimeOptions::prefetch_depth)
-      .def_readwrite("max_inflight_allgathers", &fsdp::RuntimeOptions::max_inflight_allgathers)
-      .def_readwrite("max_inflight_reduce_scatters", &fsdp::RuntimeOptions::max_inflight_reduce_scatters)
-      .def_readwrite("bucket_mb", &fsdp::RuntimeOptions::bucket_mb)
-      .def_readwrite("reduce_bucket_max_wait", &fsdp::RuntimeOptions::reduce_bucket_max_wait)
-      .def_readwrite("max_pending_host_steps", &fsdp::RuntimeOptions::max_pending_host_steps);
+  py::class_<fsdp::RuntimeOptions> runtime_options(m, "RuntimeOptions");
+  runtime_options.def(py::init<>()).def(py::init<const fsdp::RuntimeOptions&>());
+  fsdp::for_each_runtime_option([&](const char* name, auto member, const char* meaning) {
+    runtime_options.def_readwrite(name, member, meaning);
+  });
   py::class_<fsdp::RuntimeStats>(m, "RuntimeStats")
       .def_readonly("allgather_waits", &fsdp::RuntimeStats::allgather_waits)
       .def_readonly("reduce_scatter_waits", &fsdp::RuntimeStats::reduce_scatter_waits)

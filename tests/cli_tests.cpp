@@ -85,8 +85,8 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--export", "/proc"}, "--export: '/proc' already holds files: pass --overwrite-export"},
       {{"--export", "/nonexistent/x.safetensors"}, "--export: cannot write '/nonexistent/x.safetensors.tmp'"},
       {{"--export", "/dev/null"}, "--export: '/dev/null' exists and is not a directory"},
-      {{"--reduce-bucket-max-wait", "-1"}, "--reduce-bucket-max-wait must be 0 (no cap) or more"},
-      {{"--max-pending-host-steps", "-1"}, "--max-pending-host-steps must be 0 (no step thread) or more"},
+      {{"--reduce-bucket-max-wait", "-1"}, "--reduce-bucket-max-wait must be 0 or more"},
+      {{"--max-pending-host-steps", "-1"}, "--max-pending-host-steps must be 0 or more"},
       {{"--optimizer-in-backward"}, "add --clip 0"},
       {{"--optimizer-in-backward", "--clip", "0", "--grad-accum", "2", "--grad-accum-sync", "every"},
        "use --grad-accum-sync last"},
@@ -110,6 +110,24 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_EQ(a.steps, 7);
   EXPECT_EQ(a.seq, 32);
   EXPECT_TRUE(a.checkpoint && a.dry_run);
+}
+
+// --help shows each flag's default from the field itself, the runtime knobs' too.
+TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
+  using ::testing::HasSubstr;
+  using ::testing::Not;
+  const std::string help = fsdp::train::train_help_text();
+  const TrainArgs defaults;
+  for (const std::string line : {"--steps V", "--prefetch-depth V", "--max-inflight-allgathers V"}) {
+    const size_t at = help.find(line);
+    ASSERT_NE(at, std::string::npos) << line;
+    const std::string text = help.substr(at, help.find('\n', at) - at);
+    const int expected = line == "--steps V" ? defaults.steps
+                         : line == "--prefetch-depth V" ? defaults.runtime.prefetch_depth
+                                                        : defaults.runtime.max_inflight_allgathers;
+    EXPECT_THAT(text, HasSubstr("(default " + std::to_string(expected) + ")")) << text;
+  }
+  EXPECT_THAT(help, Not(HasSubstr("--checkpoint V")));  // a switch takes no value and shows no default
 }
 
 // The 3b preset is Llama-3.2-3B, whose head is the embedding: 3.21B parameters, the flag's

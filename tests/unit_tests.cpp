@@ -9,7 +9,7 @@
 #include <regex>
 #include <thread>
 
-#include "fsdp/checkpoint.h"
+#include "fsdp/recompute.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit.h"
 #include "fsdp/launch.h"
@@ -518,24 +518,35 @@ TEST(FusedAdamW, StateOlderThanShardingIsRefused) {
 namespace {
 
 // fsdp::recompute on a module that is not sharded: the same output as a plain call, and backward
-// through the recomputation gives the same gradients. The deprecated old name does the same.
-TEST(Recompute, GivesThePlainCallsResultsAndTheOldNameStillWorks) {
+// through the recomputation gives the same gradients.
+TEST(Recompute, GivesThePlainCallsResults) {
   torch::manual_seed(0);
   torch::nn::Linear linear(4, 3);
   const at::Tensor x = torch::randn({2, 4});
   const at::Tensor plain = linear(x);
   plain.sum().backward();
   const at::Tensor plain_grad = linear->weight.grad().clone();
-  for (bool old_name : {false, true}) {
-    linear->zero_grad();
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    const at::Tensor y = old_name ? fsdp::checkpoint(linear, x) : fsdp::recompute(linear, x);
-#pragma GCC diagnostic pop
-    EXPECT_TRUE(torch::equal(y, plain)) << (old_name ? "fsdp::checkpoint" : "fsdp::recompute");
-    y.sum().backward();
-    EXPECT_TRUE(torch::equal(linear->weight.grad(), plain_grad)) << (old_name ? "fsdp::checkpoint" : "fsdp::recompute");
-  }
+  linear->zero_grad();
+  const at::Tensor y = fsdp::recompute(linear, x);
+  EXPECT_TRUE(torch::equal(y, plain));
+  y.sum().backward();
+  EXPECT_TRUE(torch::equal(linear->weight.grad(), plain_grad));
+}
+
+// Every knob is checked, compared and named through for_each_runtime_option.
+TEST(RuntimeOptions, EachKnobIsComparedAndRangeChecked) {
+  fsdp::for_each_runtime_option([](const char* name, auto member, const char*) {
+    fsdp::RuntimeOptions changed;
+    changed.*member = -1;
+    EXPECT_FALSE(changed == fsdp::RuntimeOptions{}) << name;
+    try {
+      fsdp::check_runtime_options(changed, "test");
+      ADD_FAILURE() << name << " = -1 was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("test: ") + name + " is -1"), std::string::npos) << e.what();
+    }
+  });
+  EXPECT_TRUE(fsdp::RuntimeOptions{} == fsdp::RuntimeOptions{});
 }
 
 }  // namespace

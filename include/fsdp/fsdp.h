@@ -1,7 +1,6 @@
 // fsdp.cpp: fully sharded data parallel training for libtorch.
 #pragma once
 
-#include "fsdp/checkpoint.h"  // deprecated: fsdp::checkpoint, for one version
 #include "fsdp/recompute.h"
 #include "fsdp/sharded_checkpoint.h"
 #include "fsdp/communicator.h"

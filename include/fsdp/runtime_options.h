@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 
 namespace fsdp {
@@ -38,12 +39,44 @@ struct RuntimeOptions {
   int max_pending_host_steps = 2;
 
   /// The same knobs everywhere.
-  bool operator==(const RuntimeOptions& o) const {
-    return prefetch_depth == o.prefetch_depth && max_inflight_allgathers == o.max_inflight_allgathers &&
-           max_inflight_reduce_scatters == o.max_inflight_reduce_scatters && bucket_mb == o.bucket_mb &&
-           reduce_bucket_max_wait == o.reduce_bucket_max_wait && max_pending_host_steps == o.max_pending_host_steps;
-  }
+  bool operator==(const RuntimeOptions& o) const;
 };
+
+/// Each knob of RuntimeOptions once, for the code that treats them alike (comparison, the range
+/// check, the Python binding, fsdp-train's flags): visit(name, member, meaning) in declaration
+/// order; `meaning` is a line of help that says what 0 means. A new knob is one line here.
+template <class Visit>
+void for_each_runtime_option(Visit&& visit) {
+  visit("prefetch_depth", &RuntimeOptions::prefetch_depth,
+        "groups all-gathered ahead of use, following the recorded order; 0 = no prefetch");
+  visit("max_inflight_allgathers", &RuntimeOptions::max_inflight_allgathers,
+        "all-gathers the CPU may issue ahead of the GPU's releases; 0 = unlimited");
+  visit("max_inflight_reduce_scatters", &RuntimeOptions::max_inflight_reduce_scatters,
+        "reduce-scatters in flight before the CPU waits; 0 = unlimited");
+  visit("bucket_mb", &RuntimeOptions::bucket_mb, "groups below this size (MB) share one collective; 0 = off");
+  visit("reduce_bucket_max_wait", &RuntimeOptions::reduce_bucket_max_wait,
+        "with bucketing: groups whose backward may run while gradients wait in the reduce-scatter bucket; "
+        "0 = until it is full");
+  visit("max_pending_host_steps", &RuntimeOptions::max_pending_host_steps,
+        "with CPU offload and the optimizer step in backward: host AdamW steps that may wait or run on the "
+        "step thread while backward goes on (each holds its group's gradients in host memory); 0 = step on "
+        "backward's thread");
+}
+
+inline bool RuntimeOptions::operator==(const RuntimeOptions& o) const {
+  bool same = true;
+  for_each_runtime_option([&](const char*, auto member, const char*) { same = same && this->*member == o.*member; });
+  return same;
+}
+
+/// Throws std::invalid_argument, naming `caller` and the knob, for a negative value.
+inline void check_runtime_options(const RuntimeOptions& options, const std::string& caller) {
+  for_each_runtime_option([&](const char* name, auto member, const char*) {
+    if (options.*member < 0)
+      throw std::invalid_argument(caller + ": " + name + " is " + std::to_string(options.*member) +
+                                  "; it must be 0 or more");
+  });
+}
 
 /// Takes effect from the next collective; not thread-safe (call between steps). Throws
 /// std::invalid_argument for negative values.

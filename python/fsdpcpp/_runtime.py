@@ -129,9 +129,9 @@ def _updated(options, changes: dict, caller: str):
 
 
 def runtime_options() -> dict:
-    """The process-wide default scheduling options: prefetch_depth, max_inflight_allgathers,
-    max_inflight_reduce_scatters, bucket_mb, reduce_bucket_max_wait, max_pending_host_steps
-    (docs/guide.md). A root may have its own: FSDPModule.set_runtime_options."""
+    """The process-wide default scheduling options by name: the fields of the C++ RuntimeOptions
+    (help(fsdpcpp._C.RuntimeOptions) says what each means; docs/guide.md). A root may have its own:
+    FSDPModule.set_runtime_options."""
     return _fields(_C.runtime_options())
 
 

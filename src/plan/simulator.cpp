@@ -53,9 +53,7 @@ class Replay {
                                   " reshard choices for a model of " + std::to_string(n) + " groups");
     if (model.micro_batches < 1)
       throw std::invalid_argument("cost model: " + std::to_string(model.micro_batches) + " micro-batches");
-    if (schedule.runtime.prefetch_depth < 0 || schedule.runtime.max_inflight_allgathers < 0 ||
-        schedule.runtime.max_inflight_reduce_scatters < 0 || schedule.runtime.bucket_mb < 0 || schedule.runtime.reduce_bucket_max_wait < 0)
-      throw std::invalid_argument("schedule: prefetch depth, in-flight caps, bucket size and wait must be 0 or more");
+    check_runtime_options(schedule.runtime, "schedule");
     for (size_t g = 1; g < n; ++g)
       if (model.groups[g].encloses_later)
         throw std::invalid_argument("cost model: only the first group can enclose the others (" +

@@ -109,17 +109,8 @@ RuntimeOptions Runtime::options() const { return options_; }
 void Runtime::set_options(const RuntimeOptions& options) { options_ = options; }
 RuntimeStats Runtime::stats() const { return stats_; }
 
-void check_runtime_options(const RuntimeOptions& options) {
-  if (options.prefetch_depth < 0 || options.max_inflight_allgathers < 0 ||
-      options.max_inflight_reduce_scatters < 0 || options.bucket_mb < 0 || options.reduce_bucket_max_wait < 0 ||
-      options.max_pending_host_steps < 0)
-    throw std::invalid_argument(
-        "fsdp::set_runtime_options: prefetch depth, caps, bucket size, bucket wait and pending host steps must "
-        "be >= 0");
-}
-
 void set_runtime_options(const RuntimeOptions& options) {
-  check_runtime_options(options);
+  check_runtime_options(options, "fsdp::set_runtime_options");
   Runtime::get().set_options(options);
 }
 RuntimeOptions runtime_options() { return Runtime::get().options(); }

@@ -79,7 +79,4 @@ class Runtime {
   RuntimeStats stats_;
 };
 
-// Throws std::invalid_argument for negative values (set_runtime_options).
-void check_runtime_options(const RuntimeOptions& options);
-
 }  // namespace fsdp

@@ -155,7 +155,7 @@ void unshard(ModuleState& unit) { unit.prefetch(); }
 void wait_for_unshard(ModuleState& unit) { unit.group().wait_for_unshard(); }
 
 void set_runtime_options(ModuleState& unit, const RuntimeOptions& options) {
-  check_runtime_options(options);
+  check_runtime_options(options, "fsdp::set_runtime_options(" + unit_name(unit) + ")");
   unit.set_runtime_options(options);
 }
 

@@ -27,63 +27,80 @@
 namespace fsdp::train {
 namespace {
 
+// What a flag does to its field, and the field's value when the table is made: for a table of
+// default TrainArgs, the default --help shows (so no help string restates one).
+struct Setter {
+  std::function<void(const std::string&)> set;
+  std::string current;  // empty: nothing to show (a switch, or a text whose default the help explains)
+};
+
 struct Flag {
   std::string help;
-  std::function<void(const std::string&)> set;
+  Setter value;
   bool takes_value = true;
 };
 
 // A number that reads completely and fits its type (no "-1" into an unsigned, no "1e99" into an int).
 template <class T>
-std::function<void(const std::string&)> number(T& field) {
-  return [&field](const std::string& v) {
-    std::istringstream in(v);
-    T value{};
-    const bool negative_unsigned = std::is_unsigned_v<T> && v.find('-') != std::string::npos;
-    if (v.empty() || negative_unsigned || !(in >> value) || !in.eof())
-      throw UsageError("'" + v + "' is not " + (std::is_integral_v<T> ? "an integer in range" : "a number"));
-    if constexpr (std::is_floating_point_v<T>)
-      if (!std::isfinite(value)) throw UsageError("'" + v + "' is not a finite number");
-    field = value;
-  };
+Setter number(T& field) {
+  std::ostringstream current;
+  current << field;
+  return {[&field](const std::string& v) {
+            std::istringstream in(v);
+            T value{};
+            const bool negative_unsigned = std::is_unsigned_v<T> && v.find('-') != std::string::npos;
+            if (v.empty() || negative_unsigned || !(in >> value) || !in.eof())
+              throw UsageError("'" + v + "' is not " + (std::is_integral_v<T> ? "an integer in range" : "a number"));
+            if constexpr (std::is_floating_point_v<T>)
+              if (!std::isfinite(value)) throw UsageError("'" + v + "' is not a finite number");
+            field = value;
+          },
+          current.str()};
 }
 
-std::function<void(const std::string&)> text(std::string& field) {
-  return [&field](const std::string& v) { field = v; };
+Setter text(std::string& field) {
+  return {[&field](const std::string& v) { field = v; }, field};
 }
-std::function<void(const std::string&)> set_true(bool& field) {
-  return [&field](const std::string&) { field = true; };
+Setter set_true(bool& field) {
+  return {[&field](const std::string&) { field = true; }};
+}
+
+// fsdp-train's flag for a RuntimeOptions knob: --prefetch-depth for prefetch_depth.
+std::string runtime_flag(const char* name) {
+  std::string flag = std::string("--") + name;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
 }
 
 std::map<std::string, Flag> flags(TrainArgs& a) {
-  return {
-      {"--model", {"preset: tiny, small, 1b, 3b, 8b (default tiny)", text(a.model)}},
-      {"--steps", {"training steps (default 20)", number(a.steps)}},
-      {"--batch", {"sequences per rank per step (default 4)", number(a.batch)}},
-      {"--seq", {"tokens per sequence (default 128)", number(a.seq)}},
-      {"--lr", {"peak learning rate (default 3e-3)", number(a.lr)}},
-      {"--min-lr", {"final learning rate of the cosine decay (default 3e-4)", number(a.min_lr)}},
-      {"--warmup", {"linear warmup steps (default 5)", number(a.warmup)}},
-      {"--weight-decay", {"AdamW weight decay (default 0.1)", number(a.weight_decay)}},
-      {"--clip", {"global gradient-norm clip, 0 = off (default 1.0)", number(a.clip)}},
-      {"--seed", {"seed for weights and data (default 1234)", number(a.seed)}},
+  std::map<std::string, Flag> table = {
+      {"--model", {"preset: tiny, small, 1b, 3b, 8b", text(a.model)}},
+      {"--steps", {"training steps", number(a.steps)}},
+      {"--batch", {"sequences per rank per step", number(a.batch)}},
+      {"--seq", {"tokens per sequence", number(a.seq)}},
+      {"--lr", {"peak learning rate", number(a.lr)}},
+      {"--min-lr", {"final learning rate of the cosine decay", number(a.min_lr)}},
+      {"--warmup", {"linear warmup steps", number(a.warmup)}},
+      {"--weight-decay", {"AdamW weight decay", number(a.weight_decay)}},
+      {"--clip", {"global gradient-norm clip, 0 = off", number(a.clip)}},
+      {"--seed", {"seed for weights and data", number(a.seed)}},
       {"--data", {"'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped) or a text "
-                  "file read as bytes (default synthetic)", text(a.data)}},
+                  "file read as bytes", text(a.data)}},
       {"--eval-data", {"held-out data (same kinds as --data) for an evaluation loss and perplexity",
                        text(a.eval_data)}},
-      {"--eval-every", {"steps between evaluations, 0 = after the last step only (default 0)", number(a.eval_every)}},
+      {"--eval-every", {"steps between evaluations, 0 = after the last step only", number(a.eval_every)}},
       {"--eval-batches", {"evaluation set size in batches of --batch sequences, the same set whatever "
-                          "the rank count (default 8)", number(a.eval_batches)}},
-      {"--grad-accum", {"micro-batches of --batch sequences per optimizer step (default 1)", number(a.grad_accum)}},
+                          "the rank count", number(a.eval_batches)}},
+      {"--grad-accum", {"micro-batches of --batch sequences per optimizer step", number(a.grad_accum)}},
       {"--grad-accum-sync", {"with --grad-accum: reduce-scatter after the 'last' micro-batch (gradients held "
                              "unsharded in fp32 meanwhile) or after 'every' one (less memory, more "
-                             "communication) (default last)", text(a.grad_accum_sync)}},
-      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU (default auto)",
+                             "communication)", text(a.grad_accum_sync)}},
+      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU",
                          text(a.param_dtype)}},
-      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16 (default fp32)", text(a.reduce_dtype)}},
+      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16", text(a.reduce_dtype)}},
       {"--no-reshard-after-forward",
        {"keep blocks unsharded from forward to backward",
-        [&a](const std::string&) { a.reshard_after_forward = false; }, false}},
+        Setter{[&a](const std::string&) { a.reshard_after_forward = false; }}, false}},
       {"--tie-embeddings", {"share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings), false}},
       {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
       {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
@@ -94,42 +111,25 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "model-sized gradients (with --cpu-offload 12 bytes of host memory a parameter instead of 16); "
         "needs --clip 0", set_true(a.optimizer_in_backward), false}},
       {"--replicas", {"HSDP: split the ranks into this many replicas, each sharding the model over its "
-                      "ranks (consecutive ones); gradients are averaged across replicas (default 1: plain FSDP)",
+                      "ranks (consecutive ones); gradients are averaged across replicas (1 = plain FSDP)",
                       number(a.replicas)}},
-      {"--backend", {"auto, mpi (CPU) or nccl (GPU) (default auto)", text(a.backend)}},
+      {"--backend", {"auto, mpi (CPU) or nccl (GPU)", text(a.backend)}},
       {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
-                       "it applies) (default aten)", text(a.attention)}},
+                       "it applies)", text(a.attention)}},
       {"--fp8", {"the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
-                 "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it) (default off)",
+                 "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it)",
                  text(a.fp8)}},
       {"--no-fp8-all-gather",
        {"with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
         "backward, instead of all-gathering them in float8 (on by default, off with --cpu-offload)",
-        [&a](const std::string&) { a.fp8_all_gather = false; }, false}},
-      {"--log", {"JSONL log written by rank 0 (default runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
+        Setter{[&a](const std::string&) { a.fp8_all_gather = false; }}, false}},
+      {"--log", {"JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
-      {"--prefetch-depth", {"groups all-gathered ahead of use, from the recorded order (default 1)",
-                            number(a.runtime.prefetch_depth)}},
-      {"--max-inflight-allgathers",
-       {"all-gathers the CPU may run ahead of the GPU, 0 = unlimited (default 2)",
-        number(a.runtime.max_inflight_allgathers)}},
-      {"--max-inflight-reduce-scatters",
-       {"reduce-scatters in flight before the CPU waits, 0 = unlimited (default 2)",
-        number(a.runtime.max_inflight_reduce_scatters)}},
-      {"--bucket-mb", {"groups below this size (MB) share one collective, 0 = off (default 0)",
-                       number(a.runtime.bucket_mb)}},
-      {"--reduce-bucket-max-wait", {"with --bucket-mb: groups whose backward may run while gradients wait in the "
-                                    "reduce-scatter bucket, 0 = until it is full (default 0)",
-                                    number(a.runtime.reduce_bucket_max_wait)}},
-      {"--max-pending-host-steps",
-       {"with --cpu-offload --optimizer-in-backward: groups' host AdamW steps that may wait or run on the "
-        "step thread while backward goes on (each holds its group's gradients in host memory), 0 = step on "
-        "backward's thread (default 2)", number(a.runtime.max_pending_host_steps)}},
       {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
-      {"--trace-steps", {"steps the trace covers, from the second (default 2)", number(a.trace_steps)}},
+      {"--trace-steps", {"steps the trace covers, from the second", number(a.trace_steps)}},
       {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
                      "GPU kernels per stream, to PATH-rankR.json", text(a.profile)}},
-      {"--profile-steps", {"steps the profile covers, at the end of the run (default 2)", number(a.profile_steps)}},
+      {"--profile-steps", {"steps the profile covers, at the end of the run", number(a.profile_steps)}},
       {"--memory-snapshot",
        {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)", text(a.memory_snapshot)}},
       {"--memory-log", {"sample memory every 10 ms into PATH-rankR.jsonl, with step markers", text(a.memory_log)}},
@@ -139,10 +139,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)", text(a.save_init)}},
       {"--save-dir", {"save sharded checkpoints under DIR/step-N (at --save-every, at the end, at "
                       "--stop-at-step, and on SIGTERM/SIGINT/SIGUSR1 at the next step boundary)", text(a.save_dir)}},
-      {"--save-every", {"steps between checkpoints, 0 = only at the end or when stopped (default 0)",
+      {"--save-every", {"steps between checkpoints, 0 = only at the end or when stopped",
                         number(a.save_every)}},
       {"--resume", {"resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
-      {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps (default off)",
+      {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps; 0 = run all --steps",
                           number(a.stop_at_step)}},
       {"--init-from", {"start from Hugging Face Llama weights: a .safetensors file or a directory with "
                        "config.json (which then gives the model) and *.safetensors; each rank reads its rows",
@@ -159,11 +159,11 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                         "a few steps and write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
                         text(a.plan_check)}},
       {"--plan-check-budgets", {"budgets --plan-check spreads from the fully checkpointed peak to the "
-                                "unconstrained one (default 8)", number(a.plan_check_budgets)}},
-      {"--plan-check-steps", {"steps per schedule and round in --plan-check, two of them warm-up (default 6)",
+                                "unconstrained one", number(a.plan_check_budgets)}},
+      {"--plan-check-steps", {"steps per schedule and round in --plan-check, two of them warm-up",
                               number(a.plan_check_steps)}},
       {"--plan-check-rounds", {"rounds over the schedules in --plan-check, alternately in order and reversed, so "
-                               "a drift over the run reaches all alike (default 2)",
+                               "a drift over the run reaches all alike",
                                number(a.plan_check_rounds)}},
       {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
                      set_true(a.dry_run), false}},
@@ -174,14 +174,18 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--overwrite-export", {"the model already at --export may be replaced (whole, once the new one is "
                               "written); without it an existing export is refused", set_true(a.overwrite_export), false}},
       {"--overwrite", {"both --overwrite-checkpoints and --overwrite-export",
-                       [&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, false}},
+                       Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }}, false}},
       {"--allow-resume-changes",
        {"resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
         "would go on with other data than it trained on)", set_true(a.allow_resume_changes), false}},
       {"--max-skipped-steps", {"steps whose loss or gradient norm is not finite are skipped (no optimizer step, "
                                "one host wait a step to check) up to this many times; 0 = the first one stops "
-                               "the run with an error (default 0)", number(a.max_skipped_steps)}},
+                               "the run with an error", number(a.max_skipped_steps)}},
   };
+  for_each_runtime_option([&](const char* name, auto member, const char* meaning) {
+    table[runtime_flag(name)] = {meaning, number(a.runtime.*member)};
+  });
+  return table;
 }
 
 void require(bool ok, const std::string& message) {
@@ -241,13 +245,9 @@ void check_ranges(const TrainArgs& a) {
   require(a.clip >= 0, "--clip must be 0 (off) or positive");
   // Below a millisecond the timeout would be 0 ms: every collective would fail at once.
   require(a.timeout_s == 0 || a.timeout_s >= 0.001, "--timeout must be 0 (default) or at least 0.001 seconds (1 ms)");
-  require(a.runtime.prefetch_depth >= 0, "--prefetch-depth must be 0 or more");
-  require(a.runtime.max_inflight_allgathers >= 0, "--max-inflight-allgathers must be 0 (unlimited) or more");
-  require(a.runtime.max_inflight_reduce_scatters >= 0,
-          "--max-inflight-reduce-scatters must be 0 (unlimited) or more");
-  require(a.runtime.bucket_mb >= 0, "--bucket-mb must be 0 (off) or positive");
-  require(a.runtime.reduce_bucket_max_wait >= 0, "--reduce-bucket-max-wait must be 0 (no cap) or more");
-  require(a.runtime.max_pending_host_steps >= 0, "--max-pending-host-steps must be 0 (no step thread) or more");
+  for_each_runtime_option([&](const char* name, auto member, const char* meaning) {
+    require(a.runtime.*member >= 0, runtime_flag(name) + " must be 0 or more (" + meaning + ")");
+  });
   require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");
@@ -583,7 +583,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
       value = argv[++i];
     }
     try {
-      it->second.set(value);
+      it->second.value.set(value);
     } catch (const std::exception& e) {
       throw UsageError(name + ": " + e.what());
     }
@@ -602,7 +602,8 @@ std::string train_help_text() {
       "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run.\n\n";
   for (auto& [name, f] : flags(defaults)) {
     char line[512];
-    std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), f.help.c_str());
+    const std::string help = f.help + (f.value.current.empty() ? "" : " (default " + f.value.current + ")");
+    std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), help.c_str());
     out += line;
   }
   return out + "  --help                           this text\n";
