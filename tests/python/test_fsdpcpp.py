@@ -52,7 +52,6 @@ def test_plain_llama_parity(ranks):
     # exception, once backward has its tensors), and transformers' gradient checkpointing.
     ("plain", 2, ["--checkpoint-calls"]),
     ("llama", 2, ["--checkpoint-calls"]),
-    ("gpt2", 3, ["--checkpoint-calls"]),
 ])
 def test_parity(model, ranks, options):
     run(ranks, "parity", "--model", model, *options)
@@ -66,7 +65,7 @@ def test_bounds_catch_a_small_error():
 
 
 @cpu_only
-@pytest.mark.parametrize("model,ranks", [("llama", 1), ("llama", 2), ("gpt2", 2)])
+@pytest.mark.parametrize("model,ranks", [("llama", 2), ("gpt2", 2)])
 def test_mixed_precision(model, ranks):
     run(ranks, "mixed_precision", "--model", model)
 
