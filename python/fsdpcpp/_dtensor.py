@@ -139,6 +139,11 @@ def release_dropped_gradients() -> None:
         state.release_dropped_gradients()
 
 
+def forward_depth() -> int:
+    """Sharded forwards in progress (a recompute in backward counts too)."""
+    return _forward_depth
+
+
 def outermost() -> bool:
     """Whether no sharded forward is running (the next one is a root's), outside backward."""
     return _forward_depth == 0 and torch._C._current_graph_task_id() < 0

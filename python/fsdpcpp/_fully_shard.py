@@ -165,34 +165,58 @@ class _UnitState:
 
 class _ModuleGroup:
     """fully_shard([a, b, ...]): one unit for several modules. Its forward starts when the first
-    of them starts and ends once each has run (FSDP2's rule), so the group is all-gathered once
-    and its backward starts at whichever of their outputs' gradients comes first."""
+    of them starts and ends once each has run (FSDP2's rule), or with the forward of the module
+    around it where one of them did not run this time (a head a forward skipped); so the group is
+    all-gathered once and its backward starts at whichever of their outputs' gradients comes
+    first."""
 
-    __slots__ = ("names", "waiting", "outputs")
+    __slots__ = ("names", "waiting", "outputs", "state")
 
     def __init__(self, modules):
         self.names = {id(m): type(m).__name__ for m in modules}
         self.waiting = set()  # the modules yet to run in the current forward; empty: none running
         self.outputs = []
+        self.state = None  # the group's _UnitState (its unit and faces)
 
     def starts_forward(self, module) -> bool:
         """Whether `module`'s forward starts the group's."""
         if self.waiting:
             return False
         self.waiting = set(self.names)
+        _open_groups.append(self)
         return True
 
     def ends_forward(self, module, outputs):
         """The outputs of the group's whole forward once `module` was the last to run, else None."""
         self.outputs += outputs
         self.waiting.discard(id(module))
-        if self.waiting:
-            return None
-        outputs, self.outputs = self.outputs, []
-        return outputs
+        return None if self.waiting else self._close()
+
+    def end_early(self) -> None:
+        """Ends the group's forward with the outputs of the modules that ran."""
+        outputs = self._close()
+        self.state.unit.post_forward(outputs)
+        _dtensor.exit_forward(self.state.faces, outputs)
 
     def abort(self) -> None:
-        self.waiting, self.outputs = set(), []
+        if self.waiting:
+            self._close()
+
+    def _close(self):
+        _open_groups.remove(self)
+        outputs, self.outputs, self.waiting = self.outputs, [], set()
+        return outputs
+
+
+_open_groups: list[_ModuleGroup] = []  # groups whose forward started and has not ended, oldest first
+
+
+def _end_groups_inside(state) -> None:
+    """Before the forward of the module around them ends (every forward still running but its
+    own is an open group's), the groups whose modules did not all run end theirs."""
+    if _open_groups and state.group is None and _dtensor.forward_depth() == 1 + len(_open_groups):
+        for group in reversed(list(_open_groups)):
+            group.end_early()
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -243,6 +267,7 @@ def _post_forward(module, args, kwargs, output):
     outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
     if state.group is not None:
         outputs = state.group.ends_forward(module, outputs)
+    _end_groups_inside(state)
     if outputs is not None:
         state.unit.post_forward(outputs)
         _dtensor.exit_forward(state.faces, outputs)
@@ -316,7 +341,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     (set_model_state_dict with broadcast_from_rank0) fills them.
     Returns `module`, whose class now also derives from FSDPModule (as FSDP2).
     A list of modules is one group (as FSDP2's): gathered when the first of them starts its forward,
-    freed once each has run (e.g. a final norm and the output head); each becomes an FSDPModule.
+    freed once each has run or when the forward around them ends (e.g. a final norm and the output
+    head); each becomes an FSDPModule.
     mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given), or a 2-D
     (replicate, shard) one from init_device_mesh: HSDP, each replica shards the model over its
     ranks and the gradients are averaged across replicas. One mesh for every module.
@@ -352,6 +378,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     group = _ModuleGroup(modules) if len(modules) > 1 else None
     for m in modules:
         m._fsdpcpp = _UnitState(unit, mp_policy, type(m), faces, group)
+        if group is not None:
+            group.state = m._fsdpcpp  # any member's: they share the unit and the faces
         # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate()
         # then defaults to synced_gpus (running forwards on a rank that finished until every rank
         # has, so the all-gathers stay paired), and dynamo compiles it as FSDP2's (without

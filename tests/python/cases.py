@@ -402,6 +402,41 @@ def case_accelerate(args):
     check_torch_loop(f"accelerate: {args.model} on {args.runtime}", ref, model, losses, norms)
 
 
+def case_group_member_skipped(args):
+    """fully_shard([norm, head]) where some forwards skip the head: the group's forward ends with
+    the root's, and training (SGD, every rank its rows of one batch) matches a single process
+    step by step: the head's weight unchanged by the steps that skipped it."""
+    from torch.distributed.tensor import DTensor
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x, head):
+            x = self.norm(self.body(x))
+            return self.head(x) if head else x
+
+    torch.manual_seed(0)
+    reference = Model().to(fsdpcpp.device())
+    sharded = copy.deepcopy(reference)
+    fsdpcpp.fully_shard([sharded.norm, sharded.head])
+    fsdpcpp.fully_shard(sharded)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, sharded)]
+    rows = 4 * fsdpcpp.world_size()
+    for step, head in enumerate([True, False, True, False]):
+        x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(step)).to(fsdpcpp.device())
+        for model, opt, batch in ((reference, optimizers[0], x), (sharded, optimizers[1], x.chunk(fsdpcpp.world_size())[fsdpcpp.rank()])):
+            model(batch, head).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, expected), got in zip(reference.named_parameters(), sharded.parameters()):
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            assert torch.allclose(got, expected, rtol=0, atol=1e-6), f"step {step} (head {head}): {name} differs"
+    if fsdpcpp.rank() == 0:
+        print("group_member_skipped: at parity with the head skipped in steps 1 and 3")
+
+
 def case_save(args):
     """Trains 2 of 4 steps and saves model and optimizer (resume continues on any rank count)."""
     model = shard(build(args.model))
@@ -872,7 +907,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"accelerate": case_accelerate, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"accelerate": case_accelerate, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 

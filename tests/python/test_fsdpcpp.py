@@ -99,6 +99,11 @@ def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
         run(2, "accelerate", "--runtime", runtime, "--model", model)
 
 
+@cpu_only
+def test_a_list_group_whose_module_a_forward_skips():
+    run(2, "group_member_skipped")
+
+
 def run_fsdp2_style(ranks, runtime, tmp_path, name, *options):
     """examples/python/fsdp2_style.py, an FSDP2 script whose only difference between runtimes is
     the import; returns rank 0's logged steps."""
