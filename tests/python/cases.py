@@ -426,7 +426,8 @@ def case_group_member_skipped(args):
     rows = 4 * fsdpcpp.world_size()
     for step, head in enumerate([True, False, True, False]):
         x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(step)).to(fsdpcpp.device())
-        for model, opt, batch in ((reference, optimizers[0], x), (sharded, optimizers[1], x.chunk(fsdpcpp.world_size())[fsdpcpp.rank()])):
+        mine = x.chunk(fsdpcpp.world_size())[fsdpcpp.rank()]
+        for model, opt, batch in ((reference, optimizers[0], x), (sharded, optimizers[1], mine)):
             model(batch, head).square().mean().backward()
             opt.step()
             opt.zero_grad()
