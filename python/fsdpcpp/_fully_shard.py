@@ -170,10 +170,10 @@ class _ModuleGroup:
     all-gathered once and its backward starts at whichever of their outputs' gradients comes
     first."""
 
-    __slots__ = ("names", "waiting", "outputs", "state")
+    __slots__ = ("members", "waiting", "outputs", "state")
 
     def __init__(self, modules):
-        self.names = {id(m): type(m).__name__ for m in modules}
+        self.members = frozenset(id(m) for m in modules)
         self.waiting = set()  # the modules yet to run in the current forward; empty: none running
         self.outputs = []
         self.state = None  # the group's _UnitState (its unit and faces)
@@ -182,7 +182,7 @@ class _ModuleGroup:
         """Whether `module`'s forward starts the group's."""
         if self.waiting:
             return False
-        self.waiting = set(self.names)
+        self.waiting = set(self.members)
         _open_groups.append(self)
         return True
 
@@ -198,6 +198,12 @@ class _ModuleGroup:
         self.state.unit.post_forward(outputs)
         _dtensor.exit_forward(self.state.faces, outputs)
 
+    def end_aborted(self) -> None:
+        """Ends the group's forward as a forward that raised ends (unit_abort_forward)."""
+        self._close()
+        self.state.unit.abort_forward()
+        _dtensor.exit_forward(self.state.faces, [])
+
     def abort(self) -> None:
         if self.waiting:
             self._close()
@@ -211,12 +217,13 @@ class _ModuleGroup:
 _open_groups: list[_ModuleGroup] = []  # groups whose forward started and has not ended, oldest first
 
 
-def _end_groups_inside(state) -> None:
+def _end_groups_inside(state, raised: bool) -> None:
     """Before the forward of the module around them ends (every forward still running but its
-    own is an open group's), the groups whose modules did not all run end theirs."""
+    own is an open group's), the groups whose modules did not all run end theirs; as aborted
+    where that forward raised."""
     if _open_groups and state.group is None and _dtensor.forward_depth() == 1 + len(_open_groups):
         for group in reversed(list(_open_groups)):
-            group.end_early()
+            group.end_aborted() if raised else group.end_early()
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -260,6 +267,7 @@ def _post_forward(module, args, kwargs, output):
         # tensors backward needs, and backward still reads the gathered parameters after it.
         if state.group is not None:
             state.group.abort()
+        _end_groups_inside(state, raised=True)
         state.unit.abort_forward()
         _dtensor.exit_forward(state.faces, [])
         return output
@@ -267,7 +275,7 @@ def _post_forward(module, args, kwargs, output):
     outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
     if state.group is not None:
         outputs = state.group.ends_forward(module, outputs)
-    _end_groups_inside(state)
+    _end_groups_inside(state, raised=False)
     if outputs is not None:
         state.unit.post_forward(outputs)
         _dtensor.exit_forward(state.faces, outputs)
@@ -354,7 +362,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     gradients not reduced across ranks. shard_placement_fn: accepted where it returns Shard(0) or
     None for each parameter (what the runtime does), refused otherwise."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    types = [type(m).__name__ for m in modules]
+    name = types[0] if len(types) == 1 else f"[{', '.join(types)}]"
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fsdpcpp.fully_shard: expected an nn.Module or a list of them, got {name}")
     if any(isinstance(m, FSDPModule) for m in modules):
@@ -378,8 +387,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     group = _ModuleGroup(modules) if len(modules) > 1 else None
     for m in modules:
         m._fsdpcpp = _UnitState(unit, mp_policy, type(m), faces, group)
-        if group is not None:
-            group.state = m._fsdpcpp  # any member's: they share the unit and the faces
         # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate()
         # then defaults to synced_gpus (running forwards on a rank that finished until every rank
         # has, so the all-gathers stay paired), and dynamo compiles it as FSDP2's (without
@@ -390,6 +397,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         m.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
         # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
         m.__class__ = _fsdp_class(type(m), recompute=False)
+    if group is not None:
+        group.state = modules[0]._fsdpcpp  # any member's: they share the unit and the faces
     return module
 
 

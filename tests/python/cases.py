@@ -405,7 +405,8 @@ def case_accelerate(args):
 def case_group_member_skipped(args):
     """fully_shard([norm, head]) where some forwards skip the head: the group's forward ends with
     the root's, and training (SGD, every rank its rows of one batch) matches a single process
-    step by step: the head's weight unchanged by the steps that skipped it."""
+    step by step: the head's weight unchanged by the steps that skipped it. A forward that raises
+    between the two (the group open) leaves the next steps as they were."""
     from torch.distributed.tensor import DTensor
 
     class Model(nn.Module):
@@ -413,8 +414,10 @@ def case_group_member_skipped(args):
             super().__init__()
             self.body, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
 
-        def forward(self, x, head):
+        def forward(self, x, head, fail=False):
             x = self.norm(self.body(x))
+            if fail:
+                raise ValueError("a forward that fails")
             return self.head(x) if head else x
 
     torch.manual_seed(0)
@@ -425,6 +428,10 @@ def case_group_member_skipped(args):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, sharded)]
     rows = 4 * fsdpcpp.world_size()
     for step, head in enumerate([True, False, True, False]):
+        if step == 2:
+            expect_error(ValueError, "a forward that fails", lambda: sharded(torch.ones(2, 8, device=fsdpcpp.device()),
+                                                                            True, fail=True))
+            assert isinstance(sharded.norm.weight, DTensor), "the failed forward left the group's forward open"
         x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(step)).to(fsdpcpp.device())
         mine = x.chunk(fsdpcpp.world_size())[fsdpcpp.rank()]
         for model, opt, batch in ((reference, optimizers[0], x), (sharded, optimizers[1], mine)):
@@ -435,7 +442,7 @@ def case_group_member_skipped(args):
             got = got.full_tensor() if isinstance(got, DTensor) else got
             assert torch.allclose(got, expected, rtol=0, atol=1e-6), f"step {step} (head {head}): {name} differs"
     if fsdpcpp.rank() == 0:
-        print("group_member_skipped: at parity with the head skipped in steps 1 and 3")
+        print("group_member_skipped: at parity with the head skipped in steps 1 and 3, and a failed forward")
 
 
 def case_save(args):
@@ -476,6 +483,7 @@ def case_errors(args):
     block = blocks_of(model)[0]
     fsdpcpp.fully_shard(block)
     expect_error(ValueError, "already sharded: call fully_shard once per module", lambda: fsdpcpp.fully_shard(block))
+    expect_error(ValueError, f"fully_shard({type(block).__name__}): already sharded", lambda: fsdpcpp.fully_shard([block]))
     top_down = build("plain")
     fsdpcpp.fully_shard(top_down)
     expect_error(ValueError, "Apply fully_shard bottom-up", lambda: fsdpcpp.fully_shard(blocks_of(top_down)[0]))
