@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# A/B of fsdp-train's step time on one GPU between this checkout's build and another commit's
+# A/B of fsdp-train's step time between this checkout's build and another commit's
 # sources (a change's "step time unchanged" check), in one device call: builds BASE_SRC's
 # fsdp-train alone with this build's torch and nlohmann/json, then alternates RUNS runs of each,
 # 30 steps, and prints each run's median step (steps 6-30) and the medians of both, with each
 # side's peak allocated and reserved memory (the largest over its runs). AB_MODEL: the model and
-# its shape and flags (default "--model 1b --seq 2048 --batch 4").
+# its shape and flags (default "--model 1b --seq 2048 --batch 4"); AB_GPUS: how many GPUs (default 1).
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
-model=${AB_MODEL:---model 1b --seq 2048 --batch 4}
+model=${AB_MODEL:---model 1b --seq 2048 --batch 4} gpus=${AB_GPUS:-1}
 mkdir -p "$out"
 source bench/gpu_env.sh
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
@@ -21,20 +21,20 @@ cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -
 for i in $(seq "$runs"); do
   for side in new base; do
     train=build/fsdp-train; [ "$side" = base ] && train=$base/build/fsdp-train
-    build/fsdp-run --gpu -n 1 "$train" $model --param-dtype bf16 --steps 30 \
+    build/fsdp-run --gpu -n "$gpus" "$train" $model --param-dtype bf16 --steps 30 \
       --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1 || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
   done
 done
-python3 - "$out" "$runs" "$model" <<'PY'
+python3 - "$out" "$runs" "$model" "$gpus" <<'PY'
 import statistics, sys
 sys.path.insert(0, "bench")
 import step_log
-out, runs, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, runs, model, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 median = lambda side, i: step_log.median_step_ms(step_log.read(f"{out}/ab-{side}-{i}.jsonl"), 5)
 peak = lambda side, key: max(r[key] for i in range(1, runs + 1) for r in step_log.read(f"{out}/ab-{side}-{i}.jsonl"))
 for side in ("new", "base"):
     each = [median(side, i) for i in range(1, runs + 1)]
     alloc, reserved = peak(side, "peak_alloc_gib"), peak(side, "peak_reserved_gib")
-    print(f"{model} on one GPU, {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)}), "
+    print(f"{model} on {gpus} GPU(s), {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)}), "
           f"peak allocated / reserved {alloc:.2f} / {reserved:.2f} GiB ({reserved / alloc:.3f})")
 PY

@@ -76,8 +76,8 @@ TEST(Float8AllGather, CountsOneBytePerGatheredElement) {
                               padded(c.dim, c.ffn);
   EXPECT_EQ(gathered.param_bytes, cast_after.param_bytes - projections);  // 2 bytes -> 1
   if (ranks > 1) {
-    // Input (one rank's part) and output (all ranks') of each all-gather with several parameters.
-    EXPECT_EQ(gathered.gather_buffer_bytes, cast_after.gather_buffer_bytes - (projections / ranks) * (ranks + 1));
+    // The input, one rank's part (each gathers straight into the unsharded storage).
+    EXPECT_EQ(gathered.gather_buffer_bytes, cast_after.gather_buffer_bytes - projections / ranks);
   } else {
     EXPECT_EQ(gathered.gather_buffer_bytes, 0);  // one rank gathers in place
   }

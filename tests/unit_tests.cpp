@@ -60,31 +60,29 @@ TEST(ShardLayout, EveryRowIsOwnedExactlyOnce) {
     }
 }
 
-// Rank r's chunk of a reduce-scatter input: for each tensor, its rows
-// [r * shard_rows, ...) zero-padded to shard_rows = ceil(rows / world).
-TEST(RankMajor, UnevenRowsArePaddedWithZerosPerRank) {
-  auto out = torch::empty({3, 4});
-  fsdp::rank_major_into(out, {torch::arange(10, torch::kFloat).view({5, 2})});  // shard_rows 2
-  EXPECT_TRUE(torch::equal(out, torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat).view({3, 4})));
+// Each piece in a slot of world * ceil(rows / world) rows (ShardLayout::padded_rows): its rows,
+// then zeros, so that rank r's rows of every piece are one reduce-scatter's chunk r.
+TEST(ParameterMajor, UnevenRowsArePaddedWithZerosAtTheEnd) {
+  auto out = torch::empty({12});
+  fsdp::parameter_major_into(out, {torch::arange(10, torch::kFloat).view({5, 2})},
+                             {fsdp::ShardLayout::of_shape(std::vector<int64_t>{5, 2}, 3)});  // shard_rows 2
+  EXPECT_TRUE(torch::equal(out, torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat)));
 }
 
-TEST(RankMajor, SeveralTensorsWholeRanksOfPaddingZeroDimAndCast) {
-  auto out = torch::empty({4, 3 + 1 + 1}, torch::kFloat);
-  fsdp::rank_major_into(out, {torch::ones({1, 3}, torch::kBFloat16), torch::tensor(2.0).to(torch::kBFloat16),
-                              torch::full({4, 1}, 7.0, torch::kBFloat16)});
-  auto expected = torch::zeros({4, 5});
-  expected.index_put_({0, torch::indexing::Slice(0, 3)}, 1.0);  // the 1-row tensor: rank 0 only
-  expected.index_put_({0, 3}, 2.0);                             // the 0-dim one: one row
-  expected.index_put_({torch::indexing::Slice(), 4}, 7.0);      // one row per rank
-  EXPECT_TRUE(torch::equal(out, expected)) << out;
-}
-
-// One rank (its own kernel: the tensors one after another, cast).
-TEST(RankMajor, OneRankTakesTheTensorsInOrderCast) {
-  auto out = torch::empty({1, 6 + 1 + 2}, torch::kFloat);
-  fsdp::rank_major_into(out, {torch::arange(6, torch::kBFloat16).view({3, 2}), torch::tensor(9.0).to(torch::kBFloat16),
-                              torch::empty({0, 4}, torch::kBFloat16), torch::full({2}, 0.5, torch::kBFloat16)});
-  EXPECT_TRUE(torch::equal(out, torch::tensor({0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0, 0.5, 0.5}, torch::kFloat).view({1, 9}))) << out;
+TEST(ParameterMajor, SeveralPiecesWholeRanksOfPaddingZeroDimMissingAndCast) {
+  const int world = 4;
+  const std::vector<std::vector<int64_t>> shapes = {{1, 3}, {}, {4, 1}, {2}};
+  std::vector<fsdp::ShardLayout> layouts;
+  for (const auto& shape : shapes) layouts.push_back(fsdp::ShardLayout::of_shape(shape, world));
+  auto out = torch::full({4 * 3 + 4 + 4 + 4}, -1.0, torch::kFloat);
+  fsdp::parameter_major_into(out, {torch::ones({1, 3}, torch::kBFloat16), torch::tensor(2.0).to(torch::kBFloat16),
+                                   torch::full({4, 1}, 7.0, torch::kBFloat16), torch::Tensor()},
+                             layouts);
+  auto expected = torch::zeros({24});
+  expected.narrow(0, 0, 3).fill_(1.0);    // the 1-row tensor: rank 0's row, three padding rows
+  expected[12] = 2.0;                     // the 0-dim one: one row
+  expected.narrow(0, 16, 4).fill_(7.0);   // one row per rank
+  EXPECT_TRUE(torch::equal(out, expected)) << out;  // the missing piece: zeros
 }
 
 TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {

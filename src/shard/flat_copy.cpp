@@ -1,29 +1,32 @@
 #include "shard/flat_copy.h"
 
-#include <ATen/ops/_chunk_cat.h>
 #include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_zero.h>
 
 namespace fsdp {
 
-void rank_major_into(at::Tensor& out, const std::vector<at::Tensor>& rows) {
-  std::vector<at::Tensor> inputs;
-  for (const auto& t : rows)  // empty tensors have no rows to place (and _chunk_cat refuses them)
-    if (t.numel() > 0) inputs.push_back(t.dim() == 0 ? t.reshape({1}) : t.contiguous());
-  if (inputs.empty()) return;
-  if (out.size(0) > 1) {
-    at::_chunk_cat_out(out, inputs, /*dim=*/0, /*num_chunks=*/out.size(0));
-    return;
+// A multi-tensor copy casts bf16 into float32 at 2.7x the speed of ATen's _chunk_cat, which
+// writes the rank-major layout of one flat collective (3.2 against 1.2 TB/s on an H200).
+void parameter_major_into(const at::Tensor& out, const std::vector<at::Tensor>& pieces,
+                          const std::vector<ShardLayout>& layouts) {
+  TORCH_INTERNAL_ASSERT(pieces.size() == layouts.size(), "fsdp: one layout per piece");
+  std::vector<at::Tensor> from, to, zeros;
+  int64_t next = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const int64_t slot = layouts[i].padded_rows() * layouts[i].row_numel;
+    const at::Tensor into = out.narrow(0, next, slot);
+    next += slot;
+    const int64_t filled = pieces[i].defined() ? pieces[i].numel() : 0;
+    TORCH_INTERNAL_ASSERT(filled <= slot, "fsdp: a piece larger than its slot");
+    if (filled > 0) {
+      to.push_back(into.narrow(0, 0, filled));
+      from.push_back(pieces[i].reshape({-1}));
+    }
+    if (filled < slot) zeros.push_back(into.narrow(0, filled, slot - filled));
   }
-  // One rank: no rows to pad or interleave, so the layout is the tensors one after another. A
-  // multi-tensor copy into out's consecutive pieces casts at 2.7x _chunk_cat's speed (bf16 into
-  // float32 on an H200: 3.2 against 1.2 TB/s).
-  std::vector<int64_t> sizes;
-  std::vector<at::Tensor> flat;
-  for (const auto& t : inputs) {
-    sizes.push_back(t.numel());
-    flat.push_back(t.view(-1));
-  }
-  at::_foreach_copy_(out.view(-1).split_with_sizes(sizes), flat);
+  TORCH_INTERNAL_ASSERT(next == out.numel(), "fsdp: the pieces' slots do not fill the buffer");
+  if (!to.empty()) at::_foreach_copy_(to, from);
+  if (!zeros.empty()) at::_foreach_zero_(zeros);
 }
 
 }  // namespace fsdp

@@ -8,7 +8,6 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/tensor.h>
-#include <ATen/ops/split_with_sizes_copy.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
@@ -223,14 +222,9 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   // activations share one pool and no side-stream pool keeps memory reserved.
   std::vector<GatherBuffers> buffers;
   std::vector<at::Tensor> inputs, outputs;
-  // Float8 parameters travel as bytes (the backends know no float8 dtype).
   for (ParamGroup* g : groups) {
     buffers.push_back(g->allocate_gather());
-    inputs.push_back(buffers.back().compute.input);
-    outputs.push_back(buffers.back().compute.output);
-    if (g->float8_numel_ == 0) continue;
-    inputs.push_back(buffers.back().float8.input.view(at::kByte));
-    outputs.push_back(buffers.back().float8.output.view(at::kByte));
+    g->add_gather_ops(buffers.back(), inputs, outputs);
   }
   // The copy-in reads the shards the optimizer last wrote on the compute
   // stream (offloaded: on the host, before this call); issue_on_side_stream's
@@ -240,10 +234,6 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
       issue_on_side_stream(streams, Trace::Track::AllGather, "all-gather " + label, [&] {
         for (size_t i = 0; i < groups.size(); ++i) groups[i]->copy_in(buffers[i]);
         first.comm_->all_gather_coalesced(outputs, inputs, label);
-        for (size_t i = 0; i < groups.size(); ++i) {
-          groups[i]->copy_out(buffers[i].compute.output, /*float8=*/false);
-          groups[i]->copy_out(buffers[i].float8.output, /*float8=*/true);
-        }
       });
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
@@ -280,16 +270,11 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
     if (float8 && float8_numel_ == 0) continue;
     Flat& flat = float8 ? b.float8 : b.compute;
     const at::Tensor& unsharded = this->unsharded(float8);
-    if (world == 1) {
-      // One rank: the input's layout (each parameter's padded shard at its offset) is the unsharded
-      // storage's, so the shards are cast straight into it and nothing is copied after.
-      flat.input = flat.output = unsharded;
-    } else {
-      // One parameter: the rank-major gather already is the parameter's layout.
-      const int64_t numel = gather_numel(float8);
-      flat.output = gather_count(float8) == 1 ? unsharded : at::empty({world * numel}, unsharded.options());
-      flat.input = at::empty({numel}, unsharded.options());
-    }
+    // Each parameter is gathered straight into its unsharded rows (add_gather_ops). One rank: the
+    // input's layout (each parameter's padded shard at its offset) is the unsharded storage's, so
+    // the shards are cast straight into it and nothing is gathered.
+    flat.output = unsharded;
+    flat.input = world == 1 ? unsharded : at::empty({gather_numel(float8)}, unsharded.options());
   }
   // One row of 16 bytes per weight: cuBLASLt takes a scale only at a 16-byte aligned address.
   if (float8_numel_ > 0) b.float8_inverse_scale = at::empty({gather_count(true), 4}, opts.dtype(at::kFloat));
@@ -335,22 +320,32 @@ void ParamGroup::copy_in(const GatherBuffers& buffers) {
   }
 }
 
-void ParamGroup::copy_out(const at::Tensor& gathered, bool float8) {
-  const int64_t numel = gather_numel(float8);
-  const at::Tensor& flat = unsharded(float8);
-  if (numel == 0 || gathered.data_ptr() == flat.data_ptr()) return;  // gathered in place
+// Parameter-major unsharded storage: a parameter's padded rows, rank after rank, are what an
+// all-gather of its shard alone writes, so each parameter is one all-gather of the coalesced
+// collective straight into its rows, and nothing is copied after (one flat all-gather would
+// leave a rank-major buffer to reorder: 21 ms a step of copies on the 8B, 4 GPUs). One rank:
+// the input is the storage, one collective that moves nothing.
+void ParamGroup::add_gather_ops(const GatherBuffers& buffers, std::vector<at::Tensor>& inputs,
+                                std::vector<at::Tensor>& outputs) const {
   const int world = comm_->world_size();
-  // Float8 as bytes: a copy needs no float8 kernels.
-  const auto as_copied = [float8](const at::Tensor& t) { return float8 ? t.view(at::kByte) : t; };
-  std::vector<at::Tensor> blocks;
-  std::vector<int64_t> sizes;
-  for (const auto& p : params_) {
-    if (p.float8 != float8) continue;
-    const int64_t n = p.layout.shard_numel();
-    blocks.push_back(as_copied(flat).narrow(0, p.gather_offset * world, n * world).view({world, n}));
-    sizes.push_back(n);
+  for (bool float8 : {false, true}) {
+    if (float8 && float8_numel_ == 0) continue;
+    const Flat& flat = float8 ? buffers.float8 : buffers.compute;
+    // Float8 parameters travel as bytes (the backends know no float8 dtype).
+    const at::Tensor input = float8 ? flat.input.view(at::kByte) : flat.input;
+    const at::Tensor output = float8 ? flat.output.view(at::kByte) : flat.output;
+    if (world == 1) {
+      inputs.push_back(input);
+      outputs.push_back(output);
+      continue;
+    }
+    for (const auto& p : params_) {
+      const int64_t n = p.layout.shard_numel();
+      if (p.float8 != float8 || n == 0) continue;
+      inputs.push_back(input.narrow(0, p.gather_offset, n));
+      outputs.push_back(output.narrow(0, p.gather_offset * world, n * world));
+    }
   }
-  at::split_with_sizes_copy_out(blocks, as_copied(gathered).view({world, numel}), sizes, /*dim=*/1);
 }
 
 void ParamGroup::refresh_float8_amax(const std::vector<ParamGroup*>& groups) {
@@ -396,12 +391,9 @@ GroupMemory ParamGroup::memory() const {
     if (p.param.requires_grad()) trainable_numel += c10::multiply_integers(p.full_shape);
   GroupMemory memory;
   memory.param_bytes = unsharded_size_bytes();
-  // Each all-gather's input and, where it has several parameters, output (allocate_gather); one
-  // rank gathers in place.
-  for (bool float8 : {false, true}) {
-    const int64_t bytes = gather_numel(float8) * (float8 ? 1 : compute);
-    if (world > 1) memory.gather_buffer_bytes += bytes + (gather_count(float8) > 1 ? world * bytes : 0);
-  }
+  // Each all-gather's input (allocate_gather; it gathers into the unsharded storage); one rank
+  // gathers in place.
+  if (world > 1) memory.gather_buffer_bytes += gather_numel(false) * compute + float8_numel_;
   if (needs_staging())
     memory.gather_buffer_bytes += shard_numel_ * host_shards_.element_size();  // the staging copy
   memory.grad_bytes = trainable_numel * compute;
@@ -505,22 +497,63 @@ void ParamGroup::prepare_reduce_scatter() {
     if (!to.empty()) at::_foreach_copy_(to, from);
     return;
   }
-  // Each rank's chunk carries, after the gradients, one flag per parameter: 1 where this rank has
-  // a gradient. Reduced with the gradients, a flag above zero means some rank had one, so all ranks
+  // After the gradients come one flag per parameter for each rank: 1 where this rank has a
+  // gradient. Reduced with the gradients, a flag above zero means some rank had one, so all ranks
   // agree on which gradients exist without another collective. One kernel writes (and casts)
-  // every parameter's rank-major rows and the flags (a [world, count] tensor, so each rank's chunk
-  // ends with them); every piece goes in one dtype (one kernel takes one).
+  // every parameter's rows and the flags (a [world, count] tensor: one row for each rank); every
+  // piece goes in one dtype (one kernel takes one).
   const auto grad_opts = at::TensorOptions().dtype(summed ? reduce_dtype_ : compute_dtype_).device(device_);
   std::vector<at::Tensor> pieces;
+  std::vector<ShardLayout> layouts;
   std::vector<float> flags;
   for (size_t i = 0; i < params_.size(); ++i) {
     flags.push_back(grads[i].defined() ? 1.0f : 0.0f);
-    pieces.push_back(grads[i].defined() ? grads[i].to(grad_opts.dtype()) : at::zeros(params_[i].full_shape, grad_opts));
+    pieces.push_back(grads[i].defined() ? grads[i].to(grad_opts.dtype()) : at::Tensor());
+    layouts.push_back(params_[i].layout);
   }
   pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
                                     : at::tensor(flags).to(grad_opts).expand({world, count}));
-  reduce_input_.push_back(at::empty({world, shard_numel_ + count}, opts));
-  rank_major_into(reduce_input_.back(), pieces);
+  layouts.push_back(flags_layout());
+  reduce_input_.push_back(at::empty({world * (shard_numel_ + count)}, opts));
+  parameter_major_into(reduce_input_.back(), pieces, layouts);
+}
+
+ShardLayout ParamGroup::flags_layout() const {
+  return ShardLayout{comm_->world_size(), static_cast<int64_t>(params_.size()), comm_->world_size()};
+}
+
+std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inputs,
+                                                   std::vector<at::Tensor>& outputs) const {
+  std::vector<at::Tensor> results;
+  if (reduces_each_in_place()) {  // one rank: each gradient is reduced in place, alone
+    for (const at::Tensor& input : reduce_input_) {
+      results.push_back(input.defined() ? input.view(-1) : at::Tensor());
+      if (!input.defined()) continue;
+      inputs.push_back(results.back());
+      outputs.push_back(results.back());
+    }
+    return results;
+  }
+  const at::Tensor& input = reduce_input_.front();
+  const int world = comm_->world_size();
+  const at::Tensor output = world == 1 ? input : at::empty({input.numel() / world}, input.options());
+  // One piece per parameter slot (parameter_major_into), then the flags'.
+  int64_t offset = 0;
+  const auto add = [&](const ShardLayout& layout) {
+    const int64_t n = layout.shard_numel();
+    if (n > 0 && world > 1) {
+      inputs.push_back(input.narrow(0, offset * world, n * world));
+      outputs.push_back(output.narrow(0, offset, n));
+    }
+    offset += n;
+  };
+  for (const auto& p : params_) add(p.layout);
+  add(flags_layout());
+  if (world == 1) {  // one collective, which reduces nothing (HSDP's replicas or an offload follow)
+    inputs.push_back(input);
+    outputs.push_back(output);
+  }
+  return {output};
 }
 
 void ParamGroup::hold_unsynced_gradients() {
@@ -544,31 +577,24 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   const DeviceStreams& streams = first.streams_;
   c10::NoGradGuard no_grad;
   // Outputs from the compute stream's pool, like every buffer (see unshard_together).
-  std::vector<at::Tensor> inputs, outputs;
-  std::vector<size_t> first_input;  // each group's first input in `inputs`
-  // One rank reduces in place: its input is its output, and becomes the sharded gradients.
-  const int world = first.comm_->world_size();
+  std::vector<at::Tensor> inputs, outputs;  // the collective's pieces
+  std::vector<std::vector<at::Tensor>> results;  // each group's: what becomes its reduced_
   for (ParamGroup* g : groups) {
     const size_t prepared = g->reduces_each_in_place() ? g->params_.size() : 1;
     TORCH_INTERNAL_ASSERT(g->reduce_input_.size() == prepared && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
-    first_input.push_back(inputs.size());
-    for (const at::Tensor& input : g->reduce_input_) {
-      if (!input.defined()) continue;
-      inputs.push_back(input.view(-1));
-      outputs.push_back(world == 1 ? inputs.back() : at::empty({input.numel() / world}, input.options()));
-    }
+    results.push_back(g->add_reduce_ops(inputs, outputs));
   }
+  const std::vector<std::vector<at::Tensor>> device_results = results;
   const std::string label = bucket_label(groups);
-  std::vector<at::Tensor> results = outputs;
   // Offloaded groups' results (one flat buffer each) go to the host behind the last collective,
   // into pinned memory (the host allocator reuses a block only after the copies recorded on it are
   // done).
   const auto copy_offloaded_to_host = [&] {
     for (size_t i = 0; i < groups.size(); ++i)
       if (groups[i]->offloaded()) {
-        const at::Tensor& out = outputs[first_input[i]];
-        at::Tensor& result = results[first_input[i]];
+        const at::Tensor& out = device_results[i].front();
+        at::Tensor& result = results[i].front();
         result = at::empty(out.sizes(), out.options().device(at::kCPU).pinned_memory(out.device().type() != at::kCPU));
         result.copy_(out, /*non_blocking=*/true);
       }
@@ -584,20 +610,19 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     work.event = issue_on_side_stream(
         streams, Trace::Track::AllReduce, "all-reduce " + label,
         [&] {
-          for (const at::Tensor& out : outputs) first.replicate_->all_reduce(out, ReduceOp::Avg);
+          for (const auto& group_results : device_results)  // one flat buffer each (HSDP: never in place)
+            first.replicate_->all_reduce(group_results.front(), ReduceOp::Avg);
           copy_offloaded_to_host();
         },
         work.event.get());
   for (size_t i = 0; i < groups.size(); ++i) {
     ParamGroup& g = *groups[i];
-    size_t next = first_input[i];
-    for (at::Tensor& input : g.reduce_input_) {
-      g.reduced_.push_back(input.defined() ? results[next++] : at::Tensor());
+    for (at::Tensor& input : g.reduce_input_)
       if (input.defined()) work.keep_alive.push_back(std::move(input));
-    }
     g.reduce_input_.clear();
+    g.reduced_ = std::move(results[i]);
     g.reduced_at_ = work.event;
-    if (g.offloaded()) work.keep_alive.push_back(outputs[first_input[i]]);  // read by the copy
+    if (g.offloaded()) work.keep_alive.push_back(device_results[i].front());  // read by the copy
   }
   return work;
 }

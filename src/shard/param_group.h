@@ -1,5 +1,6 @@
-// One fully_shard call's parameters: sharded storage, the flat all-gather that
-// unshards them and the flat reduce-scatter that shards their gradients.
+// One fully_shard call's parameters: sharded storage, the all-gather that
+// unshards them and the reduce-scatter that shards their gradients (each one
+// coalesced collective of a piece per parameter).
 //
 // Each managed parameter is the module's own tensor object. Its data flips
 // (Variable::set_data) between the local shard and a view into the group's
@@ -60,7 +61,7 @@ class ParamGroup {
   // Returns the event marking the memory's last use on the compute stream
   // (null on CPU, or when nothing on the compute stream used it).
   std::shared_ptr<c10::Event> reshard();
-  // Copies the unsharded gradients rank-major into a reduce-scatter input on
+  // Copies the unsharded gradients parameter-major into a reduce-scatter input on
   // the compute stream and frees them (the group can reshard right after).
   void prepare_reduce_scatter();
   // Gradient accumulation without communication: adds the unsharded gradients into full-shape
@@ -109,11 +110,10 @@ class ParamGroup {
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
-  // This group's part of an all-gather: its input, its output (the unsharded
-  // storage itself where the group has one parameter, allocated here), and for
-  // offloaded shards of another dtype than the compute one, the device copy
-  // they are cast from.
-  // One all-gather of the group: the compute-dtype parameters' or the float8 ones'.
+  // This group's part of an all-gather: its input, its output (the unsharded storage, allocated
+  // here), and for offloaded shards of another dtype than the compute one, the device copy they
+  // are cast from.
+  // The parameters gathered in the compute dtype, or in float8.
   struct Flat {
     at::Tensor input, output;
   };
@@ -136,9 +136,16 @@ class ParamGroup {
   // (384 MiB in float32) is larger than that space (352 MiB) and landed above it, leaving it
   // unused at the step's peak (docs/results.md, "Issue #32's targets").
   bool reduces_each_in_place() const { return comm_->world_size() == 1 && !replicate_ && !offloaded(); }
-  // Rank-major gathered data into the parameter-major unsharded storage (of the float8 parameters,
-  // or the others).
-  void copy_out(const at::Tensor& gathered, bool float8);
+  // This group's pieces of a coalesced all-gather, appended: one per parameter, from its shard in
+  // the input straight into its rows of the unsharded storage.
+  void add_gather_ops(const GatherBuffers& buffers, std::vector<at::Tensor>& inputs,
+                      std::vector<at::Tensor>& outputs) const;
+  // This group's pieces of a coalesced reduce-scatter, appended: one per parameter (and one for the
+  // flags) from the prepared input into one flat output; returns what becomes reduced_.
+  std::vector<at::Tensor> add_reduce_ops(std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs) const;
+  // The flags' slot after the gradients in a reduce-scatter input: one row of a flag per parameter
+  // for each rank.
+  ShardLayout flags_layout() const;
   // Per rank, the elements gathered in float8 (or in the compute dtype), and how many parameters.
   int64_t gather_numel(bool float8) const { return float8 ? float8_numel_ : shard_numel_ - float8_numel_; }
   int64_t gather_count(bool float8) const;
@@ -166,11 +173,12 @@ class ParamGroup {
   at::Tensor unsharded_float8_;   // [world * float8_numel_] float8 e4m3 after it in the same storage
   at::Tensor float8_amax_;        // [float8 parameters] their amax over all ranks (refresh_float8_amax)
   State state_ = State::Sharded;
-  std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the copy-out
+  std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the all-gather
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
   at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
-  // Prepared gradients awaiting the reduce-scatter: one flat buffer, [world, shard_numel_ + one flag
-  // per parameter], or where reduces_each_in_place(), each parameter's (undefined: it has none).
+  // Prepared gradients awaiting the reduce-scatter: one flat buffer, [world * (shard_numel_ + one flag
+  // per parameter)] parameter-major (parameter_major_into), or where reduces_each_in_place(), each
+  // parameter's (undefined: it has none).
   std::vector<at::Tensor> reduce_input_;
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
   std::vector<at::Tensor> reduced_;          // their reduce-scatter's output (offloaded: its host copy) awaiting commit
