@@ -747,8 +747,7 @@ def case_beside_process_group(args):
 
 def case_plan(args):
     """The memory-budget planner on the user's own step (5 training steps a call): a budget under
-    the smallest refused, naming it, the model training as before; a budget between the smallest
-    and the fastest schedule's peak (the smallest, where the fastest already recomputes) planned
+    the smallest refused, naming it, the model training as before; the smallest budget planned
     with recomputation, which runs (the block's first part twice a step) and stays under the
     budget; every step, the planner's included, at parity (with --bf16, bfloat16 compute: equal to
     bf16_reference bit for bit, as recomputing changes no arithmetic)."""
@@ -771,18 +770,14 @@ def case_plan(args):
         smallest = refused.smallest_budget_bytes
     assert not any(type(m).__name__.startswith("Recomputed") for m in model.modules()), "the refusal left recomputation on"
     roomy = fsdpcpp.plan_memory_budget(model, train_step, 1 << 40, apply=False, **planner)
-    if roomy.recomputed:
-        # On a busy CPU the fastest schedule may itself recompute a block: where the step's tail
-        # waits for the reduce-scatters the recomputation hides behind them, and schedules predicted
-        # equally fast go to the smaller peak. Its peak then tells nothing of what recomputing saves,
-        # so plan for the least budget that fits, which only the schedules of the least predicted
-        # peak meet (memory predictions do not depend on the measured times). That an unbounded
-        # budget recomputes nothing where recomputing costs time is tests/plan_tests.cpp's
-        # Planner.UnboundedBudgetTakesTheFastestWithoutCheckpointing.
-        budget = smallest
-    else:
-        assert roomy.peak_bytes > smallest * 1.1, f"recomputation must matter on this model: {smallest} vs {roomy}"
-        budget = (smallest + roomy.peak_bytes) // 2
+    assert roomy.recomputed or roomy.peak_bytes > smallest * 1.1, f"recomputation must matter on this model: {smallest} vs {roomy}"
+    # The least budget that fits: only the schedules of the least predicted peak meet it, and those
+    # recompute. (A budget halfway to the fastest schedule's peak may fit a schedule that gathers
+    # less ahead instead; and on a busy CPU the fastest schedule may itself recompute a block, where
+    # the step's tail waits for the reduce-scatters. That an unbounded budget recomputes nothing
+    # where recomputing costs time is tests/plan_tests.cpp's
+    # Planner.UnboundedBudgetTakesTheFastestWithoutCheckpointing.)
+    budget = smallest
     plan = fsdpcpp.plan_memory_budget(model, train_step, budget, **planner)
     assert plan.recomputed and plan.peak_bytes <= budget, plan
     calls = []
