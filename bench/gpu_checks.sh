@@ -7,6 +7,7 @@
 #           GPU for 30 steps (its step time) and with a memory budget (the planner's steps).
 #   python: the Python package's GPU cases (python_gpu_tests_*, three parts side by side), then
 #           the benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget).
+# Each run's step time, memory and losses must lie in bench/gpu_expected.json's ranges.
 # Logs and JSON to OUT_DIR.
 #   bash bench/gpu_checks.sh OUT_DIR COMMIT [all|native|python]
 set -uo pipefail
@@ -45,26 +46,28 @@ if [[ $part != native ]]; then
     --jsonl "$out/budget-1b-python.jsonl" > "$out/budget-1b-python.log" 2>&1 || status=1
   grep -E "fsdpcpp: plan for" "$out/budget-1b-python.log" | head -1
 fi
+# Each run against bench/gpu_expected.json's ranges (step time, memory, losses); the planned runs'
+# peaks are their budgets' ceilings there.
 python3 - "$out" "$part" <<'PY' || status=1
-import sys
+import json, sys
 sys.path.insert(0, "bench")
 import step_log
 out, part = sys.argv[1], sys.argv[2]
-within_budget = True
-if part != "python":
-    rows = step_log.timed(step_log.read(f"{out}/train-1b.jsonl"), 5)
-    print(f"1b on one GPU: median step {step_log.median_step_ms(rows, 0):.1f} ms over steps 6-30, "
-          f"peak allocated/reserved {rows[-1]['peak_alloc_gib']:.2f}/{rows[-1]['peak_reserved_gib']:.2f} GiB")
-    planned = step_log.timed(step_log.read(f"{out}/budget-1b.jsonl"), 5)
-    print(f"1b with --memory-budget 16: planned steps 6-10 median {step_log.median_step_ms(planned, 0):.1f} "
-          f"ms, peak allocated {max(r['peak_alloc_gib'] for r in planned):.2f} GiB (budget 16)")
-    within_budget &= max(r['peak_alloc_gib'] for r in planned) <= 16
-if part != "native":
-    python_planned = step_log.timed(step_log.read(f"{out}/budget-1b-python.jsonl"), 5)
-    print(f"1b from Python with fsdpcpp.plan_memory_budget, 20 GiB: planned steps 6-10 median "
-          f"{step_log.median_step_ms(python_planned, 0):.1f} ms, "
-          f"peak allocated {max(r['peak_alloc_gib'] for r in python_planned):.2f} GiB (budget 20)")
-    within_budget &= max(r['peak_alloc_gib'] for r in python_planned) <= 20
-sys.exit(0 if within_budget else 1)
+expected = json.load(open("bench/gpu_expected.json"))
+runs = {"native": ["train-1b", "budget-1b"], "python": ["budget-1b-python"]}
+ok = True
+for run in runs["native"] * (part != "python") + runs["python"] * (part != "native"):
+    rows = step_log.read(f"{out}/{run}.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    measured = {"step_ms": step_log.median_step_ms(rows, 5), "peak_alloc_gib": max(r["peak_alloc_gib"] for r in rows),
+                "peak_reserved_gib": max(r.get("peak_reserved_gib", 0) for r in rows),
+                "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    for key, (low, high) in expected[run].items():
+        value = measured[key]
+        inside = value is not None and low <= value <= high
+        ok &= inside
+        print(f"{run}: {key} {value if value is None else round(value, 4)} "
+              f"{'within' if inside else 'OUTSIDE'} [{low}, {high}]")
+sys.exit(0 if ok else 1)
 PY
 exit $status
