@@ -92,6 +92,7 @@ const char* kUsage =
     "  --gpu    one process per GPU with torchrun-style variables\n"
     "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
     "  --grace S after SIGINT/SIGTERM, kill ranks still running S seconds later (default 60)\n"
+    "  --version fsdp.cpp's version\n"
     "SIGINT/SIGTERM reach every rank (CPU ranks as SIGUSR1); a second one ends\n"
     "them at once. Exit code: 128 + the signal, or 0 if every rank exited 0.\n";
 
@@ -368,6 +369,10 @@ int main(int argc, char** argv) {
     else if (a == "--gpu") mode = Gpu;
     else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
+      return 0;
+    }
+    else if (a == "--version") {
+      std::printf("fsdp-run %s\n", FSDP_VERSION_STRING);
       return 0;
     }
     else usage(("unknown option " + a).c_str());

@@ -39,8 +39,8 @@ int main(int argc, char** argv) {
   fsdp::train::TrainArgs args;
   try {
     args = fsdp::train::parse_train_args(std::vector<std::string>(argv + 1, argv + argc));
-    if (args.help) {
-      std::cout << fsdp::train::train_help_text();
+    if (args.help || args.version) {
+      std::cout << (args.help ? fsdp::train::train_help_text() : "fsdp-train " + std::string(fsdp::version()) + "\n");
       return 0;
     }
     fsdp::train::check_train_args_on_this_machine(args);

@@ -569,8 +569,8 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
   auto table = flags(a);
   for (size_t i = 0; i < argv.size(); ++i) {
     const std::string& name = argv[i];
-    if (name == "--help" || name == "-h") {
-      a.help = true;
+    if (name == "--help" || name == "-h" || name == "--version") {
+      (name == "--version" ? a.version : a.help) = true;
       return a;
     }
     auto it = table.find(name);
@@ -606,7 +606,8 @@ std::string train_help_text() {
     std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), help.c_str());
     out += line;
   }
-  return out + "  --help                           this text\n";
+  return out + "  --help                           this text\n"
+               "  --version                        fsdp.cpp's version\n";
 }
 
 model::LlamaConfig model_config(const TrainArgs& a) {

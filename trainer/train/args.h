@@ -65,7 +65,8 @@ struct TrainArgs {
   bool overwrite_export = false;       // the model at --export may be replaced
   bool allow_resume_changes = false;   // --resume with another --data or --seed than the checkpoint's
   int max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
-  bool help = false;
+  bool help = false;     // --help: print the flags and exit
+  bool version = false;  // --version: print fsdp.cpp's version and exit
   std::set<std::string> given;  // the flags on the command line, to refuse those another flag makes moot
 };
 
