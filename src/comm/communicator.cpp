@@ -9,6 +9,8 @@
 #include <functional>
 #include <string>
 
+#include "comm/collective_names.h"
+
 namespace fsdp {
 
 Communicator::Communicator(int rank, int world_size, std::string group_name,
@@ -100,8 +102,6 @@ std::string signature(const std::string& op, const std::vector<at::Tensor>& tens
   return s.str();
 }
 
-const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
-
 }  // namespace
 
 // The ranks exchange a hash of the collective each is about to issue (one
@@ -152,7 +152,7 @@ void Communicator::reduce_scatter_coalesced(const std::vector<at::Tensor>& outpu
                                             const std::string& tag) {
   auto ops = checked("reduce_scatter", outputs, inputs, /*output_gathered=*/false);
   check_same_on_all_ranks(
-      [&] { return signature(std::string("reduce_scatter(") + op_name(op) + ")", outputs, tag); });
+      [&] { return signature(reducing("reduce_scatter", op), outputs, tag); });
   if (world_size_ == 1) {
     for (auto& s : ops)  // sum and average of one are the input (the same memory: reduced in place)
       if (s.output.data_ptr() != s.input.data_ptr()) s.output.copy_(s.input);
@@ -167,7 +167,7 @@ void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
 
 void Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_tensor(tensor, "all_reduce", "tensor");
-  check_same_on_all_ranks([&] { return signature(std::string("all_reduce(") + op_name(op) + ")", {tensor}, ""); });
+  check_same_on_all_ranks([&] { return signature(reducing("all_reduce", op), {tensor}, ""); });
   if (world_size_ > 1) do_all_reduce(tensor, op);
 }
 

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <thread>
 
+#include "comm/collective_names.h"
+
 namespace fsdp {
 namespace {
 
@@ -153,7 +155,7 @@ void MpiCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceO
                               mpi_type(p.in.scalar_type()), MPI_SUM, comm_, &requests[i]);
     pending.push_back(std::move(p));
   }
-  wait(requests, describe_batch(op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)", ops, tag));
+  wait(requests, describe_batch(reducing("reduce_scatter", op), ops, tag));
   for (auto& p : pending) {
     if (op == ReduceOp::Avg) p.out.div_(world_size());
     if (p.out.data_ptr() != p.result.data_ptr()) p.result.copy_(p.out);
@@ -165,8 +167,7 @@ void MpiCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op) {
   std::vector<MPI_Request> requests(1);
   MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), static_cast<int>(buf.numel()),
                  mpi_type(buf.scalar_type()), MPI_SUM, comm_, &requests[0]);
-  wait(requests, std::string(op == ReduceOp::Avg ? "all_reduce(avg)" : "all_reduce(sum)") +
-                     " of " + bytes_of(tensor));
+  wait(requests, reducing("all_reduce", op) + " of " + bytes_of(tensor));
   if (op == ReduceOp::Avg) buf.div_(world_size());
   if (buf.data_ptr() != tensor.data_ptr()) tensor.copy_(buf);
 }

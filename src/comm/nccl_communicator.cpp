@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "comm/collective_names.h"
+
 namespace fsdp {
 namespace {
 
@@ -185,7 +187,7 @@ void NcclCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, Reduce
     check_device(s.input, "reduce_scatter");
     check_device(s.output, "reduce_scatter");
   }
-  const std::string what = describe_batch(op == ReduceOp::Avg ? "reduce_scatter(avg)" : "reduce_scatter(sum)", ops, tag);
+  const std::string what = describe_batch(reducing("reduce_scatter", op), ops, tag);
   run(what, [&](cudaStream_t stream) {
     check(ncclGroupStart(), "ncclGroupStart");
     for (const auto& s : ops)
@@ -198,7 +200,7 @@ void NcclCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, Reduce
 
 void NcclCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_device(tensor, "all_reduce");
-  run("all_reduce of " + bytes_of(tensor), [&](cudaStream_t stream) {
+  run(reducing("all_reduce", op) + " of " + bytes_of(tensor), [&](cudaStream_t stream) {
     check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                         nccl_type(tensor.scalar_type()), nccl_op(op), comm_, stream),
           "all_reduce");
