@@ -13,6 +13,8 @@ compute, whatever stream it ran on. Per step:
   exposed_comm_ms  time an NCCL kernel ran and no compute did: communication
                    the step waited for
   idle_ms          time nothing ran on the GPU (CPU-bound gaps)
+  kinds            kernel time summed by kind (matrix products, attention, communication, the
+                   optimizer, copies and casts, norms, the rest): where the step's GPU time goes
 --gaps N lists each step's N longest idle gaps: where in the step, the kernels either side, and
 the innermost CPU op running as the gap began (what the host was doing while the GPU waited).
 """
@@ -54,6 +56,21 @@ def is_nccl(name):
     return "nccl" in name.lower()
 
 
+# Kinds of kernel, tried in order: the first whose words one appears in the lower-cased name.
+KINDS = [("communication", ("nccl",)),
+         ("attention", ("flash", "sdpa", "fmha", "attention")),
+         ("optimizer", ("adam",)),
+         ("matrix products", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+         ("copies and casts", ("copy", "chunk_cat", "catarray", "split_with_sizes", "memcpy", "memset")),
+         ("norms", ("norm",))]
+OTHER = "elementwise and other"
+
+
+def kind(name):
+    lower = name.lower()
+    return next((k for k, words in KINDS if any(w in lower for w in words)), OTHER)
+
+
 def short_name(name, width):
     """The kernel's name less ATen's namespace noise, which would fill the width before the functor."""
     for noise in ("void ", "at::native::", "(anonymous namespace)::"):
@@ -93,6 +110,7 @@ def summarize(path, top=15, width=90, gaps=0):
     cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
                and not e.get("name", "").startswith("ProfilerStep#")] if gaps else []
     rows, totals, step_gaps = [], collections.defaultdict(lambda: [0, 0.0]), []
+    kinds = collections.defaultdict(float)
     for step in steps:
         lo, hi = step["ts"], step["ts"] + step["dur"]
         inside = [e for e in gpu if lo <= e["ts"] < hi]
@@ -111,11 +129,13 @@ def summarize(path, top=15, width=90, gaps=0):
         for e in inside:
             totals[e["name"]][0] += 1
             totals[e["name"]][1] += e["dur"] / 1e3
+            kinds[kind(e["name"])] += e["dur"] / 1e3
     if not rows:
         return None
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     summary["steps"] = len(rows)
     summary["gaps"] = step_gaps
+    summary["kinds"] = {k: ms / len(rows) for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])}
     summary["top_kernels"] = [
         dict(name=short_name(name, width), calls=n / len(rows), ms=ms / len(rows))
         for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
@@ -137,6 +157,7 @@ def main():
         print(f"{path}: median of {s['steps']} steps: step {s['step_ms']:.1f} ms | compute "
               f"{s['compute_ms']:.1f} | nccl {s['nccl_ms']:.1f} | exposed comm {s['exposed_comm_ms']:.1f} | "
               f"idle {s['idle_ms']:.1f} | {s['kernels']:.0f} kernels")
+        print("    by kind: " + " | ".join(f"{k} {ms:.1f}" for k, ms in s["kinds"].items()))
         for k in s["top_kernels"]:
             print(f"    {k['ms']:8.2f} ms {k['calls']:6.0f}x  {k['name']}")
         for step, gaps in enumerate(s["gaps"]):

@@ -13,6 +13,9 @@ Each run takes --steps timed steps (the first 3 are warm-up, the rest give
 medians), then --profile-steps more under the PyTorch profiler. From rank 0's
 profile (bench/profile_summary.py), per step: exposed_comm_ms, the time an NCCL
 kernel ran while no compute kernel did; gpu_idle_ms, the time no kernel ran.
+profiles.md has each run's profile: the GPU time by kind of kernel (matrix products,
+attention, communication, optimizer, copies and casts, norms, the rest), the rate of
+its matrix products and attention in TFLOP/s, and its costliest kernels.
 """
 import argparse
 import collections
@@ -369,7 +372,17 @@ def profile_markdown(r):
     lines = [f"## {r['system']} {r['config']} (rank 0, median of {p['steps']} profiled steps)", "",
              f"step {p['step_ms']:.1f} ms: compute {p['compute_ms']:.1f}, NCCL {p['nccl_ms']:.1f}, "
              f"exposed communication {p['exposed_comm_ms']:.1f}, GPU idle {p['idle_ms']:.1f}, "
-             f"{p['kernels']:.0f} kernels", "", "| ms/step | calls/step | kernel |", "|---|---|---|"]
+             f"{p['kernels']:.0f} kernels", ""]
+    if p["kinds"]:  # none on CPU ranks
+        lines += ["GPU time by kind of kernel (ms a step, summed): " +
+                  ", ".join(f"{k} {ms:.1f}" for k, ms in p["kinds"].items()), ""]
+    # The model's FLOPs a step (its matrix products and attention) over those kernels' time.
+    gemm_ms = p["kinds"].get("matrix products", 0) + p["kinds"].get("attention", 0)
+    if gemm_ms > 0 and r.get("flops_per_token"):
+        flops = r["flops_per_token"] * r["tok_s_gpu"] * r["step_ms"] / 1e3
+        lines += [f"Matrix products and attention at {flops / (gemm_ms / 1e3) / 1e12:.0f} TFLOP/s "
+                  f"({flops / 1e12:.1f} TFLOP a step over their {gemm_ms:.1f} ms of kernels).", ""]
+    lines += ["| ms/step | calls/step | kernel |", "|---|---|---|"]
     lines += [f"| {k['ms']:.2f} | {k['calls']:.0f} | `{k['name']}` |" for k in p["top_kernels"]]
     return "\n".join(lines) + "\n\n"
 

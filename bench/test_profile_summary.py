@@ -28,6 +28,21 @@ for key, want in expected.items():
     assert abs(s[key] - want) < 1e-9, (key, s[key], want)
 assert s["top_kernels"][0]["name"] == "ncclDevKernel_AllGather", s["top_kernels"]
 assert s["gaps"] == [], s["gaps"]
+# Kernel time by kind, summed (the NCCL kernel overlapping compute counts in full).
+want = {"communication": 0.05, "matrix products": 0.04, "elementwise and other": 0.01, "copies and casts": 0.005}
+assert s["kinds"].keys() == want.keys() and all(abs(s["kinds"][k] - v) < 1e-9 for k, v in want.items()), s["kinds"]
+assert list(s["kinds"]) == list(want), "largest first"
+# Names from the 8B's profiles (bench/results/2026-11-27-h100x4-ab96f7f/): each kind once.
+for name, want in [("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+                   ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+                   ("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor<float,", "optimizer"),
+                   ("fsdp::kernels::adamw_kernel(fsdp::kernels::Launch, fsdp::kernels::Scalars, float const*)", "optimizer"),
+                   ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matrix products"),
+                   ("detail::chunk_cat_cuda_kernel<float, c10::BFloat16>(c10::BFloat16**, float*, long*, long*,", "copies and casts"),
+                   ("multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor<float, c10::BFloat16, 2, 1, 1", "copies and casts"),
+                   ("triton_poi_fused__unsafe_view_cat_mul_silu_silu_backward_split_view_0", "elementwise and other"),
+                   ("fsdp::kernels::rms_norm_backward_kernel<__nv_bfloat16>", "norms")]:
+    assert profile_summary.kind(name) == want, (name, profile_summary.kind(name), want)
 # The idle gaps, longest first, with their neighbours and the host op running as each began.
 trace["traceEvents"].append(dict(ph="X", cat="cpu_op", name="aten::item", ts=82, dur=20))
 trace["traceEvents"].append(dict(ph="X", cat="cpu_op", name="train_step", ts=0, dur=150))
