@@ -17,6 +17,8 @@ compute, whatever stream it ran on. Per step:
                    optimizer, copies and casts, norms, the rest): where the step's GPU time goes
 --gaps N lists each step's N longest idle gaps: where in the step, the kernels either side, and
 the innermost CPU op running as the gap began (what the host was doing while the GPU waited).
+--exposed N lists each step's N longest stretches of exposed communication the same way, with
+the collective's kernel: which all-gather or reduce-scatter the step waited for, and where.
 """
 import argparse
 import collections
@@ -90,7 +92,14 @@ def idle_gaps(busy, lo, hi):
     return [g for g in gaps if g[1] > g[0]]
 
 
+def difference(a, b):
+    """The stretches of merged intervals `a` that merged intervals `b` do not cover."""
+    return [gap for start, end in a for gap in idle_gaps([iv for iv in b if iv[1] > start and iv[0] < end], start, end)]
+
+
 def describe_gap(gap, lo, inside, cpu_ops, width):
+    """Where the stretch `gap` lies in the step starting at `lo`, the kernels of `inside` either
+    side of it and the innermost CPU op running as it began."""
     start, end = gap
     before = max((e for e in inside if e["ts"] + e["dur"] <= start), key=lambda e: e["ts"] + e["dur"], default=None)
     after = min((e for e in inside if e["ts"] >= end), key=lambda e: e["ts"], default=None)
@@ -102,14 +111,14 @@ def describe_gap(gap, lo, inside, cpu_ops, width):
                 host=short_name(host["name"], width) if host else "")
 
 
-def summarize(path, top=15, width=90, gaps=0):
+def summarize(path, top=15, width=90, gaps=0, exposed=0):
     events = json.load((gzip.open if path.endswith(".gz") else open)(path, "rt"))["traceEvents"]
     steps = sorted((e for e in events if e.get("cat") == "user_annotation"
                     and e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"])
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-               and not e.get("name", "").startswith("ProfilerStep#")] if gaps else []
-    rows, totals, step_gaps = [], collections.defaultdict(lambda: [0, 0.0]), []
+               and not e.get("name", "").startswith("ProfilerStep#")] if gaps or exposed else []
+    rows, totals, step_gaps, step_exposed = [], collections.defaultdict(lambda: [0, 0.0]), [], []
     kinds = collections.defaultdict(float)
     for step in steps:
         lo, hi = step["ts"], step["ts"] + step["dur"]
@@ -122,6 +131,14 @@ def summarize(path, top=15, width=90, gaps=0):
         if gaps:
             longest = sorted(idle_gaps(merged, lo, hi), key=lambda g: g[0] - g[1])[:gaps]
             step_gaps.append([describe_gap(g, lo, inside, cpu_ops, width) for g in longest])
+        if exposed:
+            longest = sorted(difference(comm, compute), key=lambda g: g[0] - g[1])[:exposed]
+            computing = [e for e in inside if not is_nccl(e["name"])]
+            step_exposed.append([
+                dict(describe_gap(g, lo, computing, cpu_ops, width),
+                     collective=next((short_name(e["name"], width) for e in inside if is_nccl(e["name"])
+                                      and e["ts"] <= g[0] < e["ts"] + e["dur"]), ""))
+                for g in longest])
         rows.append(dict(step_ms=step["dur"] / 1e3, compute_ms=length(compute) / 1e3,
                          nccl_ms=length(comm) / 1e3,
                          exposed_comm_ms=(length(comm) - length(intersection(comm, compute))) / 1e3,
@@ -135,6 +152,7 @@ def summarize(path, top=15, width=90, gaps=0):
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     summary["steps"] = len(rows)
     summary["gaps"] = step_gaps
+    summary["exposed"] = step_exposed
     summary["kinds"] = {k: ms / len(rows) for k, ms in sorted(kinds.items(), key=lambda kv: -kv[1])}
     summary["top_kernels"] = [
         dict(name=short_name(name, width), calls=n / len(rows), ms=ms / len(rows))
@@ -148,9 +166,11 @@ def main():
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--name-width", type=int, default=90, help="characters of each kernel's name shown")
     p.add_argument("--gaps", type=int, default=0, help="list each step's N longest idle gaps")
+    p.add_argument("--exposed", type=int, default=0,
+                   help="list each step's N longest stretches of exposed communication")
     args = p.parse_args()
     for path in args.traces:
-        s = summarize(path, args.top, args.name_width, args.gaps)
+        s = summarize(path, args.top, args.name_width, args.gaps, args.exposed)
         if s is None:
             print(f"{path}: no ProfilerStep spans")
             continue
@@ -165,6 +185,11 @@ def main():
             for g in gaps:
                 print(f"    {g['ms']:7.2f} ms at {g['at_ms']:7.2f} ms | after {g['before'] or '(step start)'} | "
                       f"before {g['after'] or '(step end)'} | host in {g['host'] or '(nothing traced)'}")
+        for step, stretches in enumerate(s["exposed"]):
+            print(f"  exposed communication of profiled step {step + 1}, longest first:")
+            for g in stretches:
+                print(f"    {g['ms']:7.2f} ms at {g['at_ms']:7.2f} ms | {g['collective']} | after {g['before'] or '(step start)'} "
+                      f"| before {g['after'] or '(step end)'} | host in {g['host'] or '(nothing traced)'}")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,16 @@ trace["traceEvents"].append(dict(ph="X", cat="cpu_op", name="train_step", ts=0, 
 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
     json.dump(trace, f)
 s = profile_summary.summarize(f.name, gaps=5)
-os.unlink(f.name)
 assert [(g["at_ms"], g["ms"]) for g in s["gaps"][0]] == [(0.08, 0.01), (0.095, 0.005)], s["gaps"]
 assert s["gaps"][0][0]["before"] == "ncclDevKernel_AllGather" and s["gaps"][0][0]["after"] == "copy", s["gaps"]
 assert [g["host"] for g in s["gaps"][0]] == ["train_step", "aten::item"] and s["gaps"][0][1]["after"] == "", s["gaps"]
+# Exposed communication: NCCL 30-80 less compute 0-40 and 60-70 leaves 40-60 and 70-80, the
+# collective named, the compute kernels either side, the host op running as each began.
+s = profile_summary.summarize(f.name, exposed=5)
+assert [(g["at_ms"], g["ms"]) for g in s["exposed"][0]] == [(0.04, 0.02), (0.07, 0.01)], s["exposed"]
+assert {g["collective"] for g in s["exposed"][0]} == {"ncclDevKernel_AllGather"}, s["exposed"]
+assert [(g["before"], g["after"]) for g in s["exposed"][0]] == [("sm90_gemm", "elementwise"), ("elementwise", "copy")]
+assert s["gaps"] == [] and s["exposed"][0][0]["host"] == "train_step", s
+assert profile_summary.difference([[0, 10], [20, 30]], [[5, 25]]) == [(0, 5), (25, 30)]
+os.unlink(f.name)
 print("profile_summary: ok")
