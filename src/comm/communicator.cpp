@@ -31,10 +31,13 @@ std::string Communicator::bytes_of(const at::Tensor& t) {
   return std::to_string(t.numel() * t.element_size()) + " bytes";
 }
 
+// A coalesced collective has a piece per parameter of each group: their count and total size.
 std::string Communicator::describe_batch(const std::string& op, const std::vector<Buffers>& ops,
                                          const std::string& tag) {
-  std::string what = op;
-  for (size_t i = 0; i < ops.size(); ++i) what += (i ? " + " : " of ") + bytes_of(ops[i].input);
+  int64_t bytes = 0;
+  for (const Buffers& b : ops) bytes += b.input.numel() * b.input.element_size();
+  std::string what = op + " of " + std::to_string(bytes) + " bytes";
+  if (ops.size() > 1) what += " in " + std::to_string(ops.size()) + " pieces";
   return tag.empty() ? what : what + " (" + tag + ")";
 }
 

@@ -254,8 +254,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
     // Compute-pool blocks the all-gather stream still uses: kept until the
     // compute stream has waited for `gathered`.
     GatherBuffers& b = buffers[i];
-    for (at::Tensor* t : {&b.compute.input, &b.compute.output, &b.float8.input, &b.float8.output, &b.staging,
-                          &b.float8_inverse_scale})
+    for (at::Tensor* t : {&b.input, &b.float8_input, &b.staging, &b.float8_inverse_scale})
       if (t->defined()) g->gather_buffers_.push_back(std::move(*t));
     g->state_ = State::Gathering;
   }
@@ -268,13 +267,12 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
   GatherBuffers b;
   for (bool float8 : {false, true}) {
     if (float8 && float8_numel_ == 0) continue;
-    Flat& flat = float8 ? b.float8 : b.compute;
     const at::Tensor& unsharded = this->unsharded(float8);
     // Each parameter is gathered straight into its unsharded rows (add_gather_ops). One rank: the
     // input's layout (each parameter's padded shard at its offset) is the unsharded storage's, so
     // the shards are cast straight into it and nothing is gathered.
-    flat.output = unsharded;
-    flat.input = world == 1 ? unsharded : at::empty({gather_numel(float8)}, unsharded.options());
+    (float8 ? b.float8_input : b.input) =
+        world == 1 ? unsharded : at::empty({gather_numel(float8)}, unsharded.options());
   }
   // One row of 16 bytes per weight: cuBLASLt takes a scale only at a 16-byte aligned address.
   if (float8_numel_ > 0) b.float8_inverse_scale = at::empty({gather_count(true), 4}, opts.dtype(at::kFloat));
@@ -290,7 +288,7 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
 // Float8 parameters: each shard cast with its amax over all ranks (refresh_float8_amax), one kernel
 // each, into the float8 input.
 void ParamGroup::copy_in(const GatherBuffers& buffers) {
-  const at::Tensor& input = buffers.compute.input;
+  const at::Tensor& input = buffers.input;
   if (offloaded()) {  // no float8 parameters (the constructor refuses them)
     if (buffers.staging.defined()) {
       buffers.staging.copy_(host_shards_, /*non_blocking=*/true);
@@ -313,7 +311,7 @@ void ParamGroup::copy_in(const GatherBuffers& buffers) {
   int64_t index = 0;
   for (const auto& p : params_) {
     if (!p.float8) continue;
-    const at::Tensor out = buffers.float8.input.narrow(0, p.gather_offset, p.layout.shard_numel());
+    const at::Tensor out = buffers.float8_input.narrow(0, p.gather_offset, p.layout.shard_numel());
     float8::cast_with_amax(p.padded_shard, float8_amax_[index], out.view(p.padded_shard.sizes()),
                            buffers.float8_inverse_scale[index][0]);
     ++index;
@@ -330,10 +328,9 @@ void ParamGroup::add_gather_ops(const GatherBuffers& buffers, std::vector<at::Te
   const int world = comm_->world_size();
   for (bool float8 : {false, true}) {
     if (float8 && float8_numel_ == 0) continue;
-    const Flat& flat = float8 ? buffers.float8 : buffers.compute;
     // Float8 parameters travel as bytes (the backends know no float8 dtype).
-    const at::Tensor input = float8 ? flat.input.view(at::kByte) : flat.input;
-    const at::Tensor output = float8 ? flat.output.view(at::kByte) : flat.output;
+    const auto as_sent = [float8](const at::Tensor& t) { return float8 ? t.view(at::kByte) : t; };
+    const at::Tensor input = as_sent(buffers.input_of(float8)), output = as_sent(unsharded(float8));
     if (world == 1) {
       inputs.push_back(input);
       outputs.push_back(output);
@@ -536,12 +533,17 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
   }
   const at::Tensor& input = reduce_input_.front();
   const int world = comm_->world_size();
-  const at::Tensor output = world == 1 ? input : at::empty({input.numel() / world}, input.options());
+  if (world == 1) {  // one collective, which reduces nothing (HSDP's replicas or an offload follow)
+    inputs.push_back(input);
+    outputs.push_back(input);
+    return {input};
+  }
+  const at::Tensor output = at::empty({input.numel() / world}, input.options());
   // One piece per parameter slot (parameter_major_into), then the flags'.
   int64_t offset = 0;
   const auto add = [&](const ShardLayout& layout) {
     const int64_t n = layout.shard_numel();
-    if (n > 0 && world > 1) {
+    if (n > 0) {
       inputs.push_back(input.narrow(0, offset * world, n * world));
       outputs.push_back(output.narrow(0, offset, n));
     }
@@ -549,10 +551,6 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
   };
   for (const auto& p : params_) add(p.layout);
   add(flags_layout());
-  if (world == 1) {  // one collective, which reduces nothing (HSDP's replicas or an offload follow)
-    inputs.push_back(input);
-    outputs.push_back(output);
-  }
   return {output};
 }
 
@@ -585,18 +583,17 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
                           "fsdp: reduce-scatter of a group without prepared gradients");
     results.push_back(g->add_reduce_ops(inputs, outputs));
   }
-  const std::vector<std::vector<at::Tensor>> device_results = results;
   const std::string label = bucket_label(groups);
   // Offloaded groups' results (one flat buffer each) go to the host behind the last collective,
   // into pinned memory (the host allocator reuses a block only after the copies recorded on it are
   // done).
+  std::vector<at::Tensor> host_results(groups.size());
   const auto copy_offloaded_to_host = [&] {
     for (size_t i = 0; i < groups.size(); ++i)
       if (groups[i]->offloaded()) {
-        const at::Tensor& out = device_results[i].front();
-        at::Tensor& result = results[i].front();
-        result = at::empty(out.sizes(), out.options().device(at::kCPU).pinned_memory(out.device().type() != at::kCPU));
-        result.copy_(out, /*non_blocking=*/true);
+        const at::Tensor& out = results[i].front();
+        host_results[i] = at::empty(out.sizes(), out.options().device(at::kCPU).pinned_memory(out.device().type() != at::kCPU));
+        host_results[i].copy_(out, /*non_blocking=*/true);
       }
   };
   const Communicator* replicate = first.replicate_.get();
@@ -610,7 +607,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     work.event = issue_on_side_stream(
         streams, Trace::Track::AllReduce, "all-reduce " + label,
         [&] {
-          for (const auto& group_results : device_results)  // one flat buffer each (HSDP: never in place)
+          for (const auto& group_results : results)  // one flat buffer each (HSDP: never in place)
             first.replicate_->all_reduce(group_results.front(), ReduceOp::Avg);
           copy_offloaded_to_host();
         },
@@ -620,9 +617,12 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     for (at::Tensor& input : g.reduce_input_)
       if (input.defined()) work.keep_alive.push_back(std::move(input));
     g.reduce_input_.clear();
+    if (g.offloaded()) {  // the device result, read by the copy, until the work is done
+      work.keep_alive.push_back(std::move(results[i].front()));
+      results[i].front() = std::move(host_results[i]);
+    }
     g.reduced_ = std::move(results[i]);
     g.reduced_at_ = work.event;
-    if (g.offloaded()) work.keep_alive.push_back(device_results[i].front());  // read by the copy
   }
   return work;
 }

@@ -110,16 +110,13 @@ class ParamGroup {
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
-  // This group's part of an all-gather: its input, its output (the unsharded storage, allocated
-  // here), and for offloaded shards of another dtype than the compute one, the device copy they
-  // are cast from.
-  // The parameters gathered in the compute dtype, or in float8.
-  struct Flat {
-    at::Tensor input, output;
-  };
+  // This group's part of an all-gather (which writes the unsharded storage): the input of the
+  // parameters gathered in the compute dtype and of those gathered in float8, and for offloaded
+  // shards of another dtype than the compute one, the device copy they are cast from.
   struct GatherBuffers {
-    Flat compute, float8;
+    at::Tensor input, float8_input;
     at::Tensor staging, float8_inverse_scale;  // [float8 parameters, 4]: each one's in column 0
+    const at::Tensor& input_of(bool float8) const { return float8 ? float8_input : input; }
   };
   GatherBuffers allocate_gather();
   // Offloaded shards of another dtype than the compute one, on a device: cast there, after the copy.
