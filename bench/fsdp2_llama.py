@@ -22,7 +22,7 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
                       changes, and fsdpcpp.init() joins (PYTHONPATH=build/py, or pip install .)
         [--hf]        transformers' own LlamaForCausalLM of the preset's shapes (SDPA) instead of
                       the model below, built on meta and initialised by its init_weights (the same
-                      seed under either runtime); --checkpoint is transformers' gradient checkpointing
+                      seed under either runtime); --recompute is transformers' gradient checkpointing
 """
 import argparse
 import json
@@ -224,8 +224,8 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--checkpoint", action="store_true", help="recompute every block in backward")
-    p.add_argument("--checkpoint-blocks", default="",
+    p.add_argument("--recompute", action="store_true", help="recompute every block in backward")
+    p.add_argument("--recompute-blocks", default="",
                    help="comma-separated indices of the blocks to recompute in backward (selective "
                         "checkpointing, e.g. the blocks fsdp-train --plan-check's plans name)")
     p.add_argument("--init", help="weights written by fsdp-train --save-init (default: made on the meta "
@@ -276,18 +276,18 @@ def main():
     if on_gpu:
         torch.cuda.set_device(device)
     c = PRESETS[args.model]
-    checkpointed = (range(c["n_layers"]) if args.checkpoint else
-                    [int(i) for i in args.checkpoint_blocks.split(",") if i.strip()])
+    checkpointed = (range(c["n_layers"]) if args.recompute else
+                    [int(i) for i in args.recompute_blocks.split(",") if i.strip()])
     if args.attention == "flash":
         torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
     if args.hf:
-        assert not (args.init or args.float8 or args.checkpoint_blocks or args.ddp or args.optimizer_before_shard), \
+        assert not (args.init or args.float8 or args.recompute_blocks or args.ddp or args.optimizer_before_shard), \
             "--hf: its own initial weights, all or no blocks recomputed, FSDP only"
         torch.manual_seed(args.seed)
         with torch.device("meta"):
             model = hf_llama(c, max(args.seq, 2048))
-        if args.checkpoint:
+        if args.recompute:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif args.init:
         model = Llama(c, max(args.seq, 2048), checkpointed)

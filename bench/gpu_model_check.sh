@@ -98,7 +98,7 @@ case $part in
       --output-on-failure
     phase sdpa 30 python3 bench/sdpa_backends.py
     phase snapshot-1b-ac 90 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
-      --checkpoint --steps 5 --param-dtype bf16 --log "$work/snapshot-1b-ac.jsonl" \
+      --recompute --steps 5 --param-dtype bf16 --log "$work/snapshot-1b-ac.jsonl" \
       --memory-snapshot "$work/snapshot-1b-ac"
     phase holes-1b-ac 60 python3 bench/snapshot_holes.py "$work/snapshot-1b-ac-rank0.pickle" --step 4 ;;
   1b) bench bench-1b 560 --configs 1b --repeats "$repeats" ;;
@@ -159,7 +159,7 @@ case $part in
   overlap-1b)
     for depth in 0 1; do  # the contention the calibration prices: step 2 traced at prefetch depth 0 and 1
       phase overlap-1b-depth$depth 60 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
-        --param-dtype bf16 --checkpoint --prefetch-depth $depth --steps 3 --trace "$work/overlap-depth$depth" \
+        --param-dtype bf16 --recompute --prefetch-depth $depth --steps 3 --trace "$work/overlap-depth$depth" \
         --trace-steps 1 --log "$work/overlap-depth$depth.jsonl"
     done
     phase overlap-1b 20 python3 bench/trace_overlap.py "$work"/overlap-depth{0,1}-rank{0,1}.json \
@@ -191,7 +191,7 @@ case $part in
     phase budget-48-8b 330 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --memory-budget 48 --steps 7 --log "$work/budget-48-8b.jsonl"
     phase offload-8b-ac 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
-      --param-dtype bf16 --cpu-offload --checkpoint --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
+      --param-dtype bf16 --cpu-offload --recompute --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
   offload-1gpu)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
       -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
@@ -201,7 +201,7 @@ case $part in
     phase offload-8b-1gpu-after-backward 240 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
       --batch 2 --param-dtype bf16 --cpu-offload --clip 0 --steps 5 --log "$work/refused.jsonl"
     phase device-8b-1gpu 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
-      --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-1gpu.jsonl"
+      --param-dtype bf16 --recompute --steps 3 --log "$work/device-8b-1gpu.jsonl"
     phase device-8b-1gpu-batch2 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --steps 3 --log "$work/device-8b-1gpu-batch2.jsonl" ;;
   host-steps-1gpu)
@@ -219,7 +219,7 @@ case $part in
     phase offload-8b-h100 200 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 6 --log "$work/offload-8b-h100.jsonl"
     phase device-8b-h100 60 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
-      --param-dtype bf16 --checkpoint --steps 3 --log "$work/device-8b-h100.jsonl" ;;
+      --param-dtype bf16 --recompute --steps 3 --log "$work/device-8b-h100.jsonl" ;;
   guarded-8b-1gpu)
     guard="python3 bench/host_memory_guard.py --min-available-gib 8 --out"
     phase fsdp2-offload-8b-1gpu 240 $guard "$work/fsdp2-offload-8b-1gpu.guard.json" -- python3 -m \

@@ -22,7 +22,7 @@ case $phase in
     ok=$?; tail -40 "$work/run_bench.log"
     # The allocator's history of a checkpointed 1B run (where reserved/allocated is highest).
     build/fsdp-run --gpu build/fsdp-train --model 1b --seq 2048 --batch 4 --steps 4 --param-dtype bf16 \
-      --checkpoint --memory-snapshot "$work/snapshot-1b-ac" --log "$work/snapshot-1b-ac.jsonl" \
+      --recompute --memory-snapshot "$work/snapshot-1b-ac" --log "$work/snapshot-1b-ac.jsonl" \
       > "$work/snapshot-1b-ac.log" 2>&1 || tail -5 "$work/snapshot-1b-ac.log"
     python3 bench/snapshot_holes.py "$work/snapshot-1b-ac-rank0.pickle" --step 3 | tee -a "$work/snapshot-1b-ac.log"
     rm -f "$work"/snapshot-*-rank[1-9]*.pickle; gzip -f "$work"/snapshot-*.pickle 2>/dev/null ;;

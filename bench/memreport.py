@@ -35,7 +35,7 @@ SCENARIOS = [
     ("fsdp2-opt-after", "fsdp2", [], "FSDP2, optimizer after fully_shard"),
     ("fsdp2-opt-before", "fsdp2", ["--optimizer-before-shard"], "FSDP2, optimizer before fully_shard (no fix)"),
     ("fsdpcpp-limit-off", "fsdp.cpp", ["--max-inflight-allgathers", "0"], "fsdp.cpp, all-gather limit off"),
-    ("fsdpcpp-ac", "fsdp.cpp", ["--checkpoint"], "fsdp.cpp, activation checkpointing"),
+    ("fsdpcpp-ac", "fsdp.cpp", ["--recompute"], "fsdp.cpp, activation checkpointing"),
 ]
 
 

@@ -2,7 +2,7 @@
 """The planner's proof (issue #13) from `fsdp-train --plan-check FILE`'s lines:
 
   - prediction error: each schedule's predicted against measured step time and peak allocated;
-  - the frontier: measured time against peak for no checkpointing, full checkpointing and each
+  - the frontier: measured time against peak for no recomputation, full recomputation and each
     budget's plan, with the straight line between the two fixed points, whether each plan sits on
     or below it and under its budget;
   - with --fsdp2 "FLAGS": PyTorch FSDP2 (bench/fsdp2_llama.py, eager) run with each schedule's
@@ -30,7 +30,7 @@ def run_fsdp2(flags, blocks, world, out):
     with open(os.path.join(out, name + ".log"), "w") as console:
         status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   f"--nproc-per-node={world}", "bench/fsdp2_llama.py", *shlex.split(flags),
-                                  "--checkpoint-blocks", ",".join(map(str, blocks)), "--jsonl", log],
+                                  "--recompute-blocks", ",".join(map(str, blocks)), "--jsonl", log],
                                  stdout=console, stderr=subprocess.STDOUT)
     if status != 0 or not os.path.exists(log):
         return None
@@ -52,8 +52,8 @@ def main():
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = step_log.read(args.check)
-    none = next(r for r in rows if r["name"] == "no checkpointing")
-    full = next(r for r in rows if r["name"] == "full checkpointing")
+    none = next(r for r in rows if r["name"] == "no recomputation")
+    full = next(r for r in rows if r["name"] == "full recomputation")
     lines = ["| schedule | checkpointed | predicted ms | measured ms | each round | error | predicted peak GiB | "
              "measured peak GiB | error | budget GiB | under budget | on/below the line | FSDP2 ms | FSDP2 peak GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -66,10 +66,10 @@ def main():
         planned = r["budget_bytes"] > 0
         r["under_budget"] = r["measured_peak_bytes"] <= r["budget_bytes"] if planned else None
         r["below_line"] = r["measured_ms"] <= r["line_ms"] * 1.02 if planned else None  # 2%: run-to-run noise
-        r["fsdp2"] = run_fsdp2(args.fsdp2, r["checkpointed_blocks"], args.world, args.out) if args.fsdp2 else None
+        r["fsdp2"] = run_fsdp2(args.fsdp2, r["recomputed_blocks"], args.world, args.out) if args.fsdp2 else None
         yes = lambda v: "" if v is None else ("yes" if v else "**no**")
         f2 = r["fsdp2"] or {}
-        lines.append(f"| {r['name']} | {len(r['checkpointed_blocks'])} | {r['predicted_ms']:.1f} | "
+        lines.append(f"| {r['name']} | {len(r['recomputed_blocks'])} | {r['predicted_ms']:.1f} | "
                      f"{r['measured_ms']:.1f} | {' / '.join(f'{x:.1f}' for x in r.get('round_ms', []))} | "
                      f"{r['ms_error_pct']:+.1f}% | {r['predicted_peak_bytes'] / GIB:.2f} | "
                      f"{r['measured_peak_bytes'] / GIB:.2f} | {r['peak_error_pct']:+.1f}% | "
@@ -93,14 +93,14 @@ def main():
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ends = [full, none]
     ax.plot([r["measured_peak_bytes"] / GIB for r in ends], [r["measured_ms"] for r in ends], "k--", lw=1,
-            label="straight line: full to no checkpointing")
+            label="straight line: full to no recomputation")
     planned = [r for r in rows if r["budget_bytes"] > 0]
     ax.scatter([r["measured_peak_bytes"] / GIB for r in planned], [r["measured_ms"] for r in planned],
                c="tab:blue", zorder=3, label="fsdp.cpp, planned for a budget")
     for r in planned:
         ax.axvline(r["budget_bytes"] / GIB, color="tab:blue", alpha=0.15, lw=1)
     ax.scatter([r["measured_peak_bytes"] / GIB for r in ends], [r["measured_ms"] for r in ends], c="k", marker="s",
-               zorder=3, label="fsdp.cpp, full / no checkpointing")
+               zorder=3, label="fsdp.cpp, full / no recomputation")
     with_fsdp2 = [r for r in rows if r["fsdp2"]]
     if with_fsdp2:
         ax.scatter([r["fsdp2"]["peak_gib"] for r in with_fsdp2], [r["fsdp2"]["ms"] for r in with_fsdp2],

@@ -38,11 +38,11 @@ SLOW_NCCL = {"NCCL_MAX_NCHANNELS": "1", "NCCL_MIN_NCHANNELS": "1", "NCCL_PROTO":
 CONFIGS = {
     # name: (preset, seq, batch per GPU, extra flags for both systems, extra environment)
     "1b": ("1b", 2048, 4, [], {}),
-    "1b-ac": ("1b", 2048, 4, ["--checkpoint"], {}),
+    "1b-ac": ("1b", 2048, 4, ["--recompute"], {}),
     # Expandable segments on both sides (fsdp-train's default since 3cf0cd8's runs; so
     # "1b" compares each system's default allocator settings).
     "1b-es": ("1b", 2048, 4, [], EXPANDABLE),
-    "1b-ac-es": ("1b", 2048, 4, ["--checkpoint"], EXPANDABLE),
+    "1b-ac-es": ("1b", 2048, 4, ["--recompute"], EXPANDABLE),
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
@@ -66,12 +66,12 @@ CONFIGS = {
     "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): these and the 1B ones on 2, 4 and 8 GPUs.
     "8b": ("8b", 2048, 2, [], {}),
-    "8b-ac": ("8b", 2048, 2, ["--checkpoint"], {}),
-    "8b-ac-nolimit": ("8b", 2048, 2, ["--checkpoint", "--max-inflight-allgathers", "0"], {}),
+    "8b-ac": ("8b", 2048, 2, ["--recompute"], {}),
+    "8b-ac-nolimit": ("8b", 2048, 2, ["--recompute", "--max-inflight-allgathers", "0"], {}),
     # transformers' own Llama of the 1B's shapes under FSDP2 and fsdpcpp (issue #46); with
-    # --checkpoint, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
+    # --recompute, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
     "1b-hf": ("1b", 2048, 4, [], {}),
-    "1b-hf-ac": ("1b", 2048, 4, ["--checkpoint"], {}),
+    "1b-hf-ac": ("1b", 2048, 4, ["--recompute"], {}),
 }
 # The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
 PYTORCH_SYSTEMS = {

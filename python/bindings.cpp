@@ -33,8 +33,8 @@ struct PyUnit {
   std::shared_ptr<const void> lifetime;
 };
 
-struct CheckpointedForward {
-  std::unique_ptr<fsdp::CheckpointedForwardScope> scope;
+struct RecomputedForward {
+  std::unique_ptr<fsdp::RecomputedForwardScope> scope;
 };
 
 // A root's units as Python lists them (module path, unit), for the planner's calls.
@@ -114,11 +114,11 @@ PYBIND11_MODULE(_C, m) {
     fsdp::default_communicator()->all_reduce(t, average ? fsdp::ReduceOp::Avg : fsdp::ReduceOp::Sum);
   });
 
-  // `with _C.checkpointed_forward():` around the first pass of a checkpointed call.
-  py::class_<CheckpointedForward>(m, "checkpointed_forward")
+  // `with _C.recomputed_forward():` around the first pass of a checkpointed call.
+  py::class_<RecomputedForward>(m, "recomputed_forward")
       .def(py::init<>())
-      .def("__enter__", [](CheckpointedForward& c) { c.scope = std::make_unique<fsdp::CheckpointedForwardScope>(); })
-      .def("__exit__", [](CheckpointedForward& c, py::args) { c.scope.reset(); });
+      .def("__enter__", [](RecomputedForward& c) { c.scope = std::make_unique<fsdp::RecomputedForwardScope>(); })
+      .def("__exit__", [](RecomputedForward& c, py::args) { c.scope.reset(); });
   py::class_<PyUnit>(m, "Unit")
       .def_property_readonly("name", [](const PyUnit& u) { return fsdp::unit_name(*u.unit); })
       .def("pre_forward", [](PyUnit& u) { fsdp::unit_pre_forward(*u.unit); })
@@ -204,7 +204,7 @@ PYBIND11_MODULE(_C, m) {
 
   // The memory-budget planner (fsdp/planning.h); fsdpcpp/_planner.py runs its steps.
   py::class_<fsdp::plan::Schedule>(m, "Schedule")
-      .def_readwrite("checkpoint", &fsdp::plan::Schedule::checkpoint)
+      .def_readwrite("recompute", &fsdp::plan::Schedule::recompute)
       .def_readwrite("reshard_after_forward", &fsdp::plan::Schedule::reshard_after_forward)
       .def_readwrite("runtime", &fsdp::plan::Schedule::runtime);
   py::class_<fsdp::plan::Prediction>(m, "Prediction")

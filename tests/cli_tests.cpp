@@ -53,11 +53,11 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--log", "/proc/x/y"}, "--log: cannot write '/proc/x/y': the directory '/proc/x' does not exist"},
       {{"--log", "/"}, "--log: '/' exists and is not a file"},
       {{"--trace", "/nonexistent/t"}, "--trace: cannot write '/nonexistent/t-rank0.json'"},
-      {{"--model", "small", "--batch", "65536", "--seq", "2048"}, "lower --batch or --seq, or add --checkpoint"},
+      {{"--model", "small", "--batch", "65536", "--seq", "2048"}, "lower --batch or --seq, or add --recompute"},
       {{"--seq", "600"}, "--seq 600 is more than the tiny model's 512 positions: lower --seq"},
       {{"--memory-budget", "-1"}, "--memory-budget must be a positive number of GiB"},
       {{"--plan-only"}, "--plan-only needs --memory-budget"},
-      {{"--memory-budget", "8", "--checkpoint"}, "--memory-budget chooses which blocks are checkpointed"},
+      {{"--memory-budget", "8", "--recompute"}, "--memory-budget chooses which blocks are recomputed"},
       {{"--memory-budget", "8", "--bucket-mb", "4"}, "drop --bucket-mb"},
       {{"--plan-check", "/tmp/p.jsonl", "--bucket-mb", "4", "--reduce-bucket-max-wait", "1"},
        "--plan-check chooses the buckets"},
@@ -106,10 +106,11 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_EQ(usage_error_of({}), "(accepted)");
   const std::string log = ::testing::TempDir() + "fsdp_cli_test.jsonl";
   EXPECT_EQ(usage_error_of({"--model", "tiny", "--steps", "3", "--log", log}), "(accepted)");
-  const TrainArgs a = checked({"--steps", "7", "--seq", "32", "--checkpoint", "--dry-run"});
+  const TrainArgs a = checked({"--steps", "7", "--seq", "32", "--recompute", "--dry-run"});
   EXPECT_EQ(a.steps, 7);
   EXPECT_EQ(a.seq, 32);
-  EXPECT_TRUE(a.checkpoint && a.dry_run);
+  EXPECT_TRUE(a.recompute && a.dry_run);
+  EXPECT_TRUE(checked({"--checkpoint"}).recompute);  // the flag's old name, until 0.8
 }
 
 // --help shows each flag's default from the field itself, the runtime knobs' too.
@@ -127,7 +128,7 @@ TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
                                                         : defaults.runtime.max_inflight_allgathers;
     EXPECT_THAT(text, HasSubstr("(default " + std::to_string(expected) + ")")) << text;
   }
-  EXPECT_THAT(help, Not(HasSubstr("--checkpoint V")));  // a switch takes no value and shows no default
+  EXPECT_THAT(help, Not(HasSubstr("--recompute V")));  // a switch takes no value and shows no default
 }
 
 // The 3b preset is Llama-3.2-3B, whose head is the embedding: 3.21B parameters, the flag's
@@ -179,7 +180,7 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
       "--prefetch-depth", "--max-inflight-allgathers", "--max-inflight-reduce-scatters", "--bucket-mb",
       "--reduce-bucket-max-wait", "--max-pending-host-steps", "--optimizer-in-backward",
       "--trace", "--trace-steps", "--profile", "--profile-steps", "--memory-snapshot", "--memory-log",
-      "--save-init", "--memory-budget", "--plan-only", "--checkpoint", "--tie-embeddings",
+      "--save-init", "--memory-budget", "--plan-only", "--recompute", "--tie-embeddings",
       "--no-reshard-after-forward", "--dry-run",
       "--optimizer-before-shard", "--overwrite", "--overwrite-checkpoints", "--overwrite-export",
       "--allow-resume-changes", "--max-skipped-steps", "--save-dir", "--save-every", "--export",

@@ -289,7 +289,7 @@ TEST(Parity, ChangingOrderFallsBackSafely) {
 TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
   auto c = tiny_llama();
-  c.checkpoint_blocks = true;
+  c.recompute_blocks = true;
   auto s = llama_setup(seeded_llama(c), [](model::Llama& m) { shard_blocks_and_root(m); });
   s.sgd = true;
   expect_same_run(train(s), want);
@@ -301,20 +301,20 @@ TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
   EXPECT_GT(runtime_stats().prefetches, before.prefetches);
 }
 
-// A schedule as the planner makes them (block 0 checkpointed, block 1 kept unsharded from forward
+// A schedule as the planner makes them (block 0 recomputed, block 1 kept unsharded from forward
 // to backward, prefetch 2, one collective of each kind in flight) changes memory and time, never
-// what is computed: the single-process run's numbers, as with every block checkpointed.
+// what is computed: the single-process run's numbers, as with every block recomputed.
 TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   const RuntimeOptions defaults = runtime_options();
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
   auto s = llama_setup(seeded_llama(tiny_llama()), [&defaults](model::Llama& m) {
     plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
-    schedule.checkpoint[1] = true;
+    schedule.recompute[1] = true;
     schedule.reshard_after_forward[2] = false;
     schedule.runtime.prefetch_depth = 2;
     schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
     train::shard_with_schedule(m, schedule, {});
-    EXPECT_EQ(m->config.checkpointed_blocks, std::vector<int64_t>{0});
+    EXPECT_EQ(m->config.recomputed_blocks, std::vector<int64_t>{0});
     EXPECT_EQ(runtime_options(*state_of(*m)).prefetch_depth, 2);
     EXPECT_EQ(runtime_options().prefetch_depth, defaults.prefetch_depth);  // the root's, not the default
   });
@@ -322,13 +322,13 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   expect_same_run(train(s), want);
   set_runtime_options(defaults);
   model::Llama unsharded(tiny_llama());
-  plan::Schedule root_checkpointed = plan::default_schedule(unsharded->blocks.size() + 1);
-  root_checkpointed.checkpoint[0] = true;
-  EXPECT_THROW(train::shard_with_schedule(unsharded, root_checkpointed, {}), std::invalid_argument);
+  plan::Schedule root_recomputed = plan::default_schedule(unsharded->blocks.size() + 1);
+  root_recomputed.recompute[0] = true;
+  EXPECT_THROW(train::shard_with_schedule(unsharded, root_recomputed, {}), std::invalid_argument);
   EXPECT_THROW(train::shard_with_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
 }
 
-// A checkpointed block kept unsharded from forward to backward is gathered once a step: its
+// A recomputed block kept unsharded from forward to backward is gathered once a step: its
 // forward runs without autograd, yet its recompute comes, so its parameters stay (they used to
 // be resharded and gathered again for the recompute). Same numbers as the single process.
 TEST(Parity, CheckpointedBlockKeptUnshardedIsGatheredOncePerStep) {
@@ -337,7 +337,7 @@ TEST(Parity, CheckpointedBlockKeptUnshardedIsGatheredOncePerStep) {
     const long before = runtime_stats().all_gathers;
     auto s = llama_setup(seeded_llama(tiny_llama()), [reshard_blocks](model::Llama& m) {
       plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
-      std::fill(schedule.checkpoint.begin() + 1, schedule.checkpoint.end(), true);
+      std::fill(schedule.recompute.begin() + 1, schedule.recompute.end(), true);
       std::fill(schedule.reshard_after_forward.begin() + 1, schedule.reshard_after_forward.end(), reshard_blocks);
       train::shard_with_schedule(m, schedule, {});
     });

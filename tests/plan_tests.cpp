@@ -14,7 +14,7 @@ namespace {
 
 using namespace fsdp::plan;
 
-// Two groups A, B: 100 bytes of parameters, 50 of reduce-scatter input (gradients), 30 saved (5 when checkpointed),
+// Two groups A, B: 100 bytes of parameters, 50 of reduce-scatter input (gradients), 30 saved (5 when recomputed),
 // 40 above the start inside a forward, 20 inside a backward; all-gather and reduce-scatter
 // 0.5 ms, forward 1 ms, backward 2 ms; 1000 fixed bytes, 1 ms of optimizer.
 CostModel two_groups() {
@@ -22,7 +22,7 @@ CostModel two_groups() {
   for (const char* name : {"A", "B"}) {
     GroupCost g;
     g.name = name;
-    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 50, g.saved_bytes = 30, g.checkpoint_saved_bytes = 5;
+    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 50, g.saved_bytes = 30, g.recompute_saved_bytes = 5;
     g.forward_peak_bytes = 40, g.backward_peak_bytes = 20;
     g.allgather_ms = 0.5, g.reduce_scatter_ms = 0.5, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);
@@ -32,11 +32,11 @@ CostModel two_groups() {
 }
 
 // The two groups under the default schedule with these changes.
-Prediction two_groups_with(int depth, std::vector<bool> checkpoint = {false, false},
+Prediction two_groups_with(int depth, std::vector<bool> recompute = {false, false},
                            std::vector<bool> reshard_after_forward = {true, true}) {
   Schedule s = default_schedule(2);
   s.runtime.prefetch_depth = depth;
-  s.checkpoint = std::move(checkpoint);
+  s.recompute = std::move(recompute);
   s.reshard_after_forward = std::move(reshard_after_forward);
   return simulate(two_groups(), s);
 }
@@ -133,15 +133,15 @@ TEST(Simulator, PrefetchHidesAllGathersAndHoldsOneMoreGroup) {
 // Checkpointing A keeps 5 bytes instead of 30 through the forward and recomputes it (1 ms) in
 // backward: AG A 5.5-6, recompute 6-7, bwd A 7-9, RS A 9-9.5, optimizer: 10.5 ms. Its recompute
 // runs while B's gradients are in flight: 1000 + 50 (grads B) + 5 + 100 (params A) + 40 = 1195,
-// then 30 recomputed and 20 working: 1205, more than without checkpointing (1200).
+// then 30 recomputed and 20 working: 1205, more than without recomputation (1200).
 TEST(Simulator, CheckpointingTradesRecomputeTimeForSavedBytes) {
   const Prediction p = two_groups_with(0, {true, false});
   EXPECT_DOUBLE_EQ(p.step_ms, 10.5);
   EXPECT_EQ(p.peak_bytes, 1205);
   Schedule s = default_schedule(2);
-  s.checkpoint = {true, true};
+  s.recompute = {true, true};
   auto model = two_groups();
-  model.groups[1].checkpointable = false;
+  model.groups[1].recomputable = false;
   EXPECT_THROW(simulate(model, s), std::invalid_argument);
   EXPECT_THROW(simulate(two_groups(), default_schedule(3)), std::invalid_argument);
 }
@@ -166,7 +166,7 @@ TEST(Simulator, ContentionSlowsCollectivesAndTheComputeBesideThem) {
 TEST(Calibration, RecoversTheContentionOfARecordedStep) {
   std::vector<GroupShape> shapes(2);
   shapes[0].name = "A", shapes[0].label = "#1 A", shapes[1].name = "B", shapes[1].label = "#2 B";
-  for (auto& shape : shapes) shape.checkpointable = false;  // profiled and calibrated as worked out above
+  for (auto& shape : shapes) shape.recomputable = false;  // profiled and calibrated as worked out above
   RecordedStep step;
   step.spans = {{"all-gather #1 A", 0, 0.5},     {"all-gather #2 B", 0.5, 1.5}, {"forward #1 A", 0.5, 2},
                 {"forward #2 B", 2, 3},          {"all-gather #2 B", 3, 3.5},   {"all-gather #1 A", 3.5, 4.5},
@@ -198,7 +198,7 @@ TEST(Measurement, TheRootsComputeLeavesOutTheBlocksHandOff) {
   std::vector<GroupShape> shapes(2);
   shapes[0].name = "R", shapes[0].label = "#1 R", shapes[0].encloses_later = true;
   shapes[1].name = "B", shapes[1].label = "#2 B";
-  for (auto& shape : shapes) shape.checkpointable = false;
+  for (auto& shape : shapes) shape.recomputable = false;
   RecordedStep step;
   int mark = 1;  // marks[0] is the step's start; each span takes two more
   const auto span = [&](const char* name, double start, double end) {
@@ -243,14 +243,14 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
     GroupCost g;
     g.name = name;
     g.memory.param_bytes = g.memory.grad_bytes = params, g.memory.reduce_input_bytes = reduce_input, g.memory.sharded_grad_bytes = shard;
-    g.saved_bytes = g.checkpoint_saved_bytes = saved;
+    g.saved_bytes = g.recompute_saved_bytes = saved;
     g.forward_ms = 1, g.backward_ms = bwd;
     m.groups.push_back(g);
   };
   add("R", 100, 200, 10, 20, 1);
   add("B", 50, 100, 5, 30, 2);
   m.groups[0].encloses_later = true;
-  m.groups[0].checkpointable = false;
+  m.groups[0].recomputable = false;
   m.fixed_bytes = 1000;
   Schedule s = default_schedule(2);
   s.runtime.prefetch_depth = 0;
@@ -323,27 +323,27 @@ TEST(Simulator, CappingTheBucketsWaitSendsGradientsBesideLaterCompute) {
   EXPECT_DOUBLE_EQ(simulate(m, buckets_of(3, 50, 1)).step_ms, 11.3);
 }
 
-// The fixed points of the frontier: every group that can be checkpointed is (or none), and every
+// The fixed points of the frontier: every group that can be recomputed is (or none), and every
 // group is resharded but the root, which encloses the others.
 TEST(Schedules, UniformCheckpointsWhatCanBeAndKeepsOnlyTheRoot) {
   std::vector<GroupCost> groups(3);
-  groups[0].encloses_later = true, groups[0].checkpointable = false;
-  groups[2].checkpointable = false;
+  groups[0].encloses_later = true, groups[0].recomputable = false;
+  groups[2].recomputable = false;
   const Schedule all = uniform_schedule(groups, true), none = uniform_schedule(groups, false);
-  EXPECT_EQ(all.checkpoint, (std::vector<bool>{false, true, false}));
-  EXPECT_EQ(none.checkpoint, (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(all.recompute, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(none.recompute, (std::vector<bool>{false, false, false}));
   EXPECT_EQ(all.reshard_after_forward, (std::vector<bool>{false, true, true}));
   EXPECT_EQ(all.runtime.prefetch_depth, default_schedule(3).runtime.prefetch_depth);
 }
 
-// A deep model with much activation memory: eight blocks of 1000 saved bytes (10 checkpointed),
+// A deep model with much activation memory: eight blocks of 1000 saved bytes (10 recomputed),
 // 1 ms forward, 2 ms backward; communication hides behind compute.
 CostModel deep() {
   CostModel m;
   for (int i = 0; i < 8; ++i) {
     GroupCost g;
     g.name = "blocks." + std::to_string(i);
-    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 100, g.saved_bytes = 1000, g.checkpoint_saved_bytes = 10;
+    g.memory.param_bytes = 100, g.memory.reduce_input_bytes = 100, g.saved_bytes = 1000, g.recompute_saved_bytes = 10;
     g.forward_peak_bytes = 1200, g.backward_peak_bytes = 500;
     g.allgather_ms = 0.2, g.reduce_scatter_ms = 0.2, g.forward_ms = 1, g.backward_ms = 2;
     m.groups.push_back(g);
@@ -355,7 +355,7 @@ CostModel deep() {
 TEST(Planner, UnboundedBudgetTakesTheFastestWithoutCheckpointing) {
   const auto model = deep();
   const Plan plan = plan_schedule(model, int64_t(1) << 40);
-  for (bool c : plan.chosen.schedule.checkpoint) EXPECT_FALSE(c);
+  for (bool c : plan.chosen.schedule.recompute) EXPECT_FALSE(c);
   const Schedule none = default_schedule(8);
   EXPECT_LE(plan.chosen.prediction.step_ms, simulate(model, none).step_ms);
   ASSERT_EQ(plan.runners_up.size(), 3u);
@@ -365,15 +365,15 @@ TEST(Planner, UnboundedBudgetTakesTheFastestWithoutCheckpointing) {
 TEST(Planner, TightBudgetCheckpointsJustEnoughAndTooSmallOneNamesTheLeastThatFits) {
   const auto model = deep();
   Schedule all = default_schedule(8);
-  all.checkpoint.assign(8, true);
+  all.recompute.assign(8, true);
   const int64_t full_peak = simulate(model, default_schedule(8)).peak_bytes;
-  const int64_t checkpointed_peak = simulate(model, all).peak_bytes;
-  ASSERT_LT(checkpointed_peak, full_peak);
-  // Halfway between the two peaks: some blocks checkpointed, not all, under the usable budget,
-  // and slower than no checkpointing only by the recompute it chose.
-  const int64_t budget = (full_peak + checkpointed_peak) / 2;
+  const int64_t recomputed_peak = simulate(model, all).peak_bytes;
+  ASSERT_LT(recomputed_peak, full_peak);
+  // Halfway between the two peaks: some blocks recomputed, not all, under the usable budget,
+  // and slower than no recomputation only by the recompute it chose.
+  const int64_t budget = (full_peak + recomputed_peak) / 2;
   const Plan plan = plan_schedule(model, budget, 0.05);
-  const auto& chosen = plan.chosen.schedule.checkpoint;
+  const auto& chosen = plan.chosen.schedule.recompute;
   const long k = std::count(chosen.begin(), chosen.end(), true);
   EXPECT_GT(k, 0);
   EXPECT_LT(k, 8);
@@ -407,11 +407,11 @@ TEST(Planner, BucketsGroupsWhenTheirCollectivesAreLatency) {
 
 TEST(Planner, DescribeNamesTheChoices) {
   Schedule s = default_schedule(8);
-  s.checkpoint[0] = s.checkpoint[1] = true;
+  s.recompute[0] = s.recompute[1] = true;
   s.reshard_after_forward[7] = false;
   s.runtime.max_inflight_reduce_scatters = 0;
   EXPECT_EQ(describe(s, deep()),
-            "checkpoint 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
+            "recompute 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
             "all-gathers / unlimited reduce-scatters");
   s.runtime.bucket_mb = 1.5, s.runtime.reduce_bucket_max_wait = 2;
   EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"),

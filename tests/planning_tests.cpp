@@ -69,15 +69,15 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   for (const auto& group : profile.groups)  // each group's copy into its reduce-scatter input, timed
     EXPECT_GT(group.handoff_ms, 0) << group.name;
   for (size_t g = 1; g < profile.groups.size(); ++g) {
-    EXPECT_GT(profile.groups[g].saved_bytes, 2 * profile.groups[g].checkpoint_saved_bytes) << g;
-    EXPECT_GT(profile.groups[g].checkpoint_saved_bytes, 0) << g;
+    EXPECT_GT(profile.groups[g].saved_bytes, 2 * profile.groups[g].recompute_saved_bytes) << g;
+    EXPECT_GT(profile.groups[g].recompute_saved_bytes, 0) << g;
   }
 
   plan::Schedule none = profiling_schedule(*llama), all = none;
-  std::fill(none.checkpoint.begin(), none.checkpoint.end(), false);
+  std::fill(none.recompute.begin(), none.recompute.end(), false);
   none.runtime.prefetch_depth = all.runtime.prefetch_depth = 1;
   const int64_t low = plan::simulate(profile, all).peak_bytes, high = plan::simulate(profile, none).peak_bytes;
-  ASSERT_GT(high, low + low / 10) << "checkpointing must matter on this model";
+  ASSERT_GT(high, low + low / 10) << "recomputation must matter on this model";
   const plan::Plan middle = plan_for_budget(*llama, static_cast<int64_t>((low + high) / 2 / 0.95), profile);
   EXPECT_GT(profile.allgather_latency_ms, 0);
   EXPECT_GT(profile.reduce_scatter_latency_ms, 0);
@@ -104,7 +104,7 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
 // moves when reduce-scatter inputs are found done, so it can move a peak too) agree with the
 // allocator's count (on CPU fsdp's counting host allocator) within 10%. Why not exactly: the
 // model leaves out short-lived buffers (the embedding's backward, the head's gradients before
-// its backward ends) and prices a checkpointed forward's working memory at the recompute's; on
+// its backward ends) and prices a recomputed forward's working memory at the recompute's; on
 // this model and the 1B/8B on GPUs the difference stays under 5% (bench/results/*-plan-*).
 TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) { check_predicted_peaks(1); }
 
@@ -156,7 +156,7 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
     if (step != 2) return;
     model::Llama m(llama);
     plan::Schedule schedule = profiling_schedule(*m);
-    schedule.checkpoint = {false, true, false};
+    schedule.recompute = {false, true, false};
     schedule.reshard_after_forward = {false, true, false};
     schedule.runtime.prefetch_depth = 2;
     schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
@@ -164,7 +164,7 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
     train::apply_schedule(m, schedule);
   };
   expect_same_run(train(s), want);
-  EXPECT_EQ(model::Llama(llama)->config.checkpointed_blocks, std::vector<int64_t>{0});
+  EXPECT_EQ(model::Llama(llama)->config.recomputed_blocks, std::vector<int64_t>{0});
   // The root's options, not the process-wide default (another root keeps its own schedule).
   const RuntimeOptions root_options = runtime_options(*state_of(*llama));
   EXPECT_EQ(root_options.prefetch_depth, 2);

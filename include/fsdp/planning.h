@@ -2,7 +2,7 @@
 // profile one step, let the planner choose, apply its choice.
 //
 //   train_one_step();                               // records the forward order
-//   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and checkpoint every block
+//   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and recompute every block
 //   double ms = timed_train_step();                 // device idle at both ends; optional
 //   fsdp::start_profiled_step();
 //   train_one_step();
@@ -13,10 +13,10 @@
 //   train_one_step();
 //   fsdp::finish_calibration_step(model, profile, ms);           // collectives beside compute
 //   auto plan = fsdp::plan_for_budget(model, 40LL << 30, profile);  // 40 GiB
-//   fsdp::set_schedule(model, plan.chosen.schedule);  // the model checkpoints the groups it names
+//   fsdp::set_schedule(model, plan.chosen.schedule);  // the model recomputes the groups it names
 //
 // The runtime applies the per-group and runtime choices of a schedule; which groups are
-// recomputed in backward is the model's to do (fsdp::recompute), as the schedule's checkpoint
+// recomputed in backward is the model's to do (fsdp::recompute), as the schedule's recompute
 // vector says. Each call takes the root as a PlanningRoot: a torch::nn model converts to one; the
 // Python package (fsdpcpp.plan_memory_budget) lists its nn.Module's units itself.
 #pragma once
@@ -47,7 +47,7 @@ struct PlanningRoot {
 
 /// The sharded groups under `root` in the forward order recorded by the last step (so at least
 /// one step must have run), with their buffers' sizes. The root group is marked as enclosing the
-/// others and not checkpointable; every other group checkpointable (change it where the model
+/// others and not recomputable; every other group recomputable (change it where the model
 /// cannot recompute a group). Throws std::invalid_argument for groups sharded with replicas
 /// (HSDP), which the cost model does not describe.
 std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root);

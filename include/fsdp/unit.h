@@ -64,12 +64,12 @@ void unit_abort_forward(ModuleState& unit);
 /// non-reentrant), whose recompute comes in backward. The units' forwards inside it start their
 /// backward at their recompute, as under fsdp::recompute, not at their outputs' gradients (which
 /// arrive just before it): so traces and the planner's profile see a recompute span.
-class CheckpointedForwardScope {
+class RecomputedForwardScope {
  public:
-  CheckpointedForwardScope();
-  ~CheckpointedForwardScope();
-  CheckpointedForwardScope(const CheckpointedForwardScope&) = delete;
-  CheckpointedForwardScope& operator=(const CheckpointedForwardScope&) = delete;
+  RecomputedForwardScope();
+  ~RecomputedForwardScope();
+  RecomputedForwardScope(const RecomputedForwardScope&) = delete;
+  RecomputedForwardScope& operator=(const RecomputedForwardScope&) = delete;
 };
 
 /// Gradient sync (set_requires_gradient_sync) for `unit` and every unit inside it.

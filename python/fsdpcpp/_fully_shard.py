@@ -147,7 +147,7 @@ class _RecomputedInBackward:
             return super().__call__(*args, **kwargs)
         # Its backward starts at the recompute, which runs the whole call (no early stop): the
         # unit's post-forward hook ends the recompute and starts the backward proper.
-        with _C.checkpointed_forward():
+        with _C.recomputed_forward():
             return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, early_stop=False,
                                                      **kwargs)
 

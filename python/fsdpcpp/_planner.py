@@ -69,7 +69,7 @@ class _Root:
     def apply(self, schedule) -> None:
         """The schedule's per-group and runtime choices, and its recomputation."""
         self.call(_C.set_schedule, schedule)
-        for path, recompute in zip(self.call(_C.group_names), schedule.checkpoint):
+        for path, recompute in zip(self.call(_C.group_names), schedule.recompute):
             set_recomputed(self.modules[path], recompute)
 
     def recompute_all_but_the_root(self) -> None:
@@ -171,7 +171,7 @@ def plan_memory_budget(model: nn.Module, train_step: Callable[[], object], budge
     schedule, names = planned.schedule, root.call(_C.group_names)
     plan = Plan(budget_bytes=int(budget_bytes), step_ms=planned.prediction.step_ms,
                 peak_bytes=planned.prediction.peak_bytes,
-                recomputed=[n for n, on in zip(names, schedule.checkpoint) if on],
+                recomputed=[n for n, on in zip(names, schedule.recompute) if on],
                 kept_unsharded=[n for n, on in zip(names, schedule.reshard_after_forward) if not on],
                 runtime_options=_fields(schedule.runtime), description=_C.describe_schedule(schedule, profile),
                 profiled_step_ms=profile.profiled_step_ms, profiled_peak_bytes=profile.profiled_peak_bytes)

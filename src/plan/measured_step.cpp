@@ -10,7 +10,7 @@
 namespace fsdp::plan {
 
 Schedule profiling_schedule(const std::vector<GroupShape>& groups) {
-  Schedule s = uniform_schedule(groups, /*checkpointed=*/true);
+  Schedule s = uniform_schedule(groups, /*recomputed=*/true);
   s.runtime.prefetch_depth = 0;
   return s;
 }
@@ -68,15 +68,15 @@ void measure_group(const Measure& m, const GroupShape& shape, GroupCost& cost) {
   const int64_t forward_delta = m.allocated(forward.end_mark) - m.allocated(forward.start_mark);
   cost.forward_ms = m.device_ms(forward);
   cost.forward_cpu_ms = m.host_ms(forward);
-  if (shape.checkpointable) {
+  if (shape.recomputable) {
     const RecordedSpan& recompute = m.get("recompute " + shape.label);
-    cost.checkpoint_saved_bytes = forward_delta;
+    cost.recompute_saved_bytes = forward_delta;
     cost.saved_bytes = m.allocated(recompute.end_mark) - m.allocated(recompute.start_mark);
     cost.forward_peak_bytes = m.peak(recompute.start_mark, recompute.end_mark) - m.allocated(recompute.start_mark);
-    cost.forward_ms = m.device_ms(recompute);  // with autograd saving, as in a forward that is not checkpointed
+    cost.forward_ms = m.device_ms(recompute);  // with autograd saving, as in a forward that is not recomputed
     cost.forward_cpu_ms = m.host_ms(recompute);
   } else {
-    cost.saved_bytes = cost.checkpoint_saved_bytes = forward_delta;
+    cost.saved_bytes = cost.recompute_saved_bytes = forward_delta;
     cost.forward_peak_bytes = m.peak(forward.start_mark, forward.end_mark) - m.allocated(forward.start_mark);
   }
   cost.backward_ms = m.device_ms(backward);
@@ -114,7 +114,7 @@ void measure_root(const Measure& m, const std::vector<GroupShape>& groups, Group
   // for backward (the logits' gradient), count as the head's.
   const int64_t loss_peak = m.peak(forward.end_mark, backward.start_mark) - m.allocated(forward.end_mark);
   const int64_t loss_kept = m.allocated(backward.start_mark) - m.allocated(forward.end_mark);
-  cost.saved_bytes = cost.checkpoint_saved_bytes = embed_saved + head_saved + std::max<int64_t>(0, loss_kept);
+  cost.saved_bytes = cost.recompute_saved_bytes = embed_saved + head_saved + std::max<int64_t>(0, loss_kept);
   cost.forward_peak_bytes = std::max({m.peak(forward.start_mark, embed_end) - m.allocated(forward.start_mark),
                                       embed_saved + m.peak(head_start, forward.end_mark) - m.allocated(head_start),
                                       embed_saved + head_saved + loss_peak});
@@ -162,7 +162,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
     GroupCost cost;
     cost.name = shape.name;
     cost.memory = shape.memory;
-    cost.checkpointable = shape.checkpointable;
+    cost.recomputable = shape.recomputable;
     cost.encloses_later = shape.encloses_later;
     cost.allgather_ms = m.mean_ms("all-gather " + shape.label);
     cost.reduce_scatter_ms = m.mean_ms("reduce-scatter " + shape.label);
@@ -172,7 +172,7 @@ CostModel measure_cost_model(const std::vector<GroupShape>& groups, const Record
       measure_root(m, groups, cost);
     else
       measure_group(m, shape, cost);
-    for (int64_t* bytes : {&cost.saved_bytes, &cost.checkpoint_saved_bytes, &cost.forward_peak_bytes,
+    for (int64_t* bytes : {&cost.saved_bytes, &cost.recompute_saved_bytes, &cost.forward_peak_bytes,
                            &cost.backward_peak_bytes})
       *bytes = std::max<int64_t>(0, *bytes);
     if (step.host_is_device) cost.forward_cpu_ms = cost.backward_cpu_ms = cost.handoff_cpu_ms = 0;  // one clock

@@ -9,13 +9,13 @@ namespace fsdp::plan {
 namespace {
 
 // Checkpointable groups, those that free the most activation bytes per ms of recompute first.
-std::vector<size_t> checkpoint_order(const CostModel& model) {
+std::vector<size_t> recompute_order(const CostModel& model) {
   std::vector<size_t> order;
   for (size_t g = 0; g < model.groups.size(); ++g)
-    if (model.groups[g].checkpointable) order.push_back(g);
+    if (model.groups[g].recomputable) order.push_back(g);
   auto gain = [&](size_t g) {
     const auto& c = model.groups[g];
-    return double(c.saved_bytes - c.checkpoint_saved_bytes) / std::max(c.forward_ms, 1e-6);
+    return double(c.saved_bytes - c.recompute_saved_bytes) / std::max(c.forward_ms, 1e-6);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return gain(a) > gain(b); });
   return order;
@@ -66,9 +66,9 @@ std::string format_bytes(int64_t bytes) {
 std::string describe(const Schedule& s, const CostModel& model) {
   const auto count = [](const std::vector<bool>& v, bool value) { return std::count(v.begin(), v.end(), value); };
   const auto cap = [](int c) { return c == 0 ? std::string("unlimited") : std::to_string(c); };
-  const long checkpointed = count(s.checkpoint, true), kept = count(s.reshard_after_forward, false);
-  std::string text = "checkpoint " + std::to_string(checkpointed) + " of " + std::to_string(s.checkpoint.size());
-  if (checkpointed > 0) text += " (" + names(s.checkpoint, model, true) + ")";
+  const long recomputed = count(s.recompute, true), kept = count(s.reshard_after_forward, false);
+  std::string text = "recompute " + std::to_string(recomputed) + " of " + std::to_string(s.recompute.size());
+  if (recomputed > 0) text += " (" + names(s.recompute, model, true) + ")";
   text += ", " + std::to_string(kept) + " kept unsharded";
   if (kept > 0) text += " (" + names(s.reshard_after_forward, model, false) + ")";
   const RuntimeOptions& r = s.runtime;
@@ -85,14 +85,14 @@ Plan plan_schedule(const CostModel& model, int64_t budget_bytes, double margin) 
   if (!(margin >= 0 && margin < 1)) throw std::invalid_argument("plan: the margin must be in [0, 1)");
   const size_t n = model.groups.size();
   const auto usable = static_cast<int64_t>(std::floor(double(budget_bytes) * (1 - margin)));
-  const auto order = checkpoint_order(model);
+  const auto order = recompute_order(model);
   const auto buckets = bucket_sizes_mb(model);
   std::vector<Planned> fits;
   int64_t smallest_peak = std::numeric_limits<int64_t>::max();
   Schedule s = default_schedule(n);
   for (size_t k = 0; k <= order.size(); ++k) {
-    std::fill(s.checkpoint.begin(), s.checkpoint.end(), false);
-    for (size_t i = 0; i < k; ++i) s.checkpoint[order[i]] = true;
+    std::fill(s.recompute.begin(), s.recompute.end(), false);
+    for (size_t i = 0; i < k; ++i) s.recompute[order[i]] = true;
     for (size_t m : kept_unsharded_counts(n)) {
       for (size_t g = 0; g < n; ++g) s.reshard_after_forward[g] = g < n - m && !model.groups[g].encloses_later;
       for (int depth : {0, 1, 2})

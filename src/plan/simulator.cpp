@@ -10,7 +10,7 @@ namespace fsdp::plan {
 
 Schedule default_schedule(size_t groups) {
   Schedule s;
-  s.checkpoint.assign(groups, false);
+  s.recompute.assign(groups, false);
   s.reshard_after_forward.assign(groups, true);
   return s;
 }
@@ -47,8 +47,8 @@ class Replay {
         live_((kBufferKinds - 1) * model.groups.size() + 1, 0), gathered_at_(model.groups.size(), 0.0),
         unsharded_(model.groups.size(), false) {
     const size_t n = model.groups.size();
-    if (schedule.checkpoint.size() != n || schedule.reshard_after_forward.size() != n)
-      throw std::invalid_argument("schedule: " + std::to_string(schedule.checkpoint.size()) + " checkpoint and " +
+    if (schedule.recompute.size() != n || schedule.reshard_after_forward.size() != n)
+      throw std::invalid_argument("schedule: " + std::to_string(schedule.recompute.size()) + " recompute and " +
                                   std::to_string(schedule.reshard_after_forward.size()) +
                                   " reshard choices for a model of " + std::to_string(n) + " groups");
     if (model.micro_batches < 1)
@@ -59,8 +59,8 @@ class Replay {
         throw std::invalid_argument("cost model: only the first group can enclose the others (" +
                                     model.groups[g].name + " does)");
     for (size_t g = 0; g < n; ++g)
-      if (schedule.checkpoint[g] && !model.groups[g].checkpointable)
-        throw std::invalid_argument("schedule: group " + model.groups[g].name + " cannot be checkpointed");
+      if (schedule.recompute[g] && !model.groups[g].recomputable)
+        throw std::invalid_argument("schedule: group " + model.groups[g].name + " cannot be recomputed");
     allocate(kFixed, 0, model.fixed_bytes, {"start of the step"});
   }
 
@@ -108,9 +108,9 @@ class Replay {
 
   void forward_compute(int g) {
     compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
-    const bool checkpointed = schedule_.checkpoint[g];
+    const bool recomputed = schedule_.recompute[g];
     touch(cost(g).forward_peak_bytes, {"forward of ", g});
-    allocate(kActivations, g, checkpointed ? cost(g).checkpoint_saved_bytes : cost(g).saved_bytes,
+    allocate(kActivations, g, recomputed ? cost(g).recompute_saved_bytes : cost(g).saved_bytes,
              {"forward of ", g});
     if (schedule_.reshard_after_forward[g] && !cost(g).encloses_later) reshard(g);  // a root keeps them
   }
@@ -118,7 +118,7 @@ class Replay {
   void backward(int g, int position) {
     gather_and_wait(g, backward_order_, position);
     const Phase during{"backward of ", g};
-    if (schedule_.checkpoint[g]) {
+    if (schedule_.recompute[g]) {
       compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
       touch(cost(g).forward_peak_bytes, {"recompute of ", g});
       allocate(kRecomputed, g, cost(g).saved_bytes, {"recompute of ", g});

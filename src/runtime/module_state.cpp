@@ -135,10 +135,10 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
   root().exit_forward();
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
-    // Under a checkpointed forward with autograd on (Python's non-reentrant checkpoint) the
+    // Under a recomputed forward with autograd on (Python's non-reentrant checkpoint) the
     // recompute, not the outputs' gradients, starts this group's backward; the graph built here
     // is still the one backward runs, so its gradient accumulators are hooked all the same.
-    const bool started_by_outputs = !Runtime::get().in_checkpointed_forward();
+    const bool started_by_outputs = !Runtime::get().in_recomputed_forward();
     std::weak_ptr<ModuleState> self = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
@@ -151,8 +151,8 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
   }
   if (needs_backward) hook_gradient_accumulators();
   // The root's backward starts right after forward, and a recompute's right after it: keep their
-  // parameters; so does a group not resharded after forward, checkpointed or not.
-  const bool backward_follows = needs_backward || Runtime::get().in_checkpointed_forward();
+  // parameters; so does a group not resharded after forward, recomputed or not.
+  const bool backward_follows = needs_backward || Runtime::get().in_recomputed_forward();
   const bool keep = backward_follows && (is_root_ || !reshard_after_forward_ || Runtime::get().recomputing());
   if (!keep) reshard();
 }

@@ -54,7 +54,7 @@ std::chrono::steady_clock::time_point g_recording_start;
 template <class Visit>
 void visit_measurements(plan::CostModel& model, Visit&& visit) {
   for (auto& g : model.groups) {
-    for (int64_t* bytes : {&g.forward_peak_bytes, &g.saved_bytes, &g.checkpoint_saved_bytes, &g.backward_peak_bytes})
+    for (int64_t* bytes : {&g.forward_peak_bytes, &g.saved_bytes, &g.recompute_saved_bytes, &g.backward_peak_bytes})
       visit(*bytes);
     for (double* ms : {&g.allgather_ms, &g.reduce_scatter_ms, &g.forward_ms, &g.backward_ms, &g.forward_cpu_ms,
                        &g.backward_cpu_ms, &g.handoff_ms, &g.handoff_cpu_ms})
@@ -107,7 +107,7 @@ std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const 
     shape.label = group.state->group().label();
     shape.memory = group.state->group().memory();
     shape.encloses_later = group.state == own && groups.size() > 1 && shapes.empty();
-    shape.checkpointable = !shape.encloses_later;
+    shape.recomputable = !shape.encloses_later;
     shapes.push_back(std::move(shape));
   }
   return shapes;
@@ -132,7 +132,7 @@ plan::Schedule profiling_schedule(const PlanningRoot& root) {
 
 void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule) {
   const auto groups = groups_in_order(root, "set_schedule");
-  if (schedule.reshard_after_forward.size() != groups.size() || schedule.checkpoint.size() != groups.size())
+  if (schedule.reshard_after_forward.size() != groups.size() || schedule.recompute.size() != groups.size())
     throw std::invalid_argument(root_error("set_schedule", root,
                                            "the schedule has " + std::to_string(schedule.reshard_after_forward.size()) +
                                                " groups, the root " + std::to_string(groups.size())));

@@ -53,7 +53,7 @@ at::Tensor recompute_impl(std::function<at::Tensor(const std::vector<at::Tensor>
   at::Tensor output;
   {
     c10::NoGradGuard no_grad;
-    CheckpointedForwardScope checkpointed;
+    RecomputedForwardScope checkpointed;
     output = run(inputs);
   }
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(run, inputs),

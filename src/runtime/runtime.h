@@ -1,7 +1,7 @@
 // Process-wide bookkeeping shared by all sharded units: which owner (a C++ or Python module) has
 // which unit, which unit each parameter belongs to, which root each unit runs under (a RootState,
 // made at the root's first forward), the default scheduling options and counters, and the scope
-// of a checkpointed forward. Everything
+// of a recomputed forward. Everything
 // of one step (orders, queues, the end-of-backward callback) is the root's: root_state.h.
 #pragma once
 
@@ -18,7 +18,7 @@
 
 namespace fsdp {
 
-class CheckpointedForwardScope;
+class RecomputedForwardScope;
 class ModuleState;
 class RootState;
 
@@ -50,10 +50,10 @@ class Runtime {
   // A forward run while autograd executes a backward is an activation-checkpoint recomputation
   // (fsdp::recompute, torch.utils.checkpoint): not a new step, not part of the forward order.
   static bool recomputing();
-  // Inside a CheckpointedForwardScope (fsdp/unit.h): forwards under activation checkpointing
+  // Inside a RecomputedForwardScope (fsdp/unit.h): forwards under activation checkpointing
   // whose backward (the recompute) still comes, so reshard_after_forward = false keeps their
   // parameters.
-  bool in_checkpointed_forward() const { return checkpointed_forward_ > 0; }
+  bool in_recomputed_forward() const { return recomputed_forward_ > 0; }
 
   // The default options, for roots that set none of their own (RootState::options).
   RuntimeOptions options() const;
@@ -72,8 +72,8 @@ class Runtime {
   std::unordered_map<const void*, Entry> states_;
   std::unordered_map<const void*, ParamOwner> owners_;  // key: TensorImpl*
   uint64_t steps_ = 0;
-  int checkpointed_forward_ = 0;
-  friend class CheckpointedForwardScope;
+  int recomputed_forward_ = 0;
+  friend class RecomputedForwardScope;
   int next_id_ = 0;
   RuntimeOptions options_;
   RuntimeStats stats_;

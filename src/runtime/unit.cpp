@@ -139,8 +139,8 @@ void unit_pre_forward(ModuleState& unit) { unit.pre_forward(); }
 void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs) { unit.post_forward(outputs); }
 void unit_abort_forward(ModuleState& unit) { unit.abort_forward(); }
 
-CheckpointedForwardScope::CheckpointedForwardScope() { ++Runtime::get().checkpointed_forward_; }
-CheckpointedForwardScope::~CheckpointedForwardScope() { --Runtime::get().checkpointed_forward_; }
+RecomputedForwardScope::RecomputedForwardScope() { ++Runtime::get().recomputed_forward_; }
+RecomputedForwardScope::~RecomputedForwardScope() { --Runtime::get().recomputed_forward_; }
 
 void set_requires_gradient_sync(ModuleState& unit, bool sync) {
   for (const auto& under : unit.units_under()) under->set_gradient_sync(sync);

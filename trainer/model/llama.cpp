@@ -41,9 +41,9 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 3b, 8b)");
 }
 
-bool LlamaConfig::checkpoints(int64_t block) const {
-  return checkpoint_blocks ||
-         std::find(checkpointed_blocks.begin(), checkpointed_blocks.end(), block) != checkpointed_blocks.end();
+bool LlamaConfig::recomputes(int64_t block) const {
+  return recompute_blocks ||
+         std::find(recomputed_blocks.begin(), recomputed_blocks.end(), block) != recomputed_blocks.end();
 }
 
 torch::Tensor LlamaConfig::rope_frequencies() const {
@@ -197,7 +197,7 @@ torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
   auto h = tok_emb(tokens);
   for (size_t i = 0; i < blocks.size(); ++i)
-    h = config.checkpoints(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin)
+    h = config.recomputes(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin)
                                                     : fsdp::forward(blocks[i], h, cos, sin);
   return norm(h);
 }

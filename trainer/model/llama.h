@@ -37,8 +37,8 @@ struct LlamaConfig {
   } rope_scaling;
   double norm_eps = 1e-5;
   bool tie_embeddings = false;  // output head uses the embedding matrix
-  bool checkpoint_blocks = false;  // recompute each block's activations in backward
-  std::vector<int64_t> checkpointed_blocks;  // or only these blocks' (selective checkpointing)
+  bool recompute_blocks = false;  // recompute each block's activations in backward
+  std::vector<int64_t> recomputed_blocks;  // or only these blocks' (selective recomputation)
   AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
   Float8Recipe float8 = Float8Recipe::Off;  // the blocks' projections in float8 (fsdp/float8.h), not the head
   bool float8_all_gather = false;  // tensorwise: their weights all-gathered in float8 (enable_float8_all_gather)
@@ -49,7 +49,7 @@ struct LlamaConfig {
   int64_t head_dim() const { return dim / n_heads; }
   // RoPE's angle per position of each pair of a head's dimensions, scaled: float64 [head_dim / 2].
   torch::Tensor rope_frequencies() const;
-  bool checkpoints(int64_t block) const;
+  bool recomputes(int64_t block) const;
   int64_t parameter_count() const;
   // One block's (a parameter group of its own when blocks are sharded one by one).
   int64_t block_parameter_count() const;

@@ -102,7 +102,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
        {"keep blocks unsharded from forward to backward",
         Setter{[&a](const std::string&) { a.reshard_after_forward = false; }}, false}},
       {"--tie-embeddings", {"share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings), false}},
-      {"--checkpoint", {"activation checkpointing: recompute every block in backward", set_true(a.checkpoint), false}},
+      {"--recompute", {"recompute every block's activations in backward (activation checkpointing)",
+                       set_true(a.recompute), false}},
+      {"--checkpoint", {"the old name of --recompute, accepted until 0.8", set_true(a.recompute), false}},
       {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
                          "optimizer on the CPU: the GPU holds only what forward and backward use",
                          set_true(a.cpu_offload), false}},
@@ -150,15 +152,15 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
                     "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
       {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 3 is profiled, step 5 "
-                           "calibrated, and the fastest schedule predicted to fit (blocks checkpointed, blocks kept "
+                           "calibrated, and the fastest schedule predicted to fit (blocks recomputed, blocks kept "
                            "unsharded, prefetch depth, in-flight caps, buckets) trains from step 6; replaces "
-                           "--checkpoint and the prefetch, in-flight and bucket flags", number(a.memory_budget_gib)}},
+                           "--recompute and the prefetch, in-flight and bucket flags", number(a.memory_budget_gib)}},
       {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
                        set_true(a.plan_only), false}},
       {"--plan-check", {"benchmark of the planner: after the profile and calibration, train each budget's plan "
                         "a few steps and write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
                         text(a.plan_check)}},
-      {"--plan-check-budgets", {"budgets --plan-check spreads from the fully checkpointed peak to the "
+      {"--plan-check-budgets", {"budgets --plan-check spreads from the fully recomputed peak to the "
                                 "unconstrained one", number(a.plan_check_budgets)}},
       {"--plan-check-steps", {"steps per schedule and round in --plan-check, two of them warm-up",
                               number(a.plan_check_steps)}},
@@ -291,8 +293,8 @@ void check_ranges(const TrainArgs& a) {
           "use --grad-accum-sync last");
   if (plans_schedule(a)) {
     const std::string flag = a.memory_budget_gib > 0 ? "--memory-budget" : "--plan-check";
-    require(!a.checkpoint && a.reshard_after_forward,
-            flag + " chooses which blocks are checkpointed and kept unsharded: drop --checkpoint and "
+    require(!a.recompute && a.reshard_after_forward,
+            flag + " chooses which blocks are recomputed and kept unsharded: drop --recompute and "
                    "--no-reshard-after-forward");
     require(a.runtime.bucket_mb == 0 && a.runtime.reduce_bucket_max_wait == 0,
             flag + " chooses the buckets (the profile sees each group's collectives apart): drop --bucket-mb and "
@@ -502,7 +504,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   const double tokens = static_cast<double>(a.batch) * a.seq;
   // Sharded fp32 weights, gradients and AdamW's two moments; one chunk of the loss's float32
   // logits (model::linear_cross_entropy's default cap); per block at least its input
-  // (checkpointed) or its input, q, k, v, attention output and the MLP's three ffn-wide products.
+  // (recomputed) or its input, q, k, v, attention output and the MLP's three ffn-wide products.
   // --grad-accum-sync last holds every group's full gradients in the reduce dtype between micro-batches.
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
@@ -516,9 +518,9 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   const double host_state = (sharded_state + host_gradients) * local;
   const double state = (offloaded ? 0.0 : sharded_state) + held_gradients;
   const double loss_chunk = std::min(tokens * config.vocab * 4.0, double(model::kLossChunkBytes));
-  // A budget's plan may checkpoint every block: its bound is the checkpointed one.
-  const bool checkpointed = a.checkpoint || plans_schedule(a);
-  const double per_block = checkpointed ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
+  // A budget's plan may recompute every block: its bound is the recomputed one.
+  const bool recomputed = a.recompute || plans_schedule(a);
+  const double per_block = recomputed ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
   const double activations = tokens * config.n_layers * per_block * compute_bytes;
   const double needed = state + loss_chunk + activations;
   const double have = on_gpu ? gpu : host / local;
@@ -549,7 +551,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
                      model_name(a) + " model needs at least " + gib(needed) + " per rank (" + gib(state) +
                      (held_gradients > 0 ? " sharded state and held gradients, " : " sharded state, ") +
                      gib(loss_chunk + activations) + " activations), more than the " + gib(have) + where +
-                     ": lower --batch or --seq" + (checkpointed ? "" : ", or add --checkpoint") +
+                     ": lower --batch or --seq" + (recomputed ? "" : ", or add --recompute") +
                      (held_gradients > 0 ? ", or use --grad-accum-sync every" : ""));
 }
 
@@ -615,7 +617,7 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   auto config = from_hf ? model::read_hf_config(a.init_from) : model::LlamaConfig::preset(a.model);
   // The flag ties any preset's head; it never unties one whose model ties (3b, as Llama-3.2-3B).
   if (!from_hf) config.tie_embeddings = config.tie_embeddings || a.tie_embeddings;
-  config.checkpoint_blocks = a.checkpoint;
+  config.recompute_blocks = a.recompute;
   config.attention = model::attention_kernel_named(a.attention);
   config.float8 = float8_recipe_named(a.fp8);
   config.float8_all_gather = a.fp8_all_gather && !a.cpu_offload;  // offloaded groups gather in bf16

@@ -30,7 +30,7 @@ struct TrainArgs {
   uint64_t seed = 1234;
   std::string data = "synthetic";
   std::string param_dtype = "auto", reduce_dtype = "fp32";
-  bool reshard_after_forward = true, tie_embeddings = false, checkpoint = false;
+  bool reshard_after_forward = true, tie_embeddings = false, recompute = false;
   bool cpu_offload = false;  // ShardOptions::cpu_offload: sharded state and the optimizer step on the host
   bool optimizer_in_backward = false;  // fsdp::set_step_in_backward: AdamW per group as gradients arrive
   int replicas = 1;          // HSDP (fsdp::make_mesh): replica groups, each sharding the model over its ranks
@@ -87,7 +87,7 @@ int local_ranks();
 c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 
 // The model to train: config.json of --init-from where there is one, else the --model preset
-// (with --tie-embeddings, --checkpoint and --seed applied).
+// (with --tie-embeddings, --recompute and --seed applied).
 model::LlamaConfig model_config(const TrainArgs& args);
 // How messages name that model: the --init-from directory, or the preset.
 std::string model_name(const TrainArgs& args);

@@ -9,17 +9,17 @@ namespace fsdp::train {
 namespace {
 
 // Checks the schedule against the model and sets which blocks the Llama recomputes.
-void checkpoint_blocks(model::Llama& model, const plan::Schedule& schedule) {
+void apply_recompute(model::Llama& model, const plan::Schedule& schedule) {
   const size_t groups = model->blocks.size() + 1;
-  if (schedule.checkpoint.size() != groups || schedule.reshard_after_forward.size() != groups)
-    throw std::invalid_argument("apply_schedule: the schedule has " + std::to_string(schedule.checkpoint.size()) +
+  if (schedule.recompute.size() != groups || schedule.reshard_after_forward.size() != groups)
+    throw std::invalid_argument("apply_schedule: the schedule has " + std::to_string(schedule.recompute.size()) +
                                 " groups, the model " + std::to_string(groups) + " (the root and each block)");
-  if (schedule.checkpoint[0]) throw std::invalid_argument("apply_schedule: the root group cannot be checkpointed");
+  if (schedule.recompute[0]) throw std::invalid_argument("apply_schedule: the root group cannot be recomputed");
   auto& config = model->config;
-  config.checkpoint_blocks = false;
-  config.checkpointed_blocks.clear();
+  config.recompute_blocks = false;
+  config.recomputed_blocks.clear();
   for (size_t i = 0; i < model->blocks.size(); ++i)
-    if (schedule.checkpoint[i + 1]) config.checkpointed_blocks.push_back(static_cast<int64_t>(i));
+    if (schedule.recompute[i + 1]) config.recomputed_blocks.push_back(static_cast<int64_t>(i));
 }
 
 }  // namespace
@@ -28,7 +28,7 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
                               const RuntimeOptions& runtime) {
   plan::Schedule s = plan::default_schedule(static_cast<size_t>(config.n_layers) + 1);
   for (int64_t i = 0; i < config.n_layers; ++i) {
-    s.checkpoint[i + 1] = config.checkpoints(i);
+    s.recompute[i + 1] = config.recomputes(i);
     s.reshard_after_forward[i + 1] = reshard_after_forward;
   }
   s.reshard_after_forward[0] = false;  // the root keeps its parameters (fully_shard's rule)
@@ -37,7 +37,7 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
 }
 
 void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard) {
-  checkpoint_blocks(model, schedule);
+  apply_recompute(model, schedule);
   for (size_t i = 0; i < model->blocks.size(); ++i) {
     ShardOptions block_shard = shard;
     block_shard.reshard_after_forward = schedule.reshard_after_forward[i + 1];
@@ -48,7 +48,7 @@ void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, Sh
 }
 
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule) {
-  checkpoint_blocks(model, schedule);
+  apply_recompute(model, schedule);
   set_schedule(*model, schedule);
 }
 

@@ -12,7 +12,7 @@
 
 namespace fsdp::train {
 
-// The schedule of fsdp-train's flags: every block checkpointed or none, every block resharded
+// The schedule of fsdp-train's flags: every block recomputed or none, every block resharded
 // after forward or none (the root always keeps its parameters), the runtime's depth and caps.
 plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_after_forward,
                               const RuntimeOptions& runtime);
@@ -21,10 +21,10 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
 // then applies the rest of it as apply_schedule does.
 void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard);
 
-// On a sharded model: checkpoints the blocks the schedule names, sets each group's reshard choice
+// On a sharded model: recomputes the blocks the schedule names, sets each group's reshard choice
 // (after a step has recorded the forward order: fsdp::set_schedule) and the runtime's prefetch
 // depth, caps and buckets. Throws std::invalid_argument when the schedule is not one
-// of this model's groups or checkpoints the root.
+// of this model's groups or recomputes the root.
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule);
 
 }  // namespace fsdp::train

@@ -22,10 +22,10 @@ std::string prediction_text(const plan::Prediction& p) {
   return text + format_bytes(p.peak_bytes);
 }
 
-std::string checkpointed_blocks_json(const plan::Schedule& s) {
+std::string recomputed_blocks_json(const plan::Schedule& s) {
   std::string out = "[";
-  for (size_t g = 1; g < s.checkpoint.size(); ++g)
-    if (s.checkpoint[g]) out += (out.size() > 1 ? "," : "") + std::to_string(g - 1);
+  for (size_t g = 1; g < s.recompute.size(); ++g)
+    if (s.recompute[g]) out += (out.size() > 1 ? "," : "") + std::to_string(g - 1);
   return out + "]";
 }
 
@@ -80,8 +80,8 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     std::vector<std::vector<double>> times;  // per round, the measured steps
     int64_t peak = 0;
   };
-  const Candidate none{"no checkpointing", plan::uniform_schedule(profile.groups, false), 0, {}, 0};
-  std::vector<Candidate> listed{{"full checkpointing", plan::uniform_schedule(profile.groups, true), 0, {}, 0}};
+  const Candidate none{"no recomputation", plan::uniform_schedule(profile.groups, false), 0, {}, 0};
+  std::vector<Candidate> listed{{"full recomputation", plan::uniform_schedule(profile.groups, true), 0, {}, 0}};
   const int64_t low = plan::simulate(profile, listed[0].schedule).peak_bytes;
   const int64_t high = plan::simulate(profile, none.schedule).peak_bytes;
   for (int i = 0; i < check.budgets; ++i) {
@@ -95,12 +95,12 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
     }
   }
   listed.push_back(none);
-  // And no checkpointing with each bucket size the planner tries: the buckets' own predictions.
+  // And no recomputation with each bucket size the planner tries: the buckets' own predictions.
   for (double mb : plan::bucket_sizes_mb(profile)) {
     if (mb == 0) continue;
     Candidate bucketed = none;
     bucketed.schedule.runtime.bucket_mb = mb;
-    bucketed.name = "no checkpointing, buckets of " + format_bytes(bucketed.schedule.runtime.bucket_bytes());
+    bucketed.name = "no recomputation, buckets of " + format_bytes(bucketed.schedule.runtime.bucket_bytes());
     listed.push_back(std::move(bucketed));
   }
   std::vector<Candidate> runs;
@@ -152,7 +152,7 @@ void check_plans(model::Llama& model, const plan::CostModel& profile, const std:
                 describe(c.schedule, profile).c_str(), predicted.step_ms, format_bytes(predicted.peak_bytes).c_str(),
                 measured, format_bytes(c.peak).c_str());
     out << "{\"name\":\"" << c.name << "\",\"schedule\":\"" << describe(c.schedule, profile)
-        << "\",\"checkpointed_blocks\":" << checkpointed_blocks_json(c.schedule)
+        << "\",\"recomputed_blocks\":" << recomputed_blocks_json(c.schedule)
         << ",\"budget_bytes\":" << c.budget_bytes
         << ",\"predicted_ms\":" << predicted.step_ms << ",\"predicted_peak_bytes\":" << predicted.peak_bytes
         << ",\"measured_ms\":" << measured << ",\"round_ms\":" << rounds << "]"

@@ -188,7 +188,7 @@ void Trainer::shard_model() {
   if (args_.optimizer_before_shard) optimizer_ = make_optimizer();
   auto first_schedule = llama_schedule(config_, args_.reshard_after_forward, args_.runtime);
   if (plans_schedule(args_))  // the step before the profile runs with the least memory too: every block recomputed
-    std::fill(first_schedule.checkpoint.begin() + 1, first_schedule.checkpoint.end(), true);
+    std::fill(first_schedule.recompute.begin() + 1, first_schedule.recompute.end(), true);
   shard_with_schedule(model_, first_schedule, shard_);
   if (args_.init_from.empty()) {
     model_->reset_parameters();

@@ -22,7 +22,7 @@ struct GroupCost {
   /// Above the level at the start of its forward: the most in use during the forward.
   int64_t forward_peak_bytes = 0;
   int64_t saved_bytes = 0;  ///< what stays allocated after the forward until its backward
-  int64_t checkpoint_saved_bytes = 0;  ///< the same when the group is checkpointed (recomputed)
+  int64_t recompute_saved_bytes = 0;  ///< the same when the group is recomputed (recomputed)
   /// Above the level at the start of its backward (after a recompute): the most in use during it.
   int64_t backward_peak_bytes = 0;
   double forward_ms = 0;       ///< device time of the forward; a recompute costs it again
@@ -33,7 +33,7 @@ struct GroupCost {
   /// sums added, when earlier passes held them), on the compute stream before the reduce-scatter.
   double handoff_ms = 0;
   double handoff_cpu_ms = 0;  ///< host time to issue it
-  bool checkpointable = true;  ///< whether the model can recompute this group in backward
+  bool recomputable = true;  ///< whether the model can recompute this group in backward
   /// The root (only the first group may be one): its forward wraps every later group's. Its
   /// parameters are gathered first; its own compute (a model's head) runs after the others'
   /// forward and its own backward before theirs; its gradients are reduce-scattered last.
@@ -73,7 +73,7 @@ struct CostModel {
 
 /// The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).
 struct Schedule {
-  std::vector<bool> checkpoint;             ///< recompute the group's activations in backward
+  std::vector<bool> recompute;             ///< recompute the group's activations in backward
   std::vector<bool> reshard_after_forward;  ///< free its parameters between forward and backward
   /// The runtime's knobs under this schedule: prefetch depth, in-flight caps, buckets (groups
   /// below bucket_mb share coalesced collectives: membership follows from the sizes and the order).
@@ -81,21 +81,21 @@ struct Schedule {
 
   /// The same choices everywhere.
   bool operator==(const Schedule& o) const {
-    return checkpoint == o.checkpoint && reshard_after_forward == o.reshard_after_forward && runtime == o.runtime;
+    return recompute == o.recompute && reshard_after_forward == o.reshard_after_forward && runtime == o.runtime;
   }
 };
 
-/// The runtime's defaults for `groups` groups: every group resharded, none checkpointed.
+/// The runtime's defaults for `groups` groups: every group resharded, none recomputed.
 Schedule default_schedule(size_t groups);
 
-/// The runtime's defaults with every checkpointable group checkpointed (or none), and every group
+/// The runtime's defaults with every recomputable group recomputed (or none), and every group
 /// resharded but the one enclosing the others (kept for its backward anyway). `Group` is
-/// GroupShape or GroupCost: both say `checkpointable` and `encloses_later`.
+/// GroupShape or GroupCost: both say `recomputable` and `encloses_later`.
 template <class Group>
-Schedule uniform_schedule(const std::vector<Group>& groups, bool checkpointed) {
+Schedule uniform_schedule(const std::vector<Group>& groups, bool recomputed) {
   Schedule s = default_schedule(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    s.checkpoint[g] = checkpointed && groups[g].checkpointable;
+    s.recompute[g] = recomputed && groups[g].recomputable;
     s.reshard_after_forward[g] = !groups[g].encloses_later;
   }
   return s;

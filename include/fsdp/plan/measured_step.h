@@ -1,10 +1,10 @@
 // The cost model measured from one training step recorded with memory marks (shard/trace.h's
 // recording, copied here without torch by the runtime: fsdp::finish_profiled_step).
 //
-// The step is recorded under profiling_schedule(): every checkpointable group checkpointed (the
+// The step is recorded under profiling_schedule(): every recomputable group recomputed (the
 // least memory, so the profile fits wherever training can), the root unsharded and every other
-// group resharded after forward, no prefetch. Each checkpointed group then shows all of its
-// costs apart: its forward without saving (checkpoint_saved_bytes), its recompute (the forward
+// group resharded after forward, no prefetch. Each recomputed group then shows all of its
+// costs apart: its forward without saving (recompute_saved_bytes), its recompute (the forward
 // with saving: saved_bytes, forward_peak_bytes, forward_ms), its backward after the recompute.
 // The root's own compute is the part of its spans outside the other groups' (its head and
 // embedding), less the all-gathers the compute stream waited for there.
@@ -54,7 +54,7 @@ struct GroupShape {
   std::string name;   ///< "blocks.3"
   std::string label;  ///< its trace label, "#4 blocks.3"
   GroupMemory memory;  ///< its buffers, as the parameter group sizes them
-  bool checkpointable = true;       ///< whether the model can recompute it
+  bool recomputable = true;       ///< whether the model can recompute it
   bool encloses_later = false;  ///< the root
 };
 

@@ -1,6 +1,6 @@
 // Picks the fastest schedule whose predicted peak memory fits a budget (issue #13), by simulating
 // every schedule of a search space on the cost model:
-//   - checkpoint the k checkpointable groups that free the most activation bytes per millisecond
+//   - recompute the k recomputable groups that free the most activation bytes per millisecond
 //     of recompute, for every k from none to all;
 //   - keep the last m groups (whose backward comes first) unsharded between forward and backward;
 //   - prefetch depth 0-2 and in-flight caps of 1, 2 or unlimited for all-gathers and reduce-scatters;
@@ -52,7 +52,7 @@ std::vector<double> bucket_sizes_mb(const CostModel& model);
 /// "1.50 GiB", or "12.3 MiB" below a GiB: how plans and their checks print bytes.
 std::string format_bytes(int64_t bytes);
 
-/// One line: "checkpoint 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
+/// One line: "recompute 6 of 16 (blocks.0, blocks.1, ...), 2 kept unsharded (...), prefetch 1,
 /// in flight 2 all-gathers / 2 reduce-scatters".
 std::string describe(const Schedule& schedule, const CostModel& model);
 
