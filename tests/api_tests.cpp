@@ -208,7 +208,8 @@ size_t count(const std::string& text, const std::string& needle) {
 // One step of three groups: a forward, a backward and a hand-off span per group, an
 // all-gather per group in forward and per block in backward (the root stays
 // gathered), a reduce-scatter per group, an optimizer step per group (stepped in
-// backward); five tracks named (all-reduce: HSDP only).
+// backward); six tracks named (all-reduce: HSDP only; the host's waits: on GPUs). Each span says
+// when the host issued it, and each device span's issue is an instant on the host track.
 TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   auto m = seeded_llama(tiny_llama());
   shard_blocks_and_root(m);
@@ -227,7 +228,10 @@ TEST(Api, TraceHasComputeAllGatherAndReduceScatterSpans) {
   EXPECT_EQ(count(json, "\"name\":\"reduce-scatter #"), 3u);
   EXPECT_EQ(count(json, "\"name\":\"step #"), 3u);
   EXPECT_EQ(count(json, "\"tid\":4,"), 4u);  // the host-step track's name and its three spans
-  EXPECT_EQ(count(json, "\"thread_name\""), 5u);  // and the all-reduce track (HSDP; empty here)
+  EXPECT_EQ(count(json, "\"thread_name\""), 6u);  // and the all-reduce and host tracks
+  EXPECT_EQ(count(json, "\"issued_us\":"), 20u);  // every span
+  EXPECT_EQ(count(json, "\"ph\":\"i\""), 17u);  // the device spans' issues: all but the host steps
+  EXPECT_EQ(count(json, "\"name\":\"issue all-gather #"), 5u);
 }
 
 // Prefetches are issued in execution order on every rank (a regression: they

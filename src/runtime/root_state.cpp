@@ -136,11 +136,16 @@ std::vector<ModuleState*> RootState::backward_prefetch_targets(const ModuleState
   return prefetch_targets(backward_pass_, state, /*backward=*/true);
 }
 
-// Applies the current cap and counts the times the CPU had to wait.
-void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits) {
+void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits, const char* cap,
+                          const std::string& label) {
   const long before = queue.waits();
   queue.set_limit(limit);
+  queue.drop_finished();
+  const int span = queue.full() ? Trace::get().begin("wait: " + std::string(cap) + " cap, for " + label,
+                                                     Trace::Track::HostWait)
+                                : -1;
   queue.make_room();
+  Trace::get().end(span);
   waits += queue.waits() - before;
 }
 
@@ -168,7 +173,7 @@ void RootState::all_gather(ModuleState& state) {
       bytes += next_bytes;
     }
   }
-  make_room(allgathers_, options.max_inflight_allgathers, stats_.allgather_waits);
+  make_room(allgathers_, options.max_inflight_allgathers, stats_.allgather_waits, "all-gather", state.group().label());
   Trace::get().mark();  // what the compute before it left allocated (cost model)
   ParamGroup::unshard_together(groups);
   ++stats_.all_gathers;
@@ -192,8 +197,8 @@ void RootState::reduce_scatter(ParamGroup& group) {
 
 void RootState::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
-  make_room(reduce_scatters_, options().max_inflight_reduce_scatters,
-            stats_.reduce_scatter_waits);
+  make_room(reduce_scatters_, options().max_inflight_reduce_scatters, stats_.reduce_scatter_waits,
+            "reduce-scatter", reduce_bucket_.front()->label());
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();

@@ -35,6 +35,8 @@ class InflightQueue {
   }
 
   size_t size() const { return items_.size(); }
+  // Whether make_room() would block now (after drop_finished()).
+  bool full() const { return limit_ > 0 && static_cast<int>(items_.size()) >= limit_; }
   long waits() const { return waits_; }  // times make_room() blocked
 
  private:

@@ -9,6 +9,12 @@
 #include "io/files.h"
 
 namespace fsdp {
+namespace {
+
+// Tracks of host work, timed with the host's clock and taking no memory marks.
+bool on_host(Trace::Track track) { return track == Trace::Track::HostStep || track == Trace::Track::HostWait; }
+
+}  // namespace
 
 Trace& Trace::get() {
   static Trace trace;
@@ -21,10 +27,15 @@ void Trace::start(const at::Device& device, bool with_memory) {
   with_memory_ = with_memory;
   spans_.clear();
   marks_.clear();
-  origin_time_ = std::chrono::steady_clock::now();
   origin_ = nullptr;
-  if (device.is_cuda())
-    origin_ = timed_event(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  if (device.is_cuda()) {
+    // The device's and the host's clocks start together: on an idle stream the origin event
+    // runs as it is recorded (the host track's issue times are compared with device times).
+    const c10::impl::VirtualGuardImpl guard(device.type());
+    guard.synchronizeDevice(device.index());
+    origin_ = timed_event(guard.getStream(device));
+  }
+  origin_time_ = std::chrono::steady_clock::now();
   active_ = true;
   add_mark();
 }
@@ -57,7 +68,7 @@ void Trace::mark() {
 int Trace::begin(std::string name, Track track, const std::optional<c10::Stream>& stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!active_) return -1;
-  const int start_mark = track == Track::HostStep ? -1 : add_mark();
+  const int start_mark = on_host(track) ? -1 : add_mark();
   spans_.push_back(Span{std::move(name), track, timed_event(stream), nullptr, now_us(), -1, start_mark, -1});
   return static_cast<int>(spans_.size()) - 1;
 }
@@ -66,7 +77,7 @@ void Trace::end(int token, const std::optional<c10::Stream>& stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!active_ || token < 0 || token >= static_cast<int>(spans_.size())) return;
   Span& span = spans_[token];
-  span.end_mark = span.track == Track::HostStep ? -1 : add_mark();
+  span.end_mark = on_host(span.track) ? -1 : add_mark();
   span.end_event = timed_event(stream);
   span.end_us = now_us();
 }
@@ -100,18 +111,24 @@ void Trace::write(const std::string& path, int rank) {
   if (!active()) return;
   const auto spans = finish().spans;
   // Built as a string and written through io/files.h (no iostreams: see comm/communicator.cpp).
-  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step"};
-  const std::string pid = std::to_string(rank);
+  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step", "host"};
+  const std::string pid = std::to_string(rank), host = std::to_string(static_cast<int>(Track::HostWait));
   std::string json = "{\"traceEvents\":[";
-  for (int t = 0; t < 5; ++t)
+  for (int t = 0; t < 6; ++t)
     json += std::string(t ? "," : "") + "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" + pid +
             ",\"tid\":" + std::to_string(t) + ",\"args\":{\"name\":\"" + track_names[t] + "\"}}";
-  char times[96];
+  char times[128];
   for (const auto& span : spans) {
-    std::snprintf(times, sizeof(times), ",\"ts\":%.3f,\"dur\":%.3f}", span.start_ms * 1000,
-                  (span.end_ms - span.start_ms) * 1000);
+    // Each span with the time the host issued it; a device span's issue is also an instant on the
+    // host track, where the host's waits are spans.
+    std::snprintf(times, sizeof(times), ",\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"issued_us\":%.3f}}",
+                  span.start_ms * 1000, (span.end_ms - span.start_ms) * 1000, span.host_start_ms * 1000);
     json += ",{\"ph\":\"X\",\"name\":\"" + span.name + "\",\"pid\":" + pid +
             ",\"tid\":" + std::to_string(static_cast<int>(span.track)) + times;
+    if (on_host(span.track)) continue;
+    std::snprintf(times, sizeof(times), ",\"ts\":%.3f}", span.host_start_ms * 1000);
+    json += ",{\"ph\":\"i\",\"s\":\"t\",\"name\":\"issue " + span.name + "\",\"pid\":" + pid + ",\"tid\":" + host +
+            times;
   }
   json += "]}\n";
   io::OutputFile out(path);  // throws naming the path and the system's reason

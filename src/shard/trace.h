@@ -3,8 +3,11 @@
 // chrome://tracing. On GPUs spans are timed with CUDA events on the stream
 // the work runs on; on CPU with the wall clock. The host-step track holds the
 // optimizer steps in backward, timed with the host's clock (they may run on
-// the root's host worker: spans may begin and end on any thread). Off unless
-// started.
+// the root's host worker: spans may begin and end on any thread). The host-wait
+// track holds the CPU's waits on the in-flight caps, on the host's clock; with
+// the time the CPU issued each device span (its args' issued_us, and an
+// instant on the host track), a trace shows how far ahead of the GPU the CPU
+// ran (bench/trace_overlap.py). Off unless started.
 //
 // Started with memory, it also keeps memory marks: at every span's start and
 // end, and where the runtime calls mark() (before an all-gather allocates,
@@ -29,7 +32,7 @@ namespace fsdp {
 
 class Trace {
  public:
-  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2, AllReduce = 3, HostStep = 4 };
+  enum class Track { Compute = 0, AllGather = 1, ReduceScatter = 2, AllReduce = 3, HostStep = 4, HostWait = 5 };
   static Trace& get();
 
   struct MemoryMark {
@@ -51,8 +54,8 @@ class Trace {
   void start(const at::Device& device, bool with_memory = false);
   bool active() const { return active_; }
   // A span on `track`, begun now on `stream` (ignored on CPU). Returns a
-  // token for end(); -1 when tracing is off. Host-step spans take no memory
-  // marks (the marks follow the device's work in the order it is issued).
+  // token for end(); -1 when tracing is off. Host-step and host-wait spans take
+  // no memory marks (the marks follow the device's work in the order it is issued).
   int begin(std::string name, Track track, const std::optional<c10::Stream>& stream = {});
   void end(int token, const std::optional<c10::Stream>& stream = {});
   // A memory mark (when recording memory).
