@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Every link and every path the docs name exists (ctest doc_links).
+"""Every link and every path the docs and the code's comments name exists (ctest doc_links).
 
   doc_links.py REPO
 
 In README.md, docs/*.md and the notes beside the code (src/*/README.md, trainer/*/README.md): each markdown link's target (relative
 to the file) and each path in backticks that starts at a top-level folder of the repository
-(`docs/...`, `bench/results/...`, `src/...`) must exist. Paths with a placeholder (`<`, `*`, `N`,
-`...`) are patterns, not files, and are skipped. Prints `doc_links: ok`.
+(`docs/...`, `bench/results/...`, `src/...`) must exist. In the code (C++, Python, shell and CMake
+files outside bench/results/), each path to a file (one with an extension) or to a record
+(bench/results/NAME) that starts at a top-level folder must exist too: a comment that cites a doc,
+a record or another file stays true when they move. Paths with a placeholder (`<`, `*`, `N`,
+`...`, `$`, a segment in capitals such as NAME) are patterns, not files, and are skipped. Prints `doc_links: ok`.
 """
 import os
 import re
@@ -14,6 +17,26 @@ import sys
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CODE = re.compile(r"`([^`\s]+)`")
+IN_CODE = re.compile(r"(?<![\w/.$}-])([a-z]+/[\w.+-]+(?:/[\w.+-]+)*)")
+CODE_FILES = (".cpp", ".h", ".cu", ".cuh", ".py", ".sh", ".cmake", "CMakeLists.txt")
+PATTERN = re.compile(r"[<*{$]|\.\.\.|/N\b|-N\b|/[A-Z_]+(?:/|$)")  # bench/results/NAME is a pattern
+
+
+def code_paths(repo, tops):
+    """(file:line, path) for each repository path the code names: a file's or a record's."""
+    for top in sorted(tops):
+        for folder, dirs, names in os.walk(f"{repo}/{top}"):
+            dirs[:] = [d for d in dirs if d != "__pycache__" and f"{folder}/{d}" != f"{repo}/bench/results"]
+            for name in sorted(n for n in names if n.endswith(CODE_FILES)):
+                path = f"{folder}/{name}"
+                for number, line in enumerate(open(path, errors="replace"), 1):
+                    for found in IN_CODE.findall(line):
+                        found = found.rstrip(".,;:)")
+                        record = found.startswith("bench/results/")
+                        if found.split("/")[0] not in tops or PATTERN.search(found):
+                            continue
+                        if record or "." in found.rsplit("/", 1)[-1]:
+                            yield f"{os.path.relpath(path, repo)}:{number}", found
 
 
 def main():
@@ -39,9 +62,13 @@ def main():
             checked += 1
             if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
                 missing.append(f"{page}: `{path}`")
+    for where, path in code_paths(repo, tops):
+        checked += 1
+        if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
+            missing.append(f"{where}: {path}")
     for m in missing:
         print(f"doc_links: missing: {m}")
-    print(f"doc_links: {checked} links and paths in {len(pages)} pages, {len(missing)} missing")
+    print(f"doc_links: {checked} links and paths in {len(pages)} pages and the code, {len(missing)} missing")
     if missing:
         sys.exit(1)
     print("doc_links: ok")

@@ -1,4 +1,4 @@
-// The host-memory counter (src/shard/memory_stats.h) keeps c10's contract for CPU allocators:
+// The host-memory counter (include/fsdp/memory_stats.h) keeps c10's contract for CPU allocators:
 // every caller of the CPU allocator, raw_allocate included (oneDNN's scratch memory and layout
 // conversions take that path), works while it counts. The same on every x86 CPU: the oneDNN
 // calls below do not depend on the instructions the CPU has.
