@@ -13,6 +13,10 @@ Each run takes --steps timed steps (the first 3 are warm-up, the rest give
 medians), then --profile-steps more under the PyTorch profiler. From rank 0's
 profile (bench/profile_summary.py), per step: exposed_comm_ms, the time an NCCL
 kernel ran while no compute kernel did; gpu_idle_ms, the time no kernel ran.
+fsdp-train also traces its warm-up steps 2-3 (--trace): from rank 0's host track
+(bench/trace_overlap.py) cpu_lead_ms, the median time from the CPU issuing a
+block's compute to the GPU starting it, blocks_ahead_max, the most blocks issued
+and not yet started, and cap_waits, the CPU's waits on the in-flight caps.
 profiles.md has each run's profile: the GPU time by kind of kernel (matrix products,
 attention, communication, optimizer, copies and casts, norms, the rest), the rate of
 its matrix products and attention in TFLOP/s, and its costliest kernels.
@@ -30,6 +34,7 @@ import torch
 
 import profile_summary
 import step_log
+import trace_overlap
 
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
@@ -142,31 +147,41 @@ def summarize(jsonl, world, steps, profile):
     )
 
 
+def run_ahead(trace):
+    """From rank 0's trace of fsdp-train's warm-up steps: how far ahead of the GPU the CPU ran and
+    how it waited on the caps (bench/trace_overlap.py); nothing for a run without one."""
+    path = trace + "-rank0.json"
+    if not os.path.exists(path):
+        return dict(cpu_lead_ms=None, blocks_ahead_max=None, cap_waits={})
+    s = trace_overlap.summarise(path)
+    return dict(cpu_lead_ms=s["lead_ms_median"], blocks_ahead_max=s["blocks_ahead_max"], cap_waits=s["cap_waits"])
+
+
 def ratio(a, b):
     """a / b for a table; CPU runs have no device memory (b = 0)."""
     return f"{a / b:.3f}" if b else "n/a"
 
 
 def log_paths(folder, system, config, world, repeat):
-    """(step log, profile prefix) of one run; repeats after the first get an -rN suffix."""
+    """(step log, profile prefix, trace prefix) of one run; repeats after the first get an -rN suffix."""
     name = f"{system}-{config}-w{world}" + (f"-r{repeat}" if repeat else "")
-    return os.path.join(folder, name + ".jsonl"), os.path.join(folder, "profile-" + name)
+    return tuple(os.path.join(folder, prefix + name) for prefix in ("", "profile-", "trace-"))
 
 
 def collect(config, world, folder, steps, repeat, logged_as=None):
     """The rows of one configuration's runs whose logs are in `folder` (under the
     names of repeat `logged_as`, by default `repeat`)."""
     logged_as = repeat if logged_as is None else logged_as
-    log, profile = log_paths(folder, "fsdpcpp", config, world, logged_as)
+    log, profile, trace = log_paths(folder, "fsdpcpp", config, world, logged_as)
     row = dict(system="fsdp.cpp", config=config, world=world, repeat=repeat,
-               **summarize(log, world, steps, profile))
-    row["flops_per_token"] = json.loads(open(log).readline())["flops_per_token"]
+               **summarize(log + ".jsonl", world, steps, profile), **run_ahead(trace))
+    row["flops_per_token"] = json.loads(open(log + ".jsonl").readline())["flops_per_token"]
     rows = [row]
     for system in REFERENCES.get(config, []):
-        log2, profile2 = log_paths(folder, PYTORCH_SYSTEMS[system][0], config, world, logged_as)
-        if os.path.exists(log2):
+        log2, profile2, _ = log_paths(folder, PYTORCH_SYSTEMS[system][0], config, world, logged_as)
+        if os.path.exists(log2 + ".jsonl"):
             rows.append(dict(system=system, config=config, world=world, repeat=repeat,
-                             flops_per_token=row["flops_per_token"], **summarize(log2, world, steps, profile2)))
+                             flops_per_token=row["flops_per_token"], **summarize(log2 + ".jsonl", world, steps, profile2)))
     return rows
 
 def run_config(config, world, args, repeat):
@@ -177,7 +192,7 @@ def run_config(config, world, args, repeat):
     train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
-    log, profile = log_paths(args.out, "fsdpcpp", config, world, repeat)
+    log, profile, trace = log_paths(args.out, "fsdpcpp", config, world, repeat)
     # Written by the first run of each preset in this invocation (a file left by an earlier one
     # may come from another model version).
     shared_init = preset not in OWN_INIT_PRESETS
@@ -186,12 +201,13 @@ def run_config(config, world, args, repeat):
         SAVED_INITS.add(init)
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
-         *save_init, "--log", log, "--profile", profile], log.replace(".jsonl", ".log"), extra_env)
+         *save_init, "--log", log + ".jsonl", "--profile", profile, "--trace", trace, "--trace-steps", "2"],
+        log + ".log", extra_env)
     for system in REFERENCES.get(config, []):
         if args.systems and system not in args.systems.split(","):
             continue
         name, system_flags = PYTORCH_SYSTEMS[system]
-        log2, profile2 = log_paths(args.out, name, config, world, repeat)
+        log2, profile2, _ = log_paths(args.out, name, config, world, repeat)
         # fsdp.cpp's CPU ranks are MPI processes: fsdp-run (mpirun) starts them; torchrun otherwise.
         launcher = ([os.path.join(args.build, "fsdp-run"), "--cpu", "-n", str(world), sys.executable]
                     if args.cpu and system in PYTHON_FRONT_END else
@@ -200,9 +216,9 @@ def run_config(config, world, args, repeat):
              "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), *flags, *system_flags,
              *(["--init", init] if shared_init and system not in OWN_INIT_SYSTEMS else []),
-             "--jsonl", log2, "--profile", profile2,
+             "--jsonl", log2 + ".jsonl", "--profile", profile2,
              "--profile-steps", str(args.profile_steps)],
-            log2.replace(".jsonl", ".log"),
+            log2 + ".log",
             dict(extra_env, PYTHONPATH=os.path.join(args.build, "py")) if system in PYTHON_FRONT_END else extra_env)
     return collect(config, world, args.out, args.steps, repeat)
 
@@ -300,16 +316,17 @@ def write_markdown(results, worlds, path, common):
              f"commit {common['commit'][:10]}, {common['date']}", "",
              "| system | config | GPUs | " + ("run | " if repeated else "") + "ms/step | tokens/s/GPU | MFU | "
              "peak alloc GiB | peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
-             "loss first → last |",
-             "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|"]
+             "CPU ahead ms (blocks) | loss first → last |",
+             "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda v: "" if v is None else f"{v:.1f}"
+    ahead = lambda r: "" if r.get("cpu_lead_ms") is None else f"{r['cpu_lead_ms']:.1f} ({r['blocks_ahead_max']})"
     for r in results:
         lines.append(
             f"| {r['system']} | {r['config']} | {r['world']} | " + (f"{r['repeat'] + 1} | " if repeated else "") +
             f"{r['step_ms']:.1f} | {r['tok_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_alloc_gib']:.2f} | "
             f"{r['peak_reserved_gib']:.2f} | {ratio(r['peak_reserved_gib'], r['peak_alloc_gib'])} | "
             f"{ms(r['exposed_comm_ms'])} | {ms(r['gpu_idle_ms'])} | {r['allgather_waits']} | "
-            f"{r['loss_first']:.4f} → {r['loss_last']:.4f} |")
+            f"{ahead(r)} | {r['loss_first']:.4f} → {r['loss_last']:.4f} |")
     by_key = medians(results)
     lines += ["", "## Against the targets (same run, same GPUs" +
               ("; medians over the runs, the per-run speed ratios in brackets" if repeated else "") + ")", ""]
