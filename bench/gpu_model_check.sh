@@ -94,7 +94,7 @@ bench() {  # bench NAME SECONDS RUN_BENCH_ARGS...
 phase build 240 env FSDP_JOBS="$(nproc)" bash scripts/setup.sh || exit 1
 case $part in
   suite)
-    phase gpu-tests 120 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
+    phase gpu-tests 120 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_recompute)$' \
       --output-on-failure
     phase sdpa 30 python3 bench/sdpa_backends.py
     phase snapshot-1b-ac 90 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
@@ -114,7 +114,7 @@ case $part in
       --out "$work/frontier-1b" --fsdp2 "--model 1b --seq 2048 --batch 4 --steps 6" ;;
   plan-check-1b)
     phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
-'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+'train_gpu_2_recompute|train_gpu_2_offload|train_gpu_2_hsdp)$'
     phase plan-check-1b 200 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 \
       --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-1b.jsonl" --plan-check-steps 10 \
       --log "$work/plan-1b.jsonl"
@@ -126,7 +126,7 @@ case $part in
       --out "$work/frontier-1b-accum" ;;
   plan-1gpu)
     phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_1_ranks|train_gpu_1|'\
-'train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+'train_gpu_1_recompute|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     plan_checks() {  # plan_checks TREE SUFFIX: the two plan checks with TREE's binaries
       local tree=$1 suffix=$2
       phase plan-check-1b$suffix 200 "$tree"/build/fsdp-run --gpu -n 1 "$tree"/build/fsdp-train --model 1b \
@@ -150,7 +150,7 @@ case $part in
   plan-small)  # on 2 GPUs, or on 1 where only one is lent
     gpus=$(( $(nvidia-smi -L | wc -l) > 1 ? 2 : 1 ))
     phase gpu-tests 200 ctest --test-dir build --output-on-failure -R "^(unit|gpu_${gpus}_ranks|train_gpu_${gpus}|"\
-"train_gpu_${gpus}_checkpoint|train_gpu_${gpus}_optimizer_in_backward)\$"
+"train_gpu_${gpus}_recompute|train_gpu_${gpus}_optimizer_in_backward)\$"
     phase plan-check-small 200 build/fsdp-run --gpu -n $gpus build/fsdp-train --model small --seq 1024 --batch 4 \
       --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-small.jsonl" --plan-check-steps 10 \
       --log "$work/plan-small.jsonl"
@@ -165,7 +165,7 @@ case $part in
     phase overlap-1b 20 python3 bench/trace_overlap.py "$work"/overlap-depth{0,1}-rank{0,1}.json \
       --json "$work/overlap-1b.json" ;;
   plan-8b)
-    phase gpu-tests 150 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint)$' \
+    phase gpu-tests 150 ctest --test-dir build -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_recompute)$' \
       --output-on-failure
     phase plan-check-8b 240 build/fsdp-run --gpu -n 2 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --steps 5 --plan-check "$work/plan-check-8b.jsonl" --plan-check-budgets 6 \
@@ -175,7 +175,7 @@ case $part in
       --param-dtype bf16 --steps 5 --memory-budget 48 --plan-only --log "$work/budget-48-8b.jsonl" ;;
   offload)
     phase gpu-tests 200 ctest --test-dir build --output-on-failure \
-      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_optimizer_in_backward)$'
+      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_recompute|train_gpu_2_offload|train_gpu_2_optimizer_in_backward)$'
     phase offload-resume 120 bash -c "build/fsdp-run --gpu -n 2 build/fsdp-train --model tiny --seq 64 --steps 10 \
       --cpu-offload --save-dir $work/ckpt --log $work/offload-save.jsonl && build/fsdp-run --gpu -n 2 \
       build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/device-resume.jsonl"
@@ -194,7 +194,7 @@ case $part in
       --param-dtype bf16 --cpu-offload --recompute --steps 5 --log "$work/offload-8b-ac.jsonl" ;;
   offload-1gpu)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_recompute|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     phase offload-8b-1gpu 330 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 5 --log "$work/offload-8b-1gpu.jsonl" ;;
   device-1gpu)
@@ -206,7 +206,7 @@ case $part in
       --param-dtype bf16 --steps 3 --log "$work/device-8b-1gpu-batch2.jsonl" ;;
   host-steps-1gpu)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_recompute|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     for pending in 0 2; do
       phase offload-8b-1gpu-pending$pending 150 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 \
         --batch 2 --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 6 \
@@ -215,7 +215,7 @@ case $part in
     done ;;
   offload-h100)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_recompute|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     phase offload-8b-h100 200 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 2 \
       --param-dtype bf16 --cpu-offload --optimizer-in-backward --clip 0 --steps 6 --log "$work/offload-8b-h100.jsonl"
     phase device-8b-h100 60 build/fsdp-run --gpu -n 1 build/fsdp-train --model 8b --seq 2048 --batch 1 \
@@ -230,7 +230,7 @@ case $part in
       --clip 0 --steps 3 --log "$work/offload-8b-1gpu.jsonl" ;;
   offload-1b-1gpu)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_checkpoint|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
+      -R '^(unit|gpu_1_ranks|train_gpu_1|train_gpu_1_recompute|train_gpu_1_offload|train_gpu_1_optimizer_in_backward)$'
     one_gpu_1b="--model 1b --seq 2048 --batch 4 --steps 8"
     phase offload-1b-1gpu 120 build/fsdp-run --gpu -n 1 build/fsdp-train $one_gpu_1b --param-dtype bf16 \
       --cpu-offload --log "$work/offload-1b-1gpu.jsonl"
@@ -243,7 +243,7 @@ case $part in
       bench/fsdp2_llama.py $one_gpu_1b --cpu-offload --jsonl "$work/fsdp2-offload-1b-1gpu.jsonl" ;;
   hsdp)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+      -R '^(gpu_2_ranks|train_gpu_2|train_gpu_2_recompute|train_gpu_2_offload|train_gpu_2_hsdp)$'
     phase hsdp-resume 120 bash -c "build/fsdp-run --gpu -n 2 build/fsdp-train --model tiny --seq 64 --steps 10 \
       --replicas 2 --save-dir $work/ckpt --log $work/hsdp-save.jsonl && build/fsdp-run --gpu -n 2 \
       build/fsdp-train --model tiny --seq 64 --steps 20 --resume $work/ckpt --log $work/fsdp-resume.jsonl"
@@ -254,7 +254,7 @@ case $part in
     done ;;
   two-nodes)
     phase gpu-tests 240 ctest --test-dir build --output-on-failure \
-      -R '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp)$'
+      -R '^(unit|gpu_2_ranks|train_gpu_2|train_gpu_2_recompute|train_gpu_2_offload|train_gpu_2_hsdp)$'
     phase torchrun-1-node 120 python3 -m torch.distributed.run --nproc-per-node 2 --no-python -- build/fsdp-train \
       --model tiny --seq 64 --steps 20 --log "$work/torchrun-1-node.jsonl"
     for replicas in 1 2; do
@@ -263,7 +263,7 @@ case $part in
     done ;;
   package)
     phase gpu-tests 300 ctest --test-dir build --output-on-failure -R '^(unit|gpu_2_ranks|train_gpu_2|'\
-'train_gpu_2_checkpoint|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|example_gpt2|subproject_configure)$'
+'train_gpu_2_recompute|train_gpu_2_offload|train_gpu_2_hsdp|example_mlp|example_gpt2|subproject_configure)$'
     phase train-1b 120 build/fsdp-run --gpu -n 2 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16 \
       --steps 10 --log "$work/train-1b.jsonl" ;;
   *) echo "unknown part '$part'"; exit 2 ;;
