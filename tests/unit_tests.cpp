@@ -9,6 +9,7 @@
 #include <regex>
 #include <thread>
 
+#include "fsdp/communicator.h"
 #include "fsdp/recompute.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/unit.h"
@@ -548,3 +549,19 @@ TEST(RuntimeOptions, EachKnobIsComparedAndRangeChecked) {
 }
 
 }  // namespace
+
+// A coalesced collective's pieces (one per parameter of each group) in an error: their total size
+// and count, not one size each (a block has dozens of parameters).
+struct BatchText : fsdp::Communicator {
+  using Communicator::Buffers;
+  using Communicator::describe_batch;
+};
+
+TEST(Communicator, ABatchIsDescribedByItsTotalAndItsPieces) {
+  const auto buffers = [](int64_t n) {
+    return BatchText::Buffers{at::empty({2 * n}, at::kFloat), at::empty({n}, at::kFloat)};
+  };
+  EXPECT_EQ(BatchText::describe_batch("all_gather", {buffers(256), buffers(128)}, "#3 Block"),
+            "all_gather of 1536 bytes in 2 pieces (#3 Block)");
+  EXPECT_EQ(BatchText::describe_batch("reduce_scatter(avg)", {buffers(1)}, ""), "reduce_scatter(avg) of 4 bytes");
+}

@@ -97,8 +97,8 @@ class Communicator {
     at::Tensor output;  ///< all-gather: world x the input; reduce-scatter: one rank's part
     at::Tensor input;   ///< all-gather: this rank's part; reduce-scatter: world x the output
   };
-  /// "all_gather of 1024 bytes + 512 bytes (#3 Block)": how a backend names a batch (its inputs'
-  /// sizes, and the tag) in its errors.
+  /// "all_gather of 1536 bytes in 2 pieces (#3 Block)": how a backend names a batch (its inputs'
+  /// total size, their count when more than one, and the tag) in its errors.
   static std::string describe_batch(const std::string& op, const std::vector<Buffers>& ops, const std::string& tag);
   static std::string bytes_of(const at::Tensor& t);  ///< "1024 bytes"
   /// Backends implement batches; the checked public calls above funnel here. `tag` (may be empty)
