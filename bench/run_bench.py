@@ -15,8 +15,8 @@ profile (bench/profile_summary.py), per step: exposed_comm_ms, the time an NCCL
 kernel ran while no compute kernel did; gpu_idle_ms, the time no kernel ran.
 fsdp-train also traces its warm-up steps 2-3 (--trace): from rank 0's host track
 (bench/trace_overlap.py) cpu_lead_ms, the median time from the CPU issuing a
-block's compute to the GPU starting it, blocks_ahead_max, the most blocks issued
-and not yet started, and cap_waits, the CPU's waits on the in-flight caps.
+block's compute to the GPU starting it, groups_ahead_max, the most groups with compute
+issued and not yet started, and cap_waits, the CPU's waits on the in-flight caps.
 profiles.md has each run's profile: the GPU time by kind of kernel (matrix products,
 attention, communication, optimizer, copies and casts, norms, the rest), the rate of
 its matrix products and attention in TFLOP/s, and its costliest kernels.
@@ -152,9 +152,9 @@ def run_ahead(trace):
     how it waited on the caps (bench/trace_overlap.py); nothing for a run without one."""
     path = trace + "-rank0.json"
     if not os.path.exists(path):
-        return dict(cpu_lead_ms=None, blocks_ahead_max=None, cap_waits={})
+        return dict(cpu_lead_ms=None, groups_ahead_max=None, cap_waits={})
     s = trace_overlap.summarise(path)
-    return dict(cpu_lead_ms=s["lead_ms_median"], blocks_ahead_max=s["blocks_ahead_max"], cap_waits=s["cap_waits"])
+    return dict(cpu_lead_ms=s["lead_ms_median"], groups_ahead_max=s["groups_ahead_max"], cap_waits=s["cap_waits"])
 
 
 def ratio(a, b):
@@ -316,10 +316,10 @@ def write_markdown(results, worlds, path, common):
              f"commit {common['commit'][:10]}, {common['date']}", "",
              "| system | config | GPUs | " + ("run | " if repeated else "") + "ms/step | tokens/s/GPU | MFU | "
              "peak alloc GiB | peak reserved GiB | reserved/alloc | exposed comm ms | GPU idle ms | AG waits | "
-             "CPU ahead ms (blocks) | loss first → last |",
+             "CPU ahead ms (groups) | loss first → last |",
              "|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda v: "" if v is None else f"{v:.1f}"
-    ahead = lambda r: "" if r.get("cpu_lead_ms") is None else f"{r['cpu_lead_ms']:.1f} ({r['blocks_ahead_max']})"
+    ahead = lambda r: "" if r.get("cpu_lead_ms") is None else f"{r['cpu_lead_ms']:.1f} ({r['groups_ahead_max']})"
     for r in results:
         lines.append(
             f"| {r['system']} | {r['config']} | {r['world']} | " + (f"{r['repeat'] + 1} | " if repeated else "") +

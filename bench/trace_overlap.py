@@ -6,8 +6,10 @@ Per trace file: the blocks' compute time by phase (forward, recompute, backward,
 root's spans are left out, its forward and backward enclose the others), the all-gathers' and
 reduce-scatters' time, and how much of it ran beside the blocks' compute. From the host track:
 how far ahead of the GPU the CPU ran (each block's compute span from its issue, args.issued_us,
-to its start on the device, in ms, and how many blocks the CPU had issued that the device had
-not started when it issued the next) and how long the CPU waited on the in-flight caps. Comparing a run at
+to its start on the device, in ms, and how many groups had compute the CPU had issued and the
+device had not started when it issued the next) and how long the CPU waited on the in-flight caps:
+with the all-gather cap, never more than the prefetch depth plus the cap (tests/launcher_tests.sh
+overlap). Comparing a run at
 --prefetch-depth 0 with one at depth 1 shows the contention the planner calibrates
 (docs/planner.md, "The calibration step"): compute that grows and collectives that stretch when
 they share the GPU.
@@ -44,14 +46,15 @@ def run_ahead(blocks, waits):
     """The CPU's lead over the GPU from the blocks' compute spans, and its waits on the caps."""
     issued = sorted(blocks, key=lambda e: e["args"]["issued_us"])
     leads = [(e["ts"] - e["args"]["issued_us"]) / 1e3 for e in issued]
-    ahead = [sum(1 for o in issued[:i] if o["ts"] > e["args"]["issued_us"]) for i, e in enumerate(issued)]
+    group = lambda e: e["name"].split(" ", 1)[1]  # "backward #3 Block": its forward, recompute, hand-off
+    ahead = [len({group(o) for o in issued[:i] if o["ts"] > e["args"]["issued_us"]}) for i, e in enumerate(issued)]
     waited = collections.defaultdict(lambda: [0, 0.0])
     for w in waits:  # "wait: all-gather cap, for #3 Block"
         cap = w["name"].split(": ", 1)[1].split(" cap", 1)[0]
         waited[cap][0] += 1
         waited[cap][1] += w["dur"] / 1e3
     return {"lead_ms_median": statistics.median(leads) if leads else 0.0, "lead_ms_max": max(leads, default=0.0),
-            "blocks_ahead_median": statistics.median(ahead) if ahead else 0, "blocks_ahead_max": max(ahead, default=0),
+            "groups_ahead_median": statistics.median(ahead) if ahead else 0, "groups_ahead_max": max(ahead, default=0),
             "cap_waits": {cap: {"times": n, "ms": ms} for cap, (n, ms) in waited.items()}}
 
 
@@ -102,7 +105,7 @@ def main():
               f"{s['reduce_scatter_ms']:.1f} ms ({s['reduce_scatter_beside_compute_ms']:.1f} beside)")
         waits = "; ".join(f"{w['times']} waits on the {cap} cap, {w['ms']:.1f} ms" for cap, w in s["cap_waits"].items())
         print(f"    the CPU ahead of the GPU: median {s['lead_ms_median']:.1f} ms (max {s['lead_ms_max']:.1f}), "
-              f"median {s['blocks_ahead_median']} blocks issued not yet started (max {s['blocks_ahead_max']}); "
+              f"median {s['groups_ahead_median']} groups issued not yet started (max {s['groups_ahead_max']}); "
               f"{waits or 'no waits on the caps'}")
     if args.json:
         json.dump(summaries, open(args.json, "w"), indent=1)
