@@ -23,7 +23,7 @@ case $phase in
     tail -3 "$out/long-small.log"
     [ $ok -eq 0 ] || exit $ok
     rm -f "$out"/long-small-memory-rank[1-9]*.jsonl
-    python3 tests/check_train_log.py "$out/long-small.jsonl" --steps "$steps" --gpu-memory --stable-from 100 \
+    python3 tests/trainer/check_train_log.py "$out/long-small.jsonl" --steps "$steps" --gpu-memory --stable-from 100 \
       --rss-growth-mib 50 --step-time-drift 0.10 | tee "$out/long-small-check.txt"
     exit "${PIPESTATUS[0]}" ;;
   *) echo "unknown phase $phase"; exit 2 ;;

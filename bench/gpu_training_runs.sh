@@ -41,7 +41,7 @@ case $phase in
     train "${common[@]}" --batch 2 --resume $ck/small --log "$out/small-resumed-4gpu.jsonl" > "$out/small-resumed-4gpu.log" 2>&1
     grep -E "resumed|error" "$out/small-resumed-4gpu.log"
     # bf16 on GPUs: the report states the largest difference; the check is a loose sanity bound.
-    python3 tests/check_train_log.py "$out/small-resumed-4gpu.jsonl" --first-step 11 --steps 20 \
+    python3 tests/trainer/check_train_log.py "$out/small-resumed-4gpu.jsonl" --first-step 11 --steps 20 \
       --same-loss-as "$out/small-straight-2gpu.jsonl" --loss-tolerance 0.02 | tee "$out/small-resume-check.txt"
     rm -rf $ck ;;
   save8b)

@@ -8,7 +8,7 @@ reduce-scatters' time, and how much of it ran beside the blocks' compute. From t
 how far ahead of the GPU the CPU ran (each block's compute span from its issue, args.issued_us,
 to its start on the device, in ms, and how many groups had compute the CPU had issued and the
 device had not started when it issued the next) and how long the CPU waited on the in-flight caps:
-with the all-gather cap, never more than the prefetch depth plus the cap (tests/launcher_tests.sh
+with the all-gather cap, never more than the prefetch depth plus the cap (tests/trainer/launcher_tests.sh
 overlap). Comparing a run at
 --prefetch-depth 0 with one at depth 1 shows the contention the planner calibrates
 (docs/planner.md, "The calibration step"): compute that grows and collectives that stretch when

@@ -3,7 +3,7 @@ them): python cases.py CASE [options]. A case asserts its outcome and exits 0, o
 
 Parity cases train a sharded model and a single-process reference from the same weights on the
 same global batches, and compare losses and final parameters within the bounds of
-tests/helpers.h (float32 rounding: eps = 2 * lambda * sqrt(D * K) * u per step; AdamW with
+tests/lib/helpers.h (float32 rounding: eps = 2 * lambda * sqrt(D * K) * u per step; AdamW with
 adam_eps = 1e-2 so that a rounding difference moves a parameter by a bounded amount)."""
 
 import argparse
@@ -30,7 +30,7 @@ ROWS, SEQ, VOCAB = 12, 16, 64  # the global batch: 12 rows divide among 1, 2, 3 
 
 
 def adam_ratio_bound(t, beta1=0.9, beta2=0.999):
-    """R_t of tests/helpers.h: the largest |m_hat| / sqrt(v_hat) at step t (from 1)."""
+    """R_t of tests/lib/helpers.h: the largest |m_hat| / sqrt(v_hat) at step t (from 1)."""
     s = sum(((1 - beta1) * beta1 ** (t - i) / (1 - beta1 ** t)) ** 2 /
             ((1 - beta2) * beta2 ** (t - i) / (1 - beta2 ** t)) for i in range(1, t + 1))
     return math.sqrt(s)
@@ -73,7 +73,7 @@ def optimizer_for(model, lr_scale=1.0):
 
 class Reference:
     """The single-process run: the whole global batch each step; records what bounds the
-    sharded run (tests/helpers.h)."""
+    sharded run (tests/lib/helpers.h)."""
 
     def __init__(self, name, steps, clip=0.0, accum=1):
         self.model = build(name)
@@ -775,7 +775,7 @@ def case_plan(args):
     # recompute. (A budget halfway to the fastest schedule's peak may fit a schedule that gathers
     # less ahead instead; and on a busy CPU the fastest schedule may itself recompute a block, where
     # the step's tail waits for the reduce-scatters. That an unbounded budget recomputes nothing
-    # where recomputing costs time is tests/plan_tests.cpp's
+    # where recomputing costs time is tests/lib/plan_tests.cpp's
     # Planner.UnboundedBudgetTakesTheFastestWithoutCheckpointing.)
     budget = smallest
     plan = fsdpcpp.plan_memory_budget(model, train_step, budget, **planner)

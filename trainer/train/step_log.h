@@ -1,5 +1,5 @@
 // What fsdp-train reports of each step: the line rank 0 prints and the JSON line it appends to the
-// log (tests/check_train_log.py, bench/run_bench.py and bench/memreport.py read those fields).
+// log (tests/trainer/check_train_log.py, bench/run_bench.py and bench/memreport.py read those fields).
 #pragma once
 
 #include <cstdint>

@@ -101,7 +101,7 @@ resume)
       done
       tolerance=0
     else
-      # Another rank count sums in another order: tests/helpers.h's bound for this model and batch
+      # Another rank count sums in another order: tests/lib/helpers.h's bound for this model and batch
       # (2 * 10 * sqrt(44 * 384) * 2^-24 = 1.6e-4 per step), over the ten steps after the resume.
       # On GPUs the same rank count is not bit-exact either (atomics in backward kernels).
       tolerance=1.6e-3
@@ -119,7 +119,7 @@ overlap)
   # compute of more than prefetch depth + cap groups issued that the GPU has not started; (3) without
   # it the CPU runs further ahead (so (2) can fail), and reserved memory still stays within 5% of the
   # allocated peak: the gathered buffers are reused in stream order, the cap is not what bounds them.
-  bench="$(dirname "$0")/../bench"
+  bench="$(dirname "$0")/../../bench"
   slow=(env NCCL_MAX_NCHANNELS=1 NCCL_MIN_NCHANNELS=1 NCCL_PROTO=Simple)
   one=(--model 1b --seq 2048 --batch 2 --param-dtype bf16 --reduce-dtype fp32 --steps 5 --trace-steps 2)
   for run_name in plain slow slow-nolimit; do
@@ -158,7 +158,7 @@ grad-accum)
     "$run" -n 2 --cpu "$train" "${common[@]}" --batch 2 --grad-accum 2 --grad-accum-sync $sync \
       --log "$work/$sync.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "--grad-accum-sync $sync"; }
     grep -q "batch 2 x 2 x 32 tokens per rank" "$work/out" || fail "the banner does not show the micro-batches"
-    # Each step sums the same gradients in another order: tests/helpers.h's bound for this model
+    # Each step sums the same gradients in another order: tests/lib/helpers.h's bound for this model
     # and batch, 1.6e-4 per step (see resume), over three steps.
     python3 "$(dirname "$0")/check_train_log.py" "$work/$sync.jsonl" --steps 3 \
       --same-loss-as "$work/one.jsonl" --loss-tolerance 4.8e-4 || fail "--grad-accum-sync $sync"
@@ -166,7 +166,7 @@ grad-accum)
   echo "grad-accum: ok"
   ;;
 data)
-  text="$(dirname "$0")/../README.md"
+  text="$(dirname "$0")/../../README.md"
   python3 - "$text" "$work" <<'PY' || fail "writing token files"
 import struct, sys
 ids = list(open(sys.argv[1], "rb").read())

@@ -22,7 +22,7 @@ For a grouped-query model, a tied-embedding one and one with Llama 3's RoPE scal
 Tolerance: float32 logits of two implementations of this model (dim 64, 2 layers) that sum in
 different orders: each logit ends a chain of about 20 sums of at most 256 terms, so the
 relative difference stays below 2 * 10 * sqrt(20 * 256) * 2^-24 = 8.5e-5 of the logits' scale
-(tests/helpers.h's bound); checked at 1e-4 of the largest logit.
+(tests/lib/helpers.h's bound); checked at 1e-4 of the largest logit.
 """
 import json
 import os

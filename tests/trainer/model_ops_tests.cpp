@@ -1,5 +1,5 @@
 // The Llama's fused operations against plain ATen formulas, on CPU (the GPU suite compares the
-// CUDA kernels with the same references: tests/gpu_tests.cpp).
+// CUDA kernels with the same references: tests/lib/gpu_tests.cpp).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

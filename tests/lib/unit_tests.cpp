@@ -1,4 +1,5 @@
-// Single-process tests of the arithmetic under the runtime.
+// Single-process tests of the library's arithmetic: shard layout, execution order, caps, launch
+// variables, recomputation, the runtime knobs (the trainer's own: tests/trainer/train_unit_tests.cpp).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -20,9 +21,6 @@
 #include "sched/inflight_queue.h"
 #include "shard/flat_copy.h"
 #include "shard/shard_layout.h"
-#include "train/data.h"
-#include "train/fused_adamw.h"
-#include "train/lr_schedule.h"
 
 namespace {
 
@@ -364,28 +362,6 @@ TEST(LaunchEnv, MissingOrContradictoryVariablesAreNamed) {
   expect_error(FakeEnv{{{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}, {"MASTER_ADDR", "h"}}}, "MASTER_PORT is not set");
 }
 
-TEST(LrSchedule, WarmupThenCosineToMin) {
-  fsdp::train::LrSchedule s{1.0, 0.1, 4, 14};
-  EXPECT_DOUBLE_EQ(s.at(0), 0.25);
-  EXPECT_DOUBLE_EQ(s.at(3), 1.0);
-  EXPECT_DOUBLE_EQ(s.at(4), 1.0);
-  EXPECT_NEAR(s.at(9), 0.55, 1e-12);  // half way down
-  EXPECT_DOUBLE_EQ(s.at(14), 0.1);
-  EXPECT_DOUBLE_EQ(s.at(100), 0.1);
-}
-
-TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
-  auto data = fsdp::train::synthetic_tokens(50, 7);
-  auto whole = data->rows(3, 0, 6, 16);
-  auto split = torch::cat({data->rows(3, 0, 2, 16), data->rows(3, 2, 2, 16), data->rows(3, 4, 2, 16)});
-  EXPECT_TRUE(torch::equal(whole, split));
-  EXPECT_FALSE(torch::equal(whole, data->rows(4, 0, 6, 16)));
-  EXPECT_LT(whole.max().item<int64_t>(), 50);
-  EXPECT_GE(whole.min().item<int64_t>(), 0);
-}
-
-// The fused kernel must be libtorch's AdamW, update for update, including a
-// parameter that gets no gradient in some steps (its step count stays behind).
 // The near-normal initialisation: over 2^20 values the sample mean lies within 5 standard errors
 // (5 * std / 2^10) of 0 and the sample standard deviation within 1% of std (its standard error
 // is std * sqrt((kurtosis - 1) / n) ~ std / 1500 here); every value within the +-sqrt(3) * 2 * std
@@ -404,112 +380,11 @@ TEST(InitNormal, MeanStdBoundsAndSeeds) {
   EXPECT_TRUE(torch::equal(a, again));
 }
 
-TEST(FusedAdamW, MatchesLibtorchAdamW) {
-  torch::manual_seed(3);
-  const std::vector<at::Tensor> init = {torch::randn({5, 3}), torch::randn({7}), torch::randn({2, 2})};
-  auto copies = [&] {
-    std::vector<at::Tensor> out;
-    for (const auto& t : init) out.push_back(t.clone().requires_grad_(true));
-    return out;
-  };
-  auto fused_params = copies(), plain_params = copies();
-  const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1);
-  fsdp::train::FusedAdamW fused(fused_params, options);
-  torch::optim::AdamW plain(plain_params, options);
-  for (int step = 0; step < 6; ++step) {
-    for (size_t i = 0; i < init.size(); ++i) {
-      const bool skipped = i == 1 && step % 2 == 1;
-      auto grad = torch::randn_like(init[i]);
-      for (auto* params : {&fused_params, &plain_params}) {
-        auto& p = (*params)[i];
-        p.mutable_grad() = skipped ? at::Tensor() : grad.clone();
-      }
-    }
-    fused.step();
-    plain.step();
-  }
-  for (size_t i = 0; i < init.size(); ++i) {
-    EXPECT_FALSE(torch::allclose(fused_params[i], init[i])) << i;
-    EXPECT_TRUE(torch::allclose(fused_params[i], plain_params[i], 1e-6, 1e-6))
-        << i << ": " << (fused_params[i] - plain_params[i]).abs().max().item<double>();
-  }
-}
-
 // The clip as a divisor: norm / max_norm (plus clip_grad_norm_'s 1e-6) above max_norm, 1 below it.
 TEST(ClipDivisor, IsTheNormOverMaxNormAtLeastOne) {
   EXPECT_FLOAT_EQ(fsdp::clip_divisor(torch::full({}, 3.0f), 1.5).item<float>(), 2.0f);
   EXPECT_FLOAT_EQ(fsdp::clip_divisor(torch::full({}, 2e-6f), 1e-6).item<float>(), 3.0f);  // the 1e-6 counts
   EXPECT_EQ(fsdp::clip_divisor(torch::full({}, 0.5f), 2.0).item<float>(), 1.0f);
-}
-
-// A step with a gradient divisor is the step after dividing the gradients (the clip in the update).
-TEST(FusedAdamW, GradDivisorIsTheGradientsDividedFirst) {
-  torch::manual_seed(5);
-  const auto init = torch::randn({9, 4});
-  auto divided = init.clone().requires_grad_(true), plain = init.clone().requires_grad_(true);
-  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-  fsdp::train::FusedAdamW with_divisor({divided}, options), after_dividing({plain}, options);
-  for (int step = 0; step < 3; ++step) {
-    const auto grad = torch::randn({9, 4});
-    const double by = step == 1 ? 1.0 : 4.0 + step;
-    divided.mutable_grad() = grad.clone();
-    plain.mutable_grad() = grad / by;
-    with_divisor.step_with_grad_divisor(step == 1 ? at::Tensor() : torch::full({}, by));
-    after_dividing.step();
-  }
-  EXPECT_FALSE(torch::allclose(divided, init));
-  EXPECT_TRUE(torch::allclose(divided, plain, 1e-6, 1e-7)) << (divided - plain).abs().max().item<double>();
-  EXPECT_THROW(with_divisor.step_with_grad_divisor(torch::ones({2})), std::invalid_argument);
-}
-
-// init_state() allocates the moments up front in the parameters' current
-// (sharded) shapes, only for trainable parameters, and changes no update.
-TEST(FusedAdamW, InitStateUpFrontInCurrentShapes) {
-  torch::manual_seed(4);
-  auto trained = torch::randn({6, 4}).requires_grad_(true);
-  auto frozen = torch::randn({3});
-  auto reference = trained.detach().clone().requires_grad_(true);
-  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-  fsdp::train::FusedAdamW eager({trained, frozen}, options), lazy({reference}, options);
-  // What sharding does to a parameter the optimizer already holds: new, smaller data.
-  {
-    at::NoGradGuard no_grad;
-    trained.set_data(trained.detach()[0].clone());
-    reference.set_data(reference.detach()[0].clone());
-  }
-  eager.init_state();
-  ASSERT_EQ(eager.state().size(), 1u);  // none for the frozen parameter
-  const auto& moments = static_cast<const fsdp::train::FusedAdamWState&>(
-      *eager.state().at(trained.unsafeGetTensorImpl()));
-  EXPECT_EQ(moments.exp_avg.sizes(), trained.sizes());
-  EXPECT_EQ(moments.exp_avg_sq.sizes(), trained.sizes());
-  for (int step = 0; step < 3; ++step) {
-    auto grad = torch::randn({4});
-    trained.mutable_grad() = grad.clone();
-    reference.mutable_grad() = grad.clone();
-    eager.step();
-    lazy.step();
-  }
-  EXPECT_TRUE(torch::equal(trained, reference));
-}
-
-// State created before sharding no longer fits the parameter: a clear error, not
-// a shape failure inside the fused kernel.
-TEST(FusedAdamW, StateOlderThanShardingIsRefused) {
-  auto param = torch::randn({6, 4}).requires_grad_(true);
-  fsdp::train::FusedAdamW optimizer({param}, torch::optim::AdamWOptions(1e-2));
-  optimizer.init_state();
-  {
-    at::NoGradGuard no_grad;
-    param.set_data(param.detach()[0].clone());
-  }
-  param.mutable_grad() = torch::ones({4});
-  try {
-    optimizer.step();
-    FAIL() << "step() accepted moments of the parameter's old shape";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("create the state after sharding"), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // hf_logits MODEL TOKENS ROWS COLS OUT: loads Hugging Face Llama weights (a directory with
 // config.json) into a sharded fsdp.cpp Llama, runs it on ROWS x COLS int64 tokens (raw
 // little-endian file TOKENS) and writes the float32 logits raw to OUT (rank 0). Run under
-// fsdp-run; tests/hf_roundtrip.py compares the logits with transformers'.
+// fsdp-run; tests/trainer/hf_roundtrip.py compares the logits with transformers'.
 #include <ATen/ops/from_blob.h>
 #include <c10/core/GradMode.h>
 

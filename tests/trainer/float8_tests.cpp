@@ -1,7 +1,7 @@
 // Float8 linears' arithmetic on CPU (fsdp/float8.h): the casts' scales, rounding and saturation,
 // and the linear's three GEMMs against float64 products within bounds derived from the formats'
 // precision. The GPU suite checks that the CUDA casts equal these bit for bit and _scaled_mm the
-// dequantised products (tests/gpu_tests.cpp).
+// dequantised products (tests/lib/gpu_tests.cpp).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -2,10 +2,10 @@
 # An example project built against an installed fsdp.cpp the way the README's "Using fsdp.cpp in
 # your project" shows (cmake --install, find_package(fsdp) from the prefix), then run on 2 CPU
 # ranks. Paths stay fixed under the build folder so ccache serves repeated runs.
-#   bash tests/example_test.sh BUILD_DIR EXAMPLE TORCH_DIR
+#   bash tests/tools/example_test.sh BUILD_DIR EXAMPLE TORCH_DIR
 set -euo pipefail
 build=$(cd "$1" && pwd); example=$2; torch_dir=$3
-source_dir=$(cd "$(dirname "$0")/.." && pwd)
+source_dir=$(cd "$(dirname "$0")/../.." && pwd)
 prefix=$build/example-prefix-$example; example_build=$build/examples/$example; log=$build/example-$example.log
 rm -rf "$prefix"
 cmake --install "$build" --prefix "$prefix" > "$log"
