@@ -35,7 +35,7 @@ status=0
 declare -A shape=([1b]="--seq 2048 --batch 4" [3b]="--seq 2048 --batch 2")
 case $phase in
   speed)
-    mpirun -n 1 build/tests/fsdp_gpu_tests --gtest_filter='Gpu.Float8*' > "$out/float8-gpu-tests.log" 2>&1 || status=1
+    mpirun -n 1 build/tests/lib/fsdp_gpu_tests --gtest_filter='Gpu.Float8*' > "$out/float8-gpu-tests.log" 2>&1 || status=1
     grep -E "OK|FAILED|PASSED" "$out/float8-gpu-tests.log"
     build/python -m pip install -q --no-index --no-deps .whl/torchao-*.whl > "$out/torchao-install.log" 2>&1 || status=1
     torchao() {  # model, float8 recipe, round

@@ -42,7 +42,7 @@ TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(
 def fsdp_logits(model_dir, work):
     tokens, out = f"{work}/tokens.bin", f"{work}/logits.bin"
     TOKENS.numpy().astype("<i8").tofile(tokens)
-    subprocess.run(RUN + [f"{BUILD}/tests/fsdp_hf_logits", model_dir, tokens, "2", "16", out], check=True)
+    subprocess.run(RUN + [f"{BUILD}/tests/trainer/fsdp_hf_logits", model_dir, tokens, "2", "16", out], check=True)
     return torch.frombuffer(bytearray(open(out, "rb").read()), dtype=torch.float32).view(2, 16, -1)
 
 
