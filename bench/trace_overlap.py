@@ -8,11 +8,10 @@ reduce-scatters' time, and how much of it ran beside the blocks' compute. From t
 how far ahead of the GPU the CPU ran (each block's compute span from its issue, args.issued_us,
 to its start on the device, in ms, and how many groups had compute the CPU had issued and the
 device had not started when it issued the next) and how long the CPU waited on the in-flight caps:
-with the all-gather cap, never more than the prefetch depth plus the cap (tests/trainer/launcher_tests.sh
-overlap). Comparing a run at
---prefetch-depth 0 with one at depth 1 shows the contention the planner calibrates
-(docs/planner.md, "The calibration step"): compute that grows and collectives that stretch when
-they share the GPU.
+with the all-gather cap, never more than the prefetch depth plus the cap
+(tests/trainer/launcher_tests.sh overlap). Comparing a run at --prefetch-depth 0 with one at depth 1
+shows the contention the planner calibrates (docs/planner.md, "The calibration step"): compute
+that grows and collectives that stretch when they share the GPU.
 
   python3 bench/trace_overlap.py run-rank0.json [more.json ...] [--json OUT]
 """
@@ -42,12 +41,16 @@ def beside(intervals, compute):
     return sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in intervals for cs, ce in compute)
 
 
+def group_of(span):
+    """The group a span is of: "backward #3 Block" -> "#3 Block" (its forward, recompute, hand-off)."""
+    return span["name"].split(" ", 1)[1]
+
+
 def run_ahead(blocks, waits):
     """The CPU's lead over the GPU from the blocks' compute spans, and its waits on the caps."""
     issued = sorted(blocks, key=lambda e: e["args"]["issued_us"])
     leads = [(e["ts"] - e["args"]["issued_us"]) / 1e3 for e in issued]
-    group = lambda e: e["name"].split(" ", 1)[1]  # "backward #3 Block": its forward, recompute, hand-off
-    ahead = [len({group(o) for o in issued[:i] if o["ts"] > e["args"]["issued_us"]}) for i, e in enumerate(issued)]
+    ahead = [len({group_of(o) for o in issued[:i] if o["ts"] > e["args"]["issued_us"]}) for i, e in enumerate(issued)]
     waited = collections.defaultdict(lambda: [0, 0.0])
     for w in waits:  # "wait: all-gather cap, for #3 Block"
         cap = w["name"].split(": ", 1)[1].split(" cap", 1)[0]
@@ -62,18 +65,18 @@ def summarise(path):
     everything = json.load(open(path))["traceEvents"]
     # HSDP's all-reduce track (tid 3) is not summarised here.
     events = [e for e in everything if e.get("ph") == "X" and e["tid"] <= REDUCE_SCATTER]
-    roots = {e["name"].split(" ", 1)[1] for e in events if e["tid"] == COMPUTE and encloses(e, events)}
+    roots = {group_of(e) for e in events if e["tid"] == COMPUTE and encloses(e, events)}
     phases = collections.defaultdict(float)
     tracks = {COMPUTE: [], ALL_GATHER: [], REDUCE_SCATTER: []}
     for e in events:
         span = (e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3)
-        if e["tid"] == COMPUTE and e["name"].split(" ", 1)[1] in roots:
+        if e["tid"] == COMPUTE and group_of(e) in roots:
             continue
         tracks[e["tid"]].append(span)
         if e["tid"] == COMPUTE:
             phases[e["name"].split()[0]] += span[1] - span[0]
     compute = tracks[COMPUTE]
-    blocks = [e for e in events if e["tid"] == COMPUTE and e["name"].split(" ", 1)[1] not in roots
+    blocks = [e for e in events if e["tid"] == COMPUTE and group_of(e) not in roots
               and "issued_us" in e.get("args", {})]
     waits = [e for e in everything if e.get("ph") == "X" and e["tid"] == HOST]
     return {

@@ -387,10 +387,6 @@ TEST(ClipDivisor, IsTheNormOverMaxNormAtLeastOne) {
   EXPECT_EQ(fsdp::clip_divisor(torch::full({}, 0.5f), 2.0).item<float>(), 1.0f);
 }
 
-}  // namespace
-
-namespace {
-
 // fsdp::recompute on a module that is not sharded: the same output as a plain call, and backward
 // through the recomputation gives the same gradients.
 TEST(Recompute, GivesThePlainCallsResults) {

@@ -120,10 +120,12 @@ overlap)
   # it the CPU runs further ahead (so (2) can fail), and reserved memory still stays within 5% of the
   # allocated peak: the gathered buffers are reused in stream order, the cap is not what bounds them.
   bench="$(dirname "$0")/../../bench"
-  slow=(env NCCL_MAX_NCHANNELS=1 NCCL_MIN_NCHANNELS=1 NCCL_PROTO=Simple)
-  one=(--model 1b --seq 2048 --batch 2 --param-dtype bf16 --reduce-dtype fp32 --steps 5 --trace-steps 2)
+  slow=(env NCCL_MAX_NCHANNELS=1 NCCL_MIN_NCHANNELS=1 NCCL_PROTO=Simple)  # run_bench.py's SLOW_NCCL
+  depth=1 cap=2  # the defaults, named so that the bound below follows them
+  one=(--model 1b --seq 2048 --batch 2 --param-dtype bf16 --reduce-dtype fp32 --steps 5 --trace-steps 2
+    --prefetch-depth $depth)
   for run_name in plain slow slow-nolimit; do
-    extra=() launch=()
+    extra=(--max-inflight-allgathers $cap) launch=()
     [ "$run_name" != plain ] && launch=("${slow[@]}")
     [ "$run_name" = slow-nolimit ] && extra=(--max-inflight-allgathers 0)
     "${launch[@]}" "$run" --gpu -n 2 "$train" "${one[@]}" "${extra[@]}" --log "$work/$run_name.jsonl" \
@@ -131,16 +133,15 @@ overlap)
     python3 "$bench/trace_overlap.py" "$work/$run_name-rank0.json" --json "$work/$run_name-trace.json" \
       || fail "reading the $run_name trace"
   done
-  python3 - "$work" <<'PY' || fail "overlap"
+  python3 - "$work" $((depth + cap)) <<'PY' || fail "overlap"
 import json, sys
-work = sys.argv[1]
+work, bound = sys.argv[1], int(sys.argv[2])  # prefetch depth + all-gather cap
 trace = lambda name: json.load(open(f"{work}/{name}-trace.json"))[0]
 plain, capped, uncapped = trace("plain"), trace("slow"), trace("slow-nolimit")
 beside = plain["allgather_beside_compute_ms"] / plain["allgather_ms"]
 print(f"overlap: all-gathers {beside:.0%} beside compute; groups ahead of the GPU, capped "
       f"{capped['groups_ahead_max']}, uncapped {uncapped['groups_ahead_max']}")
 assert beside >= 0.8, "the all-gathers no longer run beside compute"
-bound = 1 + 2  # the default prefetch depth and all-gather cap
 assert capped["groups_ahead_max"] <= bound, f"the CPU ran more than {bound} groups ahead under the cap"
 assert uncapped["groups_ahead_max"] > bound, "without the cap the CPU did not run ahead: the test shows nothing"
 rows = [json.loads(line) for line in open(f"{work}/slow-nolimit.jsonl")]
