@@ -17,8 +17,8 @@ struct RuntimeOptions {
   /// earlier ones; past it the CPU waits on the oldest release instead of
   /// letting the allocator grow. 0: unlimited.
   int max_inflight_allgathers = 2;
-  /// Reduce-scatters (and their gradient buffers) in flight; past it the CPU
-  /// waits for the oldest. 0: unlimited.
+  /// Reduce-scatters (and their gradient buffers) in flight; past it the
+  /// compute stream waits for the oldest (the CPU does not). 0: unlimited.
   int max_inflight_reduce_scatters = 2;
   /// Bucketing: a group smaller than this (unsharded, in MB) is all-gathered
   /// together with the small groups expected next (past larger groups, which
@@ -52,7 +52,7 @@ void for_each_runtime_option(Visit&& visit) {
   visit("max_inflight_allgathers", &RuntimeOptions::max_inflight_allgathers,
         "all-gathers the CPU may issue ahead of the GPU's releases; 0 = unlimited");
   visit("max_inflight_reduce_scatters", &RuntimeOptions::max_inflight_reduce_scatters,
-        "reduce-scatters in flight before the CPU waits; 0 = unlimited");
+        "reduce-scatters in flight before the compute stream waits for the oldest; 0 = unlimited");
   visit("bucket_mb", &RuntimeOptions::bucket_mb, "groups below this size (MB) share one collective; 0 = off");
   visit("reduce_bucket_max_wait", &RuntimeOptions::reduce_bucket_max_wait,
         "with bucketing: groups whose backward may run while gradients wait in the reduce-scatter bucket; "
@@ -87,7 +87,7 @@ RuntimeOptions runtime_options();
 /// What the runtime counted (runtime_stats).
 struct RuntimeStats {
   long allgather_waits = 0;       ///< times the CPU blocked on max_inflight_allgathers
-  long reduce_scatter_waits = 0;  ///< times the CPU blocked on max_inflight_reduce_scatters
+  long reduce_scatter_waits = 0;  ///< times the compute stream waited on max_inflight_reduce_scatters
   long host_step_waits = 0;       ///< times backward blocked on max_pending_host_steps
   long prefetches = 0;            ///< all-gathers issued ahead of use
   long order_departures = 0;      ///< passes whose order differed from the recorded one

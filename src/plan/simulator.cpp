@@ -233,8 +233,8 @@ class Replay {
   void issue_reduce_scatter(const std::vector<int>& members, bool beside_compute) {
     while (!reductions_.empty() && reductions_.front().first <= cpu_) finish_oldest_reduction();
     const int cap = schedule_.runtime.max_inflight_reduce_scatters;
-    while (cap > 0 && static_cast<int>(reductions_.size()) >= cap) {
-      cpu_ = std::max(cpu_, reductions_.front().first);
+    while (cap > 0 && static_cast<int>(reductions_.size()) >= cap) {  // the compute stream waits, not the host
+      compute_not_before_ = std::max(compute_not_before_, reductions_.front().first);
       finish_oldest_reduction();
     }
     for (int g : members)
@@ -261,7 +261,7 @@ class Replay {
   // is found by a few rounds of fixed-point iteration: the overlap grows with the end).
   void compute(double device_ms, double cpu_ms, double not_before) {
     cpu_ += cpu_ms;
-    const double start = std::max({compute_end_, cpu_, not_before});
+    const double start = std::max({compute_end_, cpu_, not_before, compute_not_before_});
     double end = start + device_ms;
     for (int round = 0; round < 4 && model_.contention.compute_slowdown > 0; ++round)
       end = start + device_ms + model_.contention.compute_slowdown * time_within(collectives_, start, end);
@@ -322,6 +322,7 @@ class Replay {
   std::vector<int64_t> live_;  // bytes of each buffer (live())
   int64_t in_use_ = 0;
   double cpu_ = 0, compute_end_ = 0, gather_end_ = 0, reduce_end_ = 0;
+  double compute_not_before_ = 0;  // the oldest reduce-scatter's end, once the cap ordered compute after it
   int pass_ = 0;  // of model_.micro_batches
   std::vector<int> forward_order_, backward_order_;
   std::vector<double> gathered_at_;             // when each group's latest all-gather ends

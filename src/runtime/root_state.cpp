@@ -195,10 +195,21 @@ void RootState::reduce_scatter(ParamGroup& group) {
   if (reduce_bucket_bytes_ >= options.bucket_bytes() || waited_enough) flush_reduce_scatters();
 }
 
+// Past the cap the compute stream, not the CPU, waits for the oldest reduce-scatter: its input
+// then goes back to the compute stream's pool behind the collective that read it (the rule of
+// shard/streams.h), so memory is bounded as a CPU wait would bound it, and the CPU goes on issuing
+// the rest of backward and what follows it. (Held here, the CPU met the end of backward with the
+// GPU nearly done, and a Python script's clip and optimizer step over DTensors, milliseconds of
+// host time, ran with the GPU idle.)
 void RootState::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
-  make_room(reduce_scatters_, options().max_inflight_reduce_scatters, stats_.reduce_scatter_waits,
-            "reduce-scatter", reduce_bucket_.front()->label());
+  const DeviceStreams& streams = DeviceStreams::of(reduce_bucket_.front()->device());
+  const long before = reduce_scatters_.waits();
+  reduce_scatters_.set_limit(options().max_inflight_reduce_scatters);
+  reduce_scatters_.make_room([&](const DeviceWork& work) {
+    if (work.event) streams.wait(streams.compute(), *work.event);
+  });
+  stats_.reduce_scatter_waits += reduce_scatters_.waits() - before;
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();

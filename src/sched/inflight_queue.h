@@ -1,8 +1,9 @@
-// A cap on work in flight: the CPU may run ahead of the device by at most
-// `limit` items (all-gathers whose memory is not yet released, reduce-scatters
-// not yet finished). Past the cap the CPU blocks on the oldest item instead of
-// letting the allocator grow. Items are anything with done() and wait();
-// dropping an item releases what it keeps alive.
+// A cap on work in flight: at most `limit` items (all-gathers whose memory is
+// not yet released, reduce-scatters not yet finished) outstanding. Past the cap
+// the oldest item is settled before new work starts: the CPU blocks on it
+// (make_room()), or a device stream is ordered after it (make_room(settle)),
+// instead of letting the allocator grow. Items are anything with done() and
+// wait(); dropping an item releases what it keeps alive.
 #pragma once
 
 #include <deque>
@@ -19,9 +20,16 @@ class InflightQueue {
   // Call before starting new work: drops finished items, then blocks on the
   // oldest until fewer than `limit` remain.
   void make_room() {
+    make_room([](const Item& item) { item.wait(); });
+  }
+  // The same with settle(item) in place of blocking on each oldest item: what
+  // the item keeps alive is then dropped at once, so settle must order every
+  // later use of that memory after the item (a stream wait on its event).
+  template <class Settle>
+  void make_room(Settle&& settle) {
     drop_finished();
     while (limit_ > 0 && static_cast<int>(items_.size()) >= limit_) {
-      items_.front().wait();
+      settle(items_.front());
       items_.pop_front();
       ++waits_;
     }
@@ -37,7 +45,7 @@ class InflightQueue {
   size_t size() const { return items_.size(); }
   // Whether make_room() would block now (after drop_finished()).
   bool full() const { return limit_ > 0 && static_cast<int>(items_.size()) >= limit_; }
-  long waits() const { return waits_; }  // times make_room() blocked
+  long waits() const { return waits_; }  // items make_room() blocked on or settled
 
  private:
   std::deque<Item> items_;

@@ -296,8 +296,8 @@ Schedule buckets_of(size_t groups, int64_t bucket_bytes, int max_wait = 0) {
 // and B in one reduce-scatter, 1.1 ms less two latencies, 12-12.7; bwd A 12-14, RS A 14-14.3,
 // +1: 15.3 ms. The peak is at B's reduce-scatter: B's parameters 100 and input 50, A's
 // parameters 10 (gathered early), D's and C's inputs 5 + 5: 170 bytes.
-// Apart: 0.3 ms more per all-gather and 16.1 ms (worked as above, the in-flight cap of 2 holding
-// back A's reduce-scatter), and a peak of 160 (A's parameters not there yet).
+// Apart: 0.3 ms more per all-gather and 16.1 ms (worked as above), and a peak of 160 (A's
+// parameters not there yet).
 TEST(Simulator, BucketsGatherSmallGroupsPastLargeOnesAndSaveLatencies) {
   const CostModel m = latency_bound({10, 100, 10, 10});
   const Prediction bucketed = simulate(m, buckets_of(4, 50));

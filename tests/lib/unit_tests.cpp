@@ -158,6 +158,24 @@ TEST(InflightQueue, BlocksOnTheOldestOnlyWhenAtTheCap) {
   EXPECT_EQ(queue.size(), 1u);
 }
 
+// The reduce-scatter cap's form: past the cap the oldest is settled (the runtime orders the compute
+// stream after it) and dropped, and the CPU never waits.
+TEST(InflightQueue, SettlesTheOldestInsteadOfBlockingWhenAsked) {
+  int clock = 0;
+  std::vector<int> waited, settled;
+  fsdp::InflightQueue<FakeWork> queue(2);
+  const auto settle = [&](const FakeWork& work) { settled.push_back(work.finishes_at); };
+  for (int finishes_at : {10, 20, 30}) {
+    queue.make_room(settle);
+    queue.push({finishes_at, &clock, &waited});
+  }
+  EXPECT_EQ(settled, (std::vector<int>{10}));
+  EXPECT_TRUE(waited.empty());
+  EXPECT_EQ(clock, 0);
+  EXPECT_EQ(queue.waits(), 1);
+  EXPECT_EQ(queue.size(), 2u);
+}
+
 TEST(InflightQueue, ZeroMeansUnlimited) {
   int clock = 0;
   std::vector<int> waited;

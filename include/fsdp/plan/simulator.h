@@ -4,15 +4,15 @@
 // them: a group's parameters from its all-gather's issue to its reshard (and the all-gather's
 // buffers until its compute waits for them), its activations from its forward to the end of its
 // backward, its gradients until its reduce-scatter's issue, the reduce-scatter input until a
-// later issue finds it done (or the in-flight cap makes the host wait for it), the sharded
-// gradients to the end of the step. A root group (GroupCost::encloses_later) is gathered first,
+// later issue finds it done (or the in-flight cap orders the compute stream after it), the
+// sharded gradients to the end of the step. A root group (GroupCost::encloses_later) is gathered first,
 // computes after the others' forward and before their backward, and is reduced last.
 // Time follows three device streams as the runtime orders them: compute; all-gathers and
 // reduce-scatters, each starting no earlier than the compute work issued before it (the
 // runtime's event wait) and the previous operation of its stream; the host issues work in
-// program order, paying each group's CPU time, and blocks where a cap says so (past
-// max_inflight_allgathers unreleased parameter buffers it waits for the oldest release, past
-// max_inflight_reduce_scatters for the oldest reduce-scatter). Contention (CostModel::contention):
+// program order, paying each group's CPU time, and past max_inflight_allgathers unreleased
+// parameter buffers blocks until the oldest release; past max_inflight_reduce_scatters the compute
+// stream waits for the oldest reduce-scatter. Contention (CostModel::contention):
 // a prefetched all-gather, and a reduce-scatter that more backward compute follows, take their
 // stretch times as long as alone; a compute phase takes compute_slowdown ms longer for every ms
 // of collective time that overlaps it.
