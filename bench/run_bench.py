@@ -70,6 +70,7 @@ CONFIGS = {
     "small-bucket16": ("small", 512, 2, ["--bucket-mb", "16"], {}),
     "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
     # The scaling run (issue #5): these and the 1B ones on 2, 4 and 8 GPUs.
+    "3b": ("3b", 2048, 2, [], {}),
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--recompute"], {}),
     "8b-ac-nolimit": ("8b", 2048, 2, ["--recompute", "--max-inflight-allgathers", "0"], {}),
@@ -110,6 +111,7 @@ REFERENCES = {
     "1b-es": ["pytorch-fsdp2", "fsdpcpp-python"], "1b-ac-es": ["pytorch-fsdp2", "fsdpcpp-python"],
     "1b-lowlr": ["pytorch-fsdp2"],
     "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": EAGER_AND_COMPILED + PYTHON_FRONT_END,
+    "3b": EAGER_AND_COMPILED + ["fsdpcpp-python", "fsdpcpp-python-compile"],  # transformers' config lacks its RoPE scaling
     "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
     "tiny": EAGER_AND_COMPILED + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
     "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The 2- and 4-GPU record of a commit (issue #48, item 6) on a machine of 4 GPUs, one phase per
+# device call (each under 10 minutes; back to back, the machine stays warm and the build is kept):
+#   bash bench/gpu_scaling.sh bench OUT COMMIT [CONFIGS] [REPEATS]
+#        build; bench/run_bench.py on 2 and 4 GPUs (default configs 1b,1b-ac,3b,8b,8b-ac, each against
+#        FSDP2 eager and compiled and the Python front end where run_bench pairs them; REPEATS runs,
+#        default 3; more configs than fit one call: pass a few at a time)
+#   bash bench/gpu_scaling.sh hsdp OUT COMMIT       the 8B as HSDP 2 x 2 (two replicas of 2 GPUs) and as
+#        plain FSDP 1 x 4, 15 steps each, rank 0 traced
+#   bash bench/gpu_scaling.sh plan-check OUT COMMIT fsdp-train --plan-check on 4 GPUs (the 1B): each
+#        budget's plan trained, predicted against measured, then bench/plan_frontier.py's verdict
+#   bash bench/gpu_scaling.sh checkpoint OUT COMMIT the 1B saved on 2 GPUs at step 10 and resumed on 4,
+#        and saved on 4 and resumed on 2: each resumed run's steps against an uninterrupted run's
+#   bash bench/gpu_scaling.sh memreport OUT COMMIT  bench/memreport.py on the 4 GPUs
+# Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
+# /tmp (the device brings back only a few files: archive OUT yourself).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?phase: bench, hsdp, plan-check, checkpoint or memreport}; out=${2:?output folder}; commit=${3:-unknown}
+source bench/gpu_env.sh
+mkdir -p "$out"
+record_env "$out/env-$phase.txt" "$commit"
+FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
+train() {  # GPUS, then fsdp-train's flags
+  local gpus=$1; shift
+  build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 --reduce-dtype fp32 "$@"
+}
+one_b=(--model 1b --seq 2048)
+case $phase in
+  bench)
+    work=/tmp/fsdp-scaling-bench
+    rm -rf "$work"
+    python3 bench/run_bench.py --out "$work" --commit "$commit" --worlds 2,4 \
+      --configs "${4:-1b,1b-ac,3b,8b,8b-ac}" --repeats "${5:-3}" > "$out/run_bench.log" 2>&1
+    status=$?
+    tail -40 "$out/run_bench.log"
+    cp "$work"/results.md "$work"/results.jsonl "$work"/profiles.md "$out"/ 2>/dev/null
+    (cd "$work" && tar czf "$out/bench-logs.tgz" --exclude='*.pt' --exclude='profile-*' --exclude='trace-*' .)
+    exit $status ;;
+  hsdp)
+    status=0
+    for replicas in 2 1; do
+      train 4 --model 8b --seq 2048 --batch 2 --steps 15 --replicas $replicas --trace "/tmp/trace-8b-r$replicas" \
+        --trace-steps 1 --log "$out/hsdp-8b-r$replicas.jsonl" > "$out/hsdp-8b-r$replicas.log" 2>&1 || status=1
+      tail -2 "$out/hsdp-8b-r$replicas.log"
+    done
+    python3 - "$out" <<'PY'
+import sys
+sys.path.insert(0, "bench")
+import step_log
+for replicas, shape in ((2, "HSDP 2 x 2"), (1, "FSDP 1 x 4")):
+    rows = step_log.read(f"{sys.argv[1]}/hsdp-8b-r{replicas}.jsonl")
+    print(f"8B {shape}: {step_log.median_step_ms(rows, 5):.1f} ms a step, peak allocated / reserved "
+          f"{max(r['peak_alloc_gib'] for r in rows):.2f} / {max(r['peak_reserved_gib'] for r in rows):.2f} GiB")
+PY
+    exit $status ;;
+  plan-check)
+    train 4 "${one_b[@]}" --batch 4 --steps 5 --plan-check "$out/plan-check-1b.jsonl" --log "$out/plan-1b.jsonl" \
+      > "$out/plan-check-1b.log" 2>&1 || { tail -20 "$out/plan-check-1b.log"; exit 1; }
+    python3 bench/plan_frontier.py --check "$out/plan-check-1b.jsonl" --out "$out/frontier-1b" --world 4 ;;
+  checkpoint)
+    ck=/tmp/fsdp-scaling-checkpoints
+    rm -rf "$ck" && mkdir -p "$ck"
+    status=0
+    # 16 rows a step on any GPU count; a learning rate at which two 1B runs do not part (1b-lowlr).
+    one_b+=(--lr 1e-4 --min-lr 1e-5)
+    train 4 "${one_b[@]}" --batch 4 --steps 20 --log "$out/straight-1b.jsonl" > "$out/straight-1b.log" 2>&1 || status=1
+    for pair in "2 4" "4 2"; do
+      read -r saved resumed <<<"$pair"
+      train "$saved" "${one_b[@]}" --batch $((16 / saved)) --steps 20 --stop-at-step 10 --save-dir "$ck/$saved" \
+        --log "$out/saved-on-$saved.jsonl" > "$out/saved-on-$saved.log" 2>&1 || status=1
+      train "$resumed" "${one_b[@]}" --batch $((16 / resumed)) --steps 20 --resume "$ck/$saved" \
+        --log "$out/resumed-on-$resumed.jsonl" > "$out/resumed-on-$resumed.log" 2>&1 || status=1
+      grep -hE "saved|resumed|error" "$out/saved-on-$saved.log" "$out/resumed-on-$resumed.log"
+      # bf16 on GPUs: the check is a loose bound; the report gives the largest difference.
+      python3 tests/trainer/check_train_log.py "$out/resumed-on-$resumed.jsonl" --first-step 11 --steps 20 \
+        --same-loss-as "$out/straight-1b.jsonl" --loss-tolerance 0.05 | tee "$out/resume-$saved-to-$resumed.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+    rm -rf "$ck"
+    exit $status ;;
+  memreport)
+    python3 bench/memreport.py --out "$out/memreport" --commit "$commit" > "$out/memreport.log" 2>&1
+    status=$?
+    tail -14 "$out/memreport.log"
+    rm -f "$out"/memreport/init-*.pt
+    exit $status ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
