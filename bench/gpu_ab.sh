@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
-# A/B of fsdp-train's step time between this checkout's build and another commit's
-# sources (a change's "step time unchanged" check), in one device call: builds BASE_SRC's
-# fsdp-train alone with this build's torch and nlohmann/json, then alternates RUNS runs of each,
-# 30 steps, and prints each run's median step (steps 6-30) and the medians of both, with each
-# side's peak allocated and reserved memory (the largest over its runs). AB_MODEL: the model and
-# its shape and flags (default "--model 1b --seq 2048 --batch 4"); AB_GPUS: how many GPUs (default 1).
+# A/B of the step time between this checkout's build and another commit's sources (a change's
+# "step time unchanged" check), in one device call: builds BASE_SRC's program alone with this
+# build's torch and nlohmann/json, then alternates RUNS runs of each, 30 steps, and prints each
+# run's median step (steps 6-30) and the medians of both, with each side's peak allocated and
+# reserved memory (the largest over its runs).
+#   AB_FRONT_END: trainer (default: fsdp-train) or python (bench/fsdp2_llama.py sharded by each
+#     side's fsdpcpp package: the script the same, the package and library the side's own)
+#   AB_MODEL: the model and its shape, flags both programs take (default "--model 1b --seq 2048 --batch 4")
+#   AB_GPUS: how many GPUs (default 1)
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
-model=${AB_MODEL:---model 1b --seq 2048 --batch 4} gpus=${AB_GPUS:-1}
+model=${AB_MODEL:---model 1b --seq 2048 --batch 4} gpus=${AB_GPUS:-1} front_end=${AB_FRONT_END:-trainer}
+case $front_end in
+  trainer) target=fsdp-train python=OFF ;;
+  python) target=fsdpcpp_C python=ON ;;
+  *) echo "gpu_ab.sh: AB_FRONT_END is '$front_end'; it must be trainer or python"; exit 2 ;;
+esac
 mkdir -p "$out"
 source bench/gpu_env.sh
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 json=$(sed -n 's/^JSON_INCLUDE_DIR:PATH=//p' build/CMakeCache.txt)
 cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DFSDP_JSON_INCLUDE="$json" \
-  -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_PYTHON=OFF > "$out/ab-base-build.log" 2>&1 &&
-  cmake --build "$base/build" --target fsdp-train >> "$out/ab-base-build.log" 2>&1 || { tail -20 "$out/ab-base-build.log"; exit 1; }
+  -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_PYTHON=$python -DFSDP_PYTHON="$(command -v python3)" > "$out/ab-base-build.log" 2>&1 &&
+  cmake --build "$base/build" --target $target >> "$out/ab-base-build.log" 2>&1 || { tail -20 "$out/ab-base-build.log"; exit 1; }
 for i in $(seq "$runs"); do
   for side in new base; do
-    train=build/fsdp-train; [ "$side" = base ] && train=$base/build/fsdp-train
-    build/fsdp-run --gpu -n "$gpus" "$train" $model --param-dtype bf16 --steps 30 \
-      --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1 || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
+    tree=.; [ "$side" = base ] && tree=$base
+    if [ "$front_end" = trainer ]; then
+      build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model --param-dtype bf16 --steps 30 \
+        --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
+    else
+      PYTHONPATH="$tree/build/py" python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" \
+        bench/fsdp2_llama.py --runtime fsdpcpp $model --steps 30 --jsonl "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
+    fi || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
   done
 done
-python3 - "$out" "$runs" "$model" "$gpus" <<'PY'
+python3 - "$out" "$runs" "$front_end $model" "$gpus" <<'PY'
 import statistics, sys
 sys.path.insert(0, "bench")
 import step_log
