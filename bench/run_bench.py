@@ -101,9 +101,9 @@ PYTHON_PAIRS = [("fsdpcpp-python", "pytorch-fsdp2"), ("fsdpcpp-python-compile", 
 # runtime): their losses are compared only with each other's.
 OWN_INIT_SYSTEMS = {"hf-fsdp2", "hf-fsdp2-compile", "hf-fsdpcpp", "hf-fsdpcpp-compile"}
 SAVED_INITS = set()
-# Presets whose full weights are too large to hand over in one file (8B: 32 GB): each system makes
-# its own initial weights, of the same distribution, so their losses are not compared.
-OWN_INIT_PRESETS = {"8b"}
+# Presets whose full weights are too large to hand over in one file (3B: 13 GB, 8B: 32 GB): each
+# system makes its own initial weights, of the same distribution, so their losses are not compared.
+OWN_INIT_PRESETS = {"3b", "8b"}
 EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
 # The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
 REFERENCES = {
