@@ -19,7 +19,7 @@ mkdir -p "$out"
 source bench/gpu_env.sh
 record_env "$out/env.txt" "$commit"
 cat "$out/env.txt"
-FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$part.log" 2>&1 || { tail -30 "$out/build-$part.log"; exit 1; }
+build_with_log "$out/build-$part.log" || exit 1
 status=0
 if [[ $part != python ]]; then
   (cd build && ctest --output-on-failure -R launcher_sigterm_gpu) > "$out/gpu-tests-sigterm.log" 2>&1 || status=1

@@ -23,7 +23,7 @@ source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
 cat "$out/env-$phase.txt"
-FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
+build_with_log "$out/build-$phase.log" || exit 1
 gpus=${FLOAT8_GPUS:-1}
 train() { build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 "$@"; }
 # fsdp-train's flags for a variant: off, tensorwise, rowwise, or tensorwise-cast (--no-fp8-all-gather).

@@ -21,7 +21,7 @@ phase=${1:?phase: bench, hsdp, plan-check, checkpoint or memreport}; out=${2:?ou
 source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
-FSDP_JOBS=$(nproc) bash scripts/setup.sh > "$out/build-$phase.log" 2>&1 || { tail -30 "$out/build-$phase.log"; exit 1; }
+build_with_log "$out/build-$phase.log" || exit 1
 train() {  # GPUS, then fsdp-train's flags
   local gpus=$1; shift
   build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 --reduce-dtype fp32 "$@"
