@@ -1,15 +1,21 @@
-// fsdp.cpp: fully sharded data parallel training for libtorch.
+// fsdp.cpp: fully sharded data parallel training for libtorch. This header includes the whole
+// public API; each part below is a header of its own (docs/guide.md walks the user's path).
 #pragma once
 
-#include "fsdp/recompute.h"
-#include "fsdp/sharded_checkpoint.h"
-#include "fsdp/communicator.h"
-#include "fsdp/float8.h"
-#include "fsdp/fully_shard.h"
-#include "fsdp/launch.h"
-#include "fsdp/mesh.h"
-#include "fsdp/options.h"
-#include "fsdp/planning.h"
-#include "fsdp/runtime_options.h"
-#include "fsdp/unit.h"
+// Training a torch::nn model: join the ranks, shard its modules, call them, save and resume.
+#include "fsdp/launch.h"              // init(): ranks, devices and the communicator from the launcher
+#include "fsdp/mesh.h"                // HSDP: replicas x shards
+#include "fsdp/options.h"             // per-module options: reshard_after_forward, mixed precision, offload
+#include "fsdp/fully_shard.h"         // fully_shard() a module; fsdp::forward() through it
+#include "fsdp/recompute.h"           // recompute a module's forward in backward
+#include "fsdp/float8.h"              // float8 linears and float8 all-gather
+#include "fsdp/runtime_options.h"     // process-wide scheduling knobs and what the runtime counted
+#include "fsdp/sharded_checkpoint.h"  // every rank saves and loads its own rows
 #include "fsdp/version.h"
+
+// Writing a front end (the Python package is one): the module-agnostic units under fully_shard.
+#include "fsdp/unit.h"
+#include "fsdp/communicator.h"        // collectives between the ranks of a group
+
+// Planning under a memory budget: profile a step, choose a schedule, apply it.
+#include "fsdp/planning.h"

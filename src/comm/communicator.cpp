@@ -27,15 +27,13 @@ std::string Communicator::describe() const {
          " ranks, " + backend() + ")";
 }
 
-std::string Communicator::bytes_of(const at::Tensor& t) {
-  return std::to_string(t.numel() * t.element_size()) + " bytes";
-}
+std::string Communicator::bytes_of(const at::Tensor& t) { return std::to_string(t.nbytes()) + " bytes"; }
 
 // A coalesced collective has a piece per parameter of each group: their count and total size.
 std::string Communicator::describe_batch(const std::string& op, const std::vector<Buffers>& ops,
                                          const std::string& tag) {
   int64_t bytes = 0;
-  for (const Buffers& b : ops) bytes += b.input.numel() * b.input.element_size();
+  for (const Buffers& b : ops) bytes += static_cast<int64_t>(b.input.nbytes());
   std::string what = op + " of " + std::to_string(bytes) + " bytes";
   if (ops.size() > 1) what += " in " + std::to_string(ops.size()) + " pieces";
   return tag.empty() ? what : what + " (" + tag + ")";

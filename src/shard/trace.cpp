@@ -3,6 +3,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdio>
+#include <iterator>
 #include <stdexcept>
 
 #include "fsdp/memory_stats.h"
@@ -111,10 +112,11 @@ void Trace::write(const std::string& path, int rank) {
   if (!active()) return;
   const auto spans = finish().spans;
   // Built as a string and written through io/files.h (no iostreams: see comm/communicator.cpp).
-  static const char* track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step", "host"};
+  static const char* const track_names[] = {"compute", "all-gather", "reduce-scatter", "all-reduce", "host step", "host"};
+  static_assert(std::size(track_names) == static_cast<size_t>(Track::HostWait) + 1, "a name for every track");
   const std::string pid = std::to_string(rank), host = std::to_string(static_cast<int>(Track::HostWait));
   std::string json = "{\"traceEvents\":[";
-  for (int t = 0; t < 6; ++t)
+  for (int t = 0; t < static_cast<int>(std::size(track_names)); ++t)
     json += std::string(t ? "," : "") + "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" + pid +
             ",\"tid\":" + std::to_string(t) + ",\"args\":{\"name\":\"" + track_names[t] + "\"}}";
   char times[128];
