@@ -37,7 +37,8 @@
 #                                             abandoned branch aside; a resume with other --data or
 #                                             --seed, or --stop-at-step not after it, is refused; an
 #                                             --export over the save dir or the log is refused; a
-#                                             damaged newest checkpoint names the next older one
+#                                             damaged newest checkpoint names the next older one;
+#                                             --keep-last keeps the lineage's newest N
 #   launcher_tests.sh BUILD_DIR concurrent    a second run on a --save-dir or --log in use is
 #                                             refused, naming the first
 #   launcher_tests.sh BUILD_DIR rank-failures a program that cannot start: one line, exit 127; a rank
@@ -475,6 +476,14 @@ lineage)
   [ $? = 1 ] || { cat "$work/out"; fail "a damaged checkpoint resumed"; }
   grep -q "checksum mismatch.*the next older checkpoint is '$work/ck/step-000011': --resume $work/ck/step-000011" \
     "$work/out" || { cat "$work/out"; fail "the next older checkpoint is not named"; }
+  # --keep-last 2: the newest two of the run's lineage stay, across a resume.
+  "$run" "${common[@]}" --steps 10 --save-every 2 --keep-last 2 --save-dir "$work/keep" --log "$work/k1.jsonl" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "--keep-last"; }
+  [ "$(ls "$work/keep" | tr '\n' ' ')" = "step-000008 step-000010 " ] || fail "--keep-last 2 left: $(ls "$work/keep")"
+  "$run" "${common[@]}" --steps 14 --save-every 2 --keep-last 2 --resume "$work/keep" --save-dir "$work/keep" \
+    --log "$work/k2.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "--keep-last after a resume"; }
+  [ "$(ls "$work/keep" | tr '\n' ' ')" = "step-000012 step-000014 " ] || fail "--keep-last 2 after a resume left: $(ls "$work/keep")"
+  expect_usage_error "--keep-last needs --save-dir" "${common[@]}" --steps 4 --keep-last 2
   echo "lineage: ok"
   ;;
 concurrent)

@@ -1,10 +1,11 @@
 // Single-process tests of the trainer's parts: the LR schedule, the token source, the fused AdamW
-// against libtorch's.
+// against libtorch's, which checkpoints --keep-last removes.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "train/data.h"
 #include "train/fused_adamw.h"
+#include "train/lineage.h"
 #include "train/lr_schedule.h"
 
 namespace {
@@ -17,6 +18,24 @@ TEST(LrSchedule, WarmupThenCosineToMin) {
   EXPECT_NEAR(s.at(9), 0.55, 1e-12);  // half way down
   EXPECT_DOUBLE_EQ(s.at(14), 0.1);
   EXPECT_DOUBLE_EQ(s.at(100), 0.1);
+}
+
+// Only the run's own checkpoints count and go, oldest first; another run's and unreadable ones stay.
+TEST(KeepLast, RemovesTheRunsOwnBeyondItsNewest) {
+  using fsdp::train::SavedCheckpoint;
+  const std::vector<SavedCheckpoint> saved{{"d/step-000002", 2, "a"}, {"d/step-000004", 4, "b"},
+                                           {"d/step-000006", 6, "a"}, {"d/step-000008", 8, ""},
+                                           {"d/step-000010", 10, "a"}};
+  const auto paths = [](const std::vector<SavedCheckpoint>& cs) {
+    std::vector<std::string> p;
+    for (const auto& c : cs) p.push_back(c.path);
+    return p;
+  };
+  EXPECT_EQ(paths(fsdp::train::older_than_newest(saved, "a", 1)),
+            (std::vector<std::string>{"d/step-000002", "d/step-000006"}));
+  EXPECT_EQ(paths(fsdp::train::older_than_newest(saved, "a", 2)), (std::vector<std::string>{"d/step-000002"}));
+  EXPECT_TRUE(fsdp::train::older_than_newest(saved, "a", 3).empty());
+  EXPECT_TRUE(fsdp::train::older_than_newest(saved, "", 1).empty());  // no run id: nothing is its own
 }
 
 TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {

@@ -143,6 +143,8 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
                       "--stop-at-step, and on SIGTERM/SIGINT/SIGUSR1 at the next step boundary)", text(a.save_dir)}},
       {"--save-every", {"steps between checkpoints, 0 = only at the end or when stopped",
                         number(a.save_every)}},
+      {"--keep-last", {"after each save, remove this run's checkpoints in --save-dir but the newest N (those it "
+                       "resumed from included; other runs' never); 0 = keep all", number(a.keep_last)}},
       {"--resume", {"resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
       {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps; 0 = run all --steps",
                           number(a.stop_at_step)}},
@@ -251,6 +253,8 @@ void check_ranges(const TrainArgs& a) {
     require(a.runtime.*member >= 0, runtime_flag(name) + " must be 0 or more (" + meaning + ")");
   });
   require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
+  require(a.keep_last >= 0, "--keep-last must be 0 (keep all) or positive");
+  require(a.keep_last == 0 || !a.save_dir.empty(), "--keep-last needs --save-dir (whose checkpoints it keeps)");
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");
   require(a.trace_steps >= 1, "--trace-steps must be at least 1");

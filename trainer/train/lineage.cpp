@@ -39,6 +39,15 @@ std::vector<SavedCheckpoint> other_runs(const std::vector<SavedCheckpoint>& save
   return others;
 }
 
+std::vector<SavedCheckpoint> older_than_newest(const std::vector<SavedCheckpoint>& saved, const std::string& run,
+                                               int keep) {
+  std::vector<SavedCheckpoint> own;
+  for (const auto& c : saved)
+    if (!run.empty() && c.run == run) own.push_back(c);
+  own.resize(own.size() > static_cast<size_t>(keep) ? own.size() - keep : 0);
+  return own;
+}
+
 std::string set_aside_abandoned_branch(const std::string& dir, const std::string& run, int step) {
   std::vector<SavedCheckpoint> branch;
   for (const auto& c : saved_checkpoints(dir))

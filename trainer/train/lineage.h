@@ -22,6 +22,9 @@ std::vector<SavedCheckpoint> saved_checkpoints(const std::string& dir);
 std::string run_of(const std::map<std::string, std::string>& extra);
 // Those of `saved` that another run than `run` wrote (all of them when `run` is "").
 std::vector<SavedCheckpoint> other_runs(const std::vector<SavedCheckpoint>& saved, const std::string& run);
+// Run `run`'s checkpoints in `saved` (in step order) but its newest `keep`: what --keep-last removes.
+std::vector<SavedCheckpoint> older_than_newest(const std::vector<SavedCheckpoint>& saved, const std::string& run,
+                                               int keep);
 // Moves run `run`'s checkpoints after step `step` in `dir` (the branch a resume from `step`
 // leaves) into DIR/abandoned-after-step-N-<time>/, where no --resume takes them; returns that
 // directory, or "" when there were none.

@@ -465,6 +465,15 @@ void Trainer::save(int steps_done) {
                   others.size(), args_.save_dir.c_str());
   }
   replaced_other_runs_ = true;
+  // --keep-last: the run's older checkpoints go once the new one is complete (save_checkpoint
+  // returns after rank 0 wrote its metadata, last).
+  if (lead_ && args_.keep_last > 0) {
+    const auto older = older_than_newest(saved_checkpoints(args_.save_dir), run_id_, args_.keep_last);
+    for (const auto& c : older) io::remove_tree(c.path);
+    if (!older.empty())
+      std::printf("fsdp-train: --keep-last %d: removed %zu older checkpoint(s), up to %s\n", args_.keep_last,
+                  older.size(), older.back().path.c_str());
+  }
 }
 
 int Trainer::finish() {
