@@ -3,6 +3,7 @@
 // module tree and registers the hooks (fsdpcpp/_fully_shard.py); everything else runs here, in C++.
 #include <torch/csrc/utils/pybind.h>
 
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <c10/util/Exception.h>
@@ -202,7 +203,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("runtime_options", [] { return fsdp::runtime_options(); });
   m.def("runtime_stats", &fsdp::runtime_stats);
 
-  // The memory-budget planner (fsdp/planning.h); fsdpcpp/_planner.py runs its steps.
+  // The memory-budget planner (fsdp/planning.h); fsdpcpp/_planner.py drives its measuring steps.
   py::class_<fsdp::plan::Schedule>(m, "Schedule")
       .def_readwrite("recompute", &fsdp::plan::Schedule::recompute)
       .def_readwrite("reshard_after_forward", &fsdp::plan::Schedule::reshard_after_forward)
@@ -220,26 +221,21 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fsdp::plan::CostModel>(m, "CostModel")
       .def_readonly("profiled_peak_bytes", &fsdp::plan::CostModel::profiled_peak_bytes)
       .def_readonly("profiled_step_ms", &fsdp::plan::CostModel::profiled_step_ms);
-  m.def("profiling_schedule", [](const std::string& root, const PyNamedUnits& units) {
-    return fsdp::profiling_schedule(planning_root(root, units));
-  });
-  m.def("calibration_schedule", [](const std::string& root, const PyNamedUnits& units) {
-    return fsdp::calibration_schedule(planning_root(root, units));
-  });
   m.def("set_schedule", [](const std::string& root, const PyNamedUnits& units, const fsdp::plan::Schedule& s) {
     fsdp::set_schedule(planning_root(root, units), s);
   });
-  m.def("start_profiled_step", &fsdp::start_profiled_step);
-  m.def("finish_profiled_step", [](const std::string& root, const PyNamedUnits& units, double untraced_step_ms,
-                                   int micro_batches, bool reduce_every_micro_batch) {
-    return fsdp::finish_profiled_step(planning_root(root, units), untraced_step_ms, micro_batches,
-                                      reduce_every_micro_batch);
-  });
-  m.def("start_calibration_step", &fsdp::start_calibration_step);
-  m.def("finish_calibration_step", [](const std::string& root, const PyNamedUnits& units,
-                                      fsdp::plan::CostModel& profile, double untraced_step_ms) {
-    fsdp::finish_calibration_step(planning_root(root, units), profile, untraced_step_ms);
-  });
+  py::class_<fsdp::ProfilingSteps>(m, "ProfilingSteps")
+      .def(py::init([](const std::string& root, const PyNamedUnits& units,
+                       std::function<void(const fsdp::plan::Schedule&)> apply, int micro_batches,
+                       bool reduce_every_micro_batch) {
+        return std::make_unique<fsdp::ProfilingSteps>(planning_root(root, units), std::move(apply), micro_batches,
+                                                      reduce_every_micro_batch);
+      }))
+      .def("before_step", &fsdp::ProfilingSteps::before_step)
+      .def("start_recording", &fsdp::ProfilingSteps::start_recording)
+      .def("after_step", &fsdp::ProfilingSteps::after_step)
+      .def("done", &fsdp::ProfilingSteps::done)
+      .def("profile", &fsdp::ProfilingSteps::profile, py::return_value_policy::copy);
   // The plan, or (message, smallest budget in bytes) when none fits: Python raises its
   // fsdpcpp.BudgetTooSmall with both.
   m.def("plan_for_budget", [](const std::string& root, const PyNamedUnits& units, int64_t budget_bytes,

@@ -1,5 +1,6 @@
 // Planning a schedule under a GPU memory budget (docs/planner.md, "How the planner works"):
-// profile one step, let the planner choose, apply its choice.
+// profile one step, let the planner choose, apply its choice. ProfilingSteps (below) runs the
+// measuring part in the order both front ends take; spelled out, it is:
 //
 //   train_one_step();                               // records the forward order
 //   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and recompute every block
@@ -22,6 +23,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -94,6 +97,46 @@ plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_s
 plan::Schedule calibration_schedule(const PlanningRoot& root);
 void start_calibration_step();
 void finish_calibration_step(const PlanningRoot& root, plan::CostModel& profile, double untraced_step_ms = 0);
+
+/// The measuring steps of a plan, as fsdp-train and fsdpcpp.plan_memory_budget both take them:
+/// five of the caller's training steps, each between before_step() and after_step():
+///   0. records the forward order (under the caller's schedule: every block recomputed fits where
+///      training can);
+///   1. under profiling_schedule(root), timed (recording costs host time that the fits would read
+///      as fixed time and contention, so they take this step's time);
+///   2. the same, recorded: the cost model (finish_profiled_step);
+///   3. under calibration_schedule(root) (prefetch depth 1), timed; the allocator grows its pool;
+///   4. the same, recorded: how collectives and compute slow each other (finish_calibration_step).
+/// `apply` puts a schedule in force: set_schedule(root, s) and the model's recomputation of the
+/// groups s.recompute marks (the front end's to do). Collective, like the steps it wraps.
+class ProfilingSteps {
+ public:
+  static constexpr int kSteps = 5;
+  static constexpr int kProfiledStep = 2;
+
+  ProfilingSteps(PlanningRoot root, std::function<void(const plan::Schedule&)> apply, int micro_batches = 1,
+                 bool reduce_every_micro_batch = true);
+  /// Before the next step: applies the schedule its phase starts with; true where the step is
+  /// recorded: call start_recording() right before the forward of its last micro-batch.
+  bool before_step();
+  void start_recording() const;
+  /// After the step: its wall time in ms, the device idle at its start and end.
+  void after_step(double ms);
+  /// The step before_step() comes to next, 0 to kSteps (all done).
+  int next_step() const { return next_; }
+  bool done() const { return next_ == kSteps; }
+  /// The cost model: measured after step 2, calibrated after step 4. Throws std::logic_error before.
+  const plan::CostModel& profile() const;
+
+ private:
+  PlanningRoot root_;
+  std::function<void(const plan::Schedule&)> apply_;
+  int micro_batches_;
+  bool reduce_every_micro_batch_;
+  int next_ = 0;
+  double untraced_ms_ = 0;  // the last timed step's
+  std::optional<plan::CostModel> profile_;
+};
 
 /// The fastest schedule whose predicted peak fits budget_bytes less the margin (plan::plan_schedule),
 /// after checking that `profile` is a profile of root's groups. Throws plan::BudgetTooSmall.

@@ -1,8 +1,9 @@
 """The memory-budget planner from Python (docs/planner.md): profile the user's own training step,
 plan the fastest schedule whose predicted peak fits a budget, and apply it, per-module
-recomputation included. The measuring, the cost model, the search and the per-group and runtime
-choices are the C++ library's (fsdp/planning.h); this file runs its steps and recomputes the
-modules the plan names."""
+recomputation included. The measuring steps (fsdp::ProfilingSteps, the same fsdp-train takes), the
+cost model, the search and the per-group and runtime choices are the C++ library's
+(fsdp/planning.h); this file trains its steps, recomputes the modules a schedule names, and puts
+the model back where a plan fails or is not applied."""
 
 from __future__ import annotations
 
@@ -95,34 +96,30 @@ def _wait_for_device() -> None:
         torch.cuda.synchronize(device())
 
 
-def _timed_step(train_step: Callable[[], object]) -> float:
-    """One step's wall time in ms, the device idle at both ends (what the fits take: planning.h)."""
-    _wait_for_device()
-    start = time.perf_counter()
-    train_step()
-    _wait_for_device()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _recorded_step(model: nn.Module, train_step, micro_batches: int, start_recording) -> None:
-    """One step whose last forward pass (of micro_batches) is recorded from its start."""
+def _measuring_step(model: nn.Module, train_step, micro_batches: int, start_recording) -> float:
+    """One step's wall time in ms, the device idle at both ends (what the fits take: planning.h);
+    with `start_recording`, its last forward pass (of micro_batches) is recorded from its start."""
     forwards = 0
 
     def before_forward(module, args):
         nonlocal forwards
         forwards += 1
-        if forwards == micro_batches:
+        if forwards == micro_batches and start_recording:
             _dtensor.release_dropped_gradients()  # as the forward's own hook will, before the record starts
             start_recording()
 
     handle = model.register_forward_pre_hook(before_forward, prepend=True)  # before the all-gather
     try:
+        _wait_for_device()
+        start = time.perf_counter()
         train_step()
+        _wait_for_device()
     finally:
         handle.remove()
     if forwards != micro_batches:
         raise ValueError(f"fsdpcpp.plan_memory_budget: train_step ran {forwards} forward passes of the model, "
                          f"micro_batches is {micro_batches}: pass the number of forward passes in one step")
+    return (time.perf_counter() - start) * 1e3
 
 
 def plan_memory_budget(model: nn.Module, train_step: Callable[[], object], budget_bytes: int, *,
@@ -135,10 +132,10 @@ def plan_memory_budget(model: nn.Module, train_step: Callable[[], object], budge
     the root's prefetch depth, in-flight caps and buckets.
 
     `train_step()` runs one whole training step of yours (the forward and backward passes, the
-    optimizer step, zero_grad); it is called five times (the planner's steps are training steps:
-    the first records the order of the modules, every block recomputed; then a timed and a
-    profiled step with every block recomputed and no prefetch, then a timed and a calibration step
-    at prefetch depth 1). With gradient accumulation pass `micro_batches` (forward passes a step)
+    optimizer step, zero_grad); it is called five times, the library's measuring steps
+    (fsdp::ProfilingSteps; the planner's steps are training steps: the first records the order of
+    the modules, every block recomputed; then a timed and a profiled step with every block
+    recomputed and no prefetch, then a timed and a calibration step at prefetch depth 1). With gradient accumulation pass `micro_batches` (forward passes a step)
     and reduce_every_micro_batch=False where set_requires_gradient_sync(False) skips all but the
     last reduce-scatter. Collective: every rank calls it; all ranks plan the same schedule.
 
@@ -151,16 +148,11 @@ def plan_memory_budget(model: nn.Module, train_step: Callable[[], object], budge
     before = root.choices()
     try:
         root.recompute_all_but_the_root()
-        train_step()  # records the forward order
-        profiling = root.call(_C.profiling_schedule)
-        root.apply(profiling)
-        untraced_ms = _timed_step(train_step)
-        _recorded_step(model, train_step, micro_batches, _C.start_profiled_step)
-        profile = root.call(_C.finish_profiled_step, untraced_ms, micro_batches, reduce_every_micro_batch)
-        root.apply(root.call(_C.calibration_schedule))
-        untraced_ms = _timed_step(train_step)
-        _recorded_step(model, train_step, micro_batches, _C.start_calibration_step)
-        root.call(_C.finish_calibration_step, profile, untraced_ms)
+        steps = root.call(_C.ProfilingSteps, root.apply, micro_batches, reduce_every_micro_batch)
+        while not steps.done():
+            recorded = steps.before_step()
+            steps.after_step(_measuring_step(model, train_step, micro_batches, recorded and steps.start_recording))
+        profile = steps.profile()
         planned = root.call(_C.plan_for_budget, int(budget_bytes), profile, float(margin))
         if isinstance(planned, tuple):
             raise BudgetTooSmall(f"fsdpcpp.plan_memory_budget({root.name}): {planned[0]}", planned[1])

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <stdexcept>
+#include <utility>
 #include <unordered_map>
 
 #include "fsdp/communicator.h"
@@ -255,6 +256,42 @@ void finish_calibration_step(const PlanningRoot& root, plan::CostModel& profile,
                                 "the last micro-batch)");
   plan::calibrate_contention(profile, group_shapes(root), step);
   agree_across_ranks(profile, *default_communicator());
+}
+
+ProfilingSteps::ProfilingSteps(PlanningRoot root, std::function<void(const plan::Schedule&)> apply,
+                               int micro_batches, bool reduce_every_micro_batch)
+    : root_(std::move(root)),
+      apply_(std::move(apply)),
+      micro_batches_(micro_batches),
+      reduce_every_micro_batch_(reduce_every_micro_batch) {}
+
+bool ProfilingSteps::before_step() {
+  if (done()) throw std::logic_error(root_error("ProfilingSteps", root_, "its five steps are done"));
+  if (next_ == 1) apply_(profiling_schedule(root_));
+  if (next_ == 3) apply_(calibration_schedule(root_));
+  return next_ == kProfiledStep || next_ == 4;
+}
+
+void ProfilingSteps::start_recording() const {
+  if (next_ == kProfiledStep)
+    start_profiled_step();
+  else
+    start_calibration_step();
+}
+
+void ProfilingSteps::after_step(double ms) {
+  if (next_ == kProfiledStep)
+    profile_ = finish_profiled_step(root_, untraced_ms_, micro_batches_, reduce_every_micro_batch_);
+  else if (next_ == 4)
+    finish_calibration_step(root_, *profile_, untraced_ms_);
+  else
+    untraced_ms_ = ms;  // what the recorded step after it takes as its time
+  ++next_;
+}
+
+const plan::CostModel& ProfilingSteps::profile() const {
+  if (!profile_) throw std::logic_error(root_error("ProfilingSteps::profile", root_, "no profiled step yet"));
+  return *profile_;
 }
 
 plan::Plan plan_for_budget(const PlanningRoot& root, int64_t budget_bytes, const plan::CostModel& profile,

@@ -2,6 +2,7 @@
 // measured from one profiled step predicts the peak memory of other schedules, and switching
 // schedules between steps changes nothing that is computed.
 #include <chrono>
+#include <functional>
 
 #include "fsdp/planning.h"
 #include "helpers.h"
@@ -21,8 +22,8 @@ model::LlamaConfig activation_heavy_llama() {
 }
 
 // With `micro_batches` passes a step (gradient accumulation, a reduce-scatter after each or only
-// after the last), the last one recorded, and the untraced step's time (between barriers, which
-// wait for the device).
+// after the last), the last one recorded, each step timed between barriers (which wait for the
+// device), through fsdp::ProfilingSteps as both front ends take them.
 void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   count_host_allocations();
   model::Llama llama = seeded_llama(activation_heavy_llama());
@@ -30,7 +31,7 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   torch::optim::SGD optimizer(llama->parameters(), 0.01);
   const auto data = std::shared_ptr<train::TokenSource>(train::synthetic_tokens(llama->config.vocab, 7));
   const int64_t rows = 4, seq = 128;
-  auto step = [&](void (*start_recording)() = nullptr) {
+  auto step = [&](const std::function<void()>& start_recording = nullptr) {
     optimizer.zero_grad();
     for (int m = 0; m < micro_batches; ++m) {
       if (!reduce_every) set_requires_gradient_sync(*llama, m == micro_batches - 1);
@@ -40,24 +41,22 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
     }
     optimizer.step();
   };
-  auto timed_step = [&] {
-    if (micro_batches == 1) return 0.0;  // the recorded step's own time serves
+  ProfilingSteps steps(
+      *llama, [&](const plan::Schedule& schedule) { train::apply_schedule(llama, schedule); }, micro_batches,
+      reduce_every);
+  EXPECT_THROW(steps.profile(), std::logic_error);  // nothing profiled yet
+  while (!steps.done()) {
+    const bool recorded = steps.before_step();
     world()->barrier();
     const auto start = std::chrono::steady_clock::now();
-    step();
+    step(recorded ? std::function<void()>([&] { steps.start_recording(); }) : nullptr);
     world()->barrier();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  };
-  step();  // records the forward order
-  train::apply_schedule(llama, profiling_schedule(*llama));
-  double untraced_ms = timed_step();
-  step(start_profiled_step);
-  plan::CostModel profile = finish_profiled_step(*llama, untraced_ms, micro_batches, reduce_every);
+    steps.after_step(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    if (steps.next_step() == ProfilingSteps::kProfiledStep + 1) EXPECT_EQ(steps.profile().contention.compute_slowdown, 0);
+  }
+  EXPECT_THROW(steps.before_step(), std::logic_error);  // five steps, no sixth
+  plan::CostModel profile = steps.profile();
   EXPECT_EQ(profile.micro_batches, micro_batches);
-  train::apply_schedule(llama, calibration_schedule(*llama));
-  untraced_ms = timed_step();
-  step(start_calibration_step);
-  finish_calibration_step(*llama, profile, untraced_ms);
   EXPECT_GE(profile.contention.allgather_stretch, 1.0);
   EXPECT_GE(profile.contention.reduce_scatter_stretch, 1.0);
   EXPECT_GE(profile.contention.compute_slowdown, 0.0);
