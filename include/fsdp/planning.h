@@ -111,19 +111,22 @@ void finish_calibration_step(const PlanningRoot& root, plan::CostModel& profile,
 /// groups s.recompute marks (the front end's to do). Collective, like the steps it wraps.
 class ProfilingSteps {
  public:
-  static constexpr int kSteps = 5;
-  static constexpr int kProfiledStep = 2;
+  static constexpr int kSteps = 5;         ///< the measuring steps
+  static constexpr int kProfiledStep = 2;  ///< the one whose cost model profile() then holds
 
+  /// `micro_batches` and `reduce_every_micro_batch` as for finish_profiled_step.
   ProfilingSteps(PlanningRoot root, std::function<void(const plan::Schedule&)> apply, int micro_batches = 1,
                  bool reduce_every_micro_batch = true);
   /// Before the next step: applies the schedule its phase starts with; true where the step is
   /// recorded: call start_recording() right before the forward of its last micro-batch.
   bool before_step();
+  /// start_profiled_step or start_calibration_step, as the step is.
   void start_recording() const;
   /// After the step: its wall time in ms, the device idle at its start and end.
   void after_step(double ms);
   /// The step before_step() comes to next, 0 to kSteps (all done).
   int next_step() const { return next_; }
+  /// Whether all kSteps ran.
   bool done() const { return next_ == kSteps; }
   /// The cost model: measured after step 2, calibrated after step 4. Throws std::logic_error before.
   const plan::CostModel& profile() const;
