@@ -1,20 +1,17 @@
 // Planning a schedule under a GPU memory budget (docs/planner.md, "How the planner works"):
-// profile one step, let the planner choose, apply its choice. ProfilingSteps (below) runs the
-// measuring part in the order both front ends take; spelled out, it is:
+// profile one step, let the planner choose, apply its choice.
 //
-//   train_one_step();                               // records the forward order
-//   fsdp::set_schedule(model, fsdp::profiling_schedule(model));  // and recompute every block
-//   double ms = timed_train_step();                 // device idle at both ends; optional
-//   fsdp::start_profiled_step();
-//   train_one_step();
-//   auto profile = fsdp::finish_profiled_step(model, ms);         // the cost model
-//   fsdp::set_schedule(model, fsdp::calibration_schedule(model));  // the same at prefetch depth 1
-//   ms = timed_train_step();
-//   fsdp::start_calibration_step();
-//   train_one_step();
-//   fsdp::finish_calibration_step(model, profile, ms);           // collectives beside compute
-//   auto plan = fsdp::plan_for_budget(model, 40LL << 30, profile);  // 40 GiB
-//   fsdp::set_schedule(model, plan.chosen.schedule);  // the model recomputes the groups it names
+//   auto apply = [&](const fsdp::plan::Schedule& s) {
+//     fsdp::set_schedule(model, s);                  // and recompute the groups s.recompute marks
+//   };
+//   fsdp::ProfilingSteps steps(*model, apply);
+//   while (!steps.done()) {                          // five training steps
+//     const bool recorded = steps.before_step();
+//     double ms = train_one_step(recorded);          // recorded: steps.start_recording() right
+//     steps.after_step(ms);                          // before its last forward; ms: device idle
+//   }                                                // at both ends
+//   auto plan = fsdp::plan_for_budget(model, 40LL << 30, steps.profile());  // 40 GiB
+//   apply(plan.chosen.schedule);
 //
 // The runtime applies the per-group and runtime choices of a schedule; which groups are
 // recomputed in backward is the model's to do (fsdp::recompute), as the schedule's recompute
