@@ -50,7 +50,7 @@ void RootState::enter_forward(ModuleState& state) {
     // Step numbers are unique across roots, so a group moved between roots never mistakes
     // another root's step for its own.
     step_ = runtime.new_step();
-    refresh_float8_amax();
+    refresh_gather_transforms();
     forward_order_.clear();
     callback_queued_ = false;
     forward_pass_.begin_pass();
@@ -63,15 +63,15 @@ void RootState::enter_forward(ModuleState& state) {
   ++depth_;
 }
 
-// Float8 all-gather's scales come from the weights as the optimizer left them: one small
-// collective for all of this root's float8-gathered weights, before its first all-gather. In the
+// The gather transforms' state (float8: the scales) comes from the weights as the optimizer left them: one small
+// collective for all of this root's transformed weights, before its first all-gather. In the
 // groups' creation order, the same on every rank (members_ may differ in order between ranks).
-void RootState::refresh_float8_amax() {
+void RootState::refresh_gather_transforms() {
   auto states = members();
   std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) { return a->id_ < b->id_; });
   std::vector<ParamGroup*> groups;
   for (const auto& state : states) groups.push_back(&state->group());
-  ParamGroup::refresh_float8_amax(groups);
+  ParamGroup::refresh_gather_transforms(groups);
 }
 
 void RootState::exit_forward() {

@@ -73,7 +73,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
 
  private:
   void end_of_backward();
-  void refresh_float8_amax();
+  void refresh_gather_transforms();
   void reshard_strays(bool only_idle_this_step);
   std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
                                              bool backward);

@@ -1,6 +1,9 @@
 // One fully_shard call's parameters: sharded storage, the all-gather that
 // unshards them and the reduce-scatter that shards their gradients (each one
-// coalesced collective of a piece per parameter).
+// coalesced collective of a piece per parameter). Its parts, a file each:
+// param_group.cpp the storage and the state machine (shard, unshard, reshard),
+// all_gather.cpp and reduce_scatter.cpp the two collectives' paths over groups,
+// gather_transform.h the formats a parameter can be gathered in (float8).
 //
 // Each managed parameter is the module's own tensor object. Its data flips
 // (Variable::set_data) between the local shard and a view into the group's
@@ -20,6 +23,7 @@
 #include "fsdp/communicator.h"
 #include "fsdp/group_memory.h"
 #include "fsdp/options.h"
+#include "shard/gather_transform.h"
 #include "shard/shard_layout.h"
 #include "shard/streams.h"
 
@@ -31,8 +35,9 @@ struct ShardedParam {
   std::vector<int64_t> full_shape;
   ShardLayout layout;
   int64_t offset = 0;       // element offset of this parameter in a rank's flat shard (and gradients)
-  bool float8 = false;      // gathered in float8 (enable_float8_all_gather), not in the compute dtype
-  int64_t gather_offset = 0; // element offset in a rank's part of its all-gather (compute or float8)
+  std::shared_ptr<GatherTransform> transform;  // null: gathered in the compute dtype
+  int64_t gather_offset = 0; // element offset in a rank's part of its all-gather (of its kind: transformed or not)
+  bool transformed() const { return transform != nullptr; }
   at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
   at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
   at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
@@ -102,21 +107,20 @@ class ParamGroup {
   // Collective. A full copy of parameter i (in its own dtype), on device().
   at::Tensor gather_full(size_t i) const;
   // Collective over each communicator of `groups` (every rank passes its groups in the same order).
-  // The amax of each float8-gathered parameter over all ranks, from its master shards, which the
-  // following all-gathers cast with: one small all-gather for all of them. The runtime calls it at
-  // the start of each root's forward (after the optimizer step); a group never refreshed computes
-  // its own at its first unshard.
-  static void refresh_float8_amax(const std::vector<ParamGroup*>& groups);
+  // What the gather transforms' casts need from all ranks (float8: each weight's amax), from the
+  // master shards as the optimizer left them: one collective per kind of transform for all of
+  // them (GatherTransform::refresh). The runtime calls it at the start of each root's forward; a
+  // group never refreshed refreshes its own at its first unshard.
+  static void refresh_gather_transforms(const std::vector<ParamGroup*>& groups);
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
   // This group's part of an all-gather (which writes the unsharded storage): the input of the
-  // parameters gathered in the compute dtype and of those gathered in float8, and for offloaded
+  // parameters gathered in the compute dtype and of those gathered transformed, and for offloaded
   // shards of another dtype than the compute one, the device copy they are cast from.
   struct GatherBuffers {
-    at::Tensor input, float8_input;
-    at::Tensor staging, float8_inverse_scale;  // [float8 parameters, 4]: each one's in column 0
-    const at::Tensor& input_of(bool float8) const { return float8 ? float8_input : input; }
+    at::Tensor input, transformed_input, staging;
+    const at::Tensor& input_of(bool transformed) const { return transformed ? transformed_input : input; }
   };
   GatherBuffers allocate_gather();
   // Offloaded shards of another dtype than the compute one, on a device: cast there, after the copy.
@@ -143,13 +147,12 @@ class ParamGroup {
   // The flags' slot after the gradients in a reduce-scatter input: one row of a flag per parameter
   // for each rank.
   ShardLayout flags_layout() const;
-  // Per rank, the elements gathered in float8 (or in the compute dtype), and how many parameters.
-  int64_t gather_numel(bool float8) const { return float8 ? float8_numel_ : shard_numel_ - float8_numel_; }
-  int64_t gather_count(bool float8) const;
-  // The unsharded storage of the float8 parameters, or of the others.
-  const at::Tensor& unsharded(bool float8) const { return float8 ? unsharded_float8_ : unsharded_flat_; }
-  // What a float8-gathered parameter reads as while unsharded: zeros of its shape, no memory.
-  at::Tensor float8_placeholder(const ShardedParam& p) const;
+  // Per rank, the elements gathered transformed (or in the compute dtype).
+  int64_t gather_numel(bool transformed) const {
+    return transformed ? transformed_numel_ : shard_numel_ - transformed_numel_;
+  }
+  // The unsharded storage of the transformed parameters, or of the others.
+  const at::Tensor& unsharded(bool transformed) const { return transformed ? unsharded_transformed_ : unsharded_flat_; }
   void allocate_unsharded();
   void free_unsharded();
   at::Tensor unsharded_view(const ShardedParam& p) const;
@@ -164,11 +167,11 @@ class ParamGroup {
   at::Device device_;
   const DeviceStreams& streams_;
   int64_t shard_numel_ = 0;   // per rank, all parameters
-  int64_t float8_numel_ = 0;  // per rank, the float8-gathered parameters
+  int64_t transformed_numel_ = 0;  // per rank, the parameters gathered transformed
+  at::ScalarType transformed_dtype_ = at::kByte;  // their gathered_dtype() (one for the group)
   c10::Storage unsharded_storage_;
-  at::Tensor unsharded_flat_;     // [world * gather_numel(false)] in the compute dtype, parameter-major
-  at::Tensor unsharded_float8_;   // [world * float8_numel_] float8 e4m3 after it in the same storage
-  at::Tensor float8_amax_;        // [float8 parameters] their amax over all ranks (refresh_float8_amax)
+  at::Tensor unsharded_flat_;         // [world * gather_numel(false)] in the compute dtype, parameter-major
+  at::Tensor unsharded_transformed_;  // [world * transformed_numel_] after it in the same storage
   State state_ = State::Sharded;
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the all-gather
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
