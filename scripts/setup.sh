@@ -16,6 +16,7 @@ log() { echo "setup: $*"; }
 missing=()
 command -v mpirun >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
 [ -f /usr/include/gtest/gtest.h ] && [ -f /usr/include/gmock/gmock.h ] || missing+=(libgtest-dev libgmock-dev)
+[ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)  # checkpoints' CRC-32
 command -v ninja >/dev/null || missing+=(ninja-build)
 command -v cmake >/dev/null || missing+=(cmake)
 apt_install() {

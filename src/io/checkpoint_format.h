@@ -35,6 +35,7 @@ struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The CRC-32 (IEEE 802.3, zlib's) of `size` bytes, continuing `crc` (that of the bytes before).
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
 
 struct TensorMeta {

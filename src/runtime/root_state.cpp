@@ -136,19 +136,6 @@ std::vector<ModuleState*> RootState::backward_prefetch_targets(const ModuleState
   return prefetch_targets(backward_pass_, state, /*backward=*/true);
 }
 
-void RootState::make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits, const char* cap,
-                          const std::string& label) {
-  const long before = queue.waits();
-  queue.set_limit(limit);
-  queue.drop_finished();
-  const int span = queue.full() ? Trace::get().begin("wait: " + std::string(cap) + " cap, for " + label,
-                                                     Trace::Track::HostWait)
-                                : -1;
-  queue.make_room();
-  Trace::get().end(span);
-  waits += queue.waits() - before;
-}
-
 void RootState::all_gather(ModuleState& state) {
   const RuntimeOptions options = this->options();
   std::vector<ParamGroup*> groups{&state.group()};
@@ -173,7 +160,15 @@ void RootState::all_gather(ModuleState& state) {
       bytes += next_bytes;
     }
   }
-  make_room(allgathers_, options.max_inflight_allgathers, stats_.allgather_waits, "all-gather", state.group().label());
+  // The all-gather cap: past it the CPU waits for the oldest gathered memory's last use (each wait
+  // a span of the host track).
+  allgathers_.set_limit(options.max_inflight_allgathers);
+  allgathers_.drop_finished();
+  const int span = allgathers_.full() ? Trace::get().begin("wait: all-gather cap, for " + state.group().label(),
+                                                           Trace::Track::HostWait)
+                                      : -1;
+  stats_.allgather_waits += allgathers_.make_room();
+  Trace::get().end(span);
   Trace::get().mark();  // what the compute before it left allocated (cost model)
   ParamGroup::unshard_together(groups);
   ++stats_.all_gathers;
@@ -204,12 +199,10 @@ void RootState::reduce_scatter(ParamGroup& group) {
 void RootState::flush_reduce_scatters() {
   if (reduce_bucket_.empty()) return;
   const DeviceStreams& streams = DeviceStreams::of(reduce_bucket_.front()->device());
-  const long before = reduce_scatters_.waits();
   reduce_scatters_.set_limit(options().max_inflight_reduce_scatters);
-  reduce_scatters_.make_room([&](const DeviceWork& work) {
+  stats_.reduce_scatter_waits += reduce_scatters_.make_room([&](const DeviceWork& work) {
     if (work.event) streams.wait(streams.compute(), *work.event);
   });
-  stats_.reduce_scatter_waits += reduce_scatters_.waits() - before;
   reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();

@@ -80,10 +80,6 @@ class RootState : public std::enable_shared_from_this<RootState> {
   std::vector<std::shared_ptr<ModuleState>> members() const;
   static ModuleState* find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id);
   bool ran_in_pass(const ModuleState& state, bool backward) const;
-  // Applies the cap `limit` to `queue` before new work for `label`, counting the times the CPU
-  // waited and tracing each wait on the host track.
-  static void make_room(InflightQueue<DeviceWork>& queue, int limit, long& waits, const char* cap,
-                        const std::string& label);
 
   std::weak_ptr<ModuleState> top_unit_;
   std::string top_name_;

@@ -18,21 +18,23 @@ class InflightQueue {
   void set_limit(int limit) { limit_ = limit; }  // 0 = unlimited
 
   // Call before starting new work: drops finished items, then blocks on the
-  // oldest until fewer than `limit` remain.
-  void make_room() {
-    make_room([](const Item& item) { item.wait(); });
+  // oldest until fewer than `limit` remain. Returns how many it blocked on.
+  int make_room() {
+    return make_room([](const Item& item) { item.wait(); });
   }
   // The same with settle(item) in place of blocking on each oldest item: what
   // the item keeps alive is then dropped at once, so settle must order every
   // later use of that memory after the item (a stream wait on its event).
   template <class Settle>
-  void make_room(Settle&& settle) {
+  int make_room(Settle&& settle) {
     drop_finished();
-    while (limit_ > 0 && static_cast<int>(items_.size()) >= limit_) {
+    int settled = 0;
+    for (; limit_ > 0 && static_cast<int>(items_.size()) >= limit_; ++settled) {
       settle(items_.front());
       items_.pop_front();
-      ++waits_;
     }
+    waits_ += settled;
+    return settled;
   }
   void push(Item item) { items_.push_back(std::move(item)); }
   // Drops every item; only when their work is known to be ordered before

@@ -33,6 +33,19 @@ std::string reseal(std::string bytes) {
   return bytes;
 }
 
+// The checksums older checkpoints hold are the standard CRC-32 (its check value); a sum continued
+// over pieces equals the whole's, and one flipped bit changes it.
+TEST(CheckpointFormat, Crc32IsTheStandardOneAndContinuesOverPieces) {
+  EXPECT_EQ(fsdp::io::crc32("123456789", 9), 0xCBF43926u);
+  std::string bytes(1 << 20, '\0');
+  std::mt19937 random(7);
+  for (char& c : bytes) c = static_cast<char>(random());
+  const uint32_t whole = fsdp::io::crc32(bytes.data(), bytes.size());
+  EXPECT_EQ(fsdp::io::crc32(bytes.data() + 1000, bytes.size() - 1000, fsdp::io::crc32(bytes.data(), 1000)), whole);
+  bytes[12345] ^= 1;
+  EXPECT_NE(fsdp::io::crc32(bytes.data(), bytes.size()), whole);
+}
+
 TEST(CheckpointFormat, RoundTrip) {
   const CheckpointMeta m = sample();
   const CheckpointMeta back = fsdp::io::decode(fsdp::io::encode(m), "metadata.bin");

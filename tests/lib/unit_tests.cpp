@@ -147,13 +147,13 @@ TEST(InflightQueue, BlocksOnTheOldestOnlyWhenAtTheCap) {
   queue.make_room();
   queue.push({20, &clock, &waited});
   EXPECT_EQ(queue.waits(), 0);
-  queue.make_room();  // two in flight: wait for the one finishing at 10
+  EXPECT_EQ(queue.make_room(), 1);  // two in flight: wait for the one finishing at 10
   EXPECT_EQ(waited, (std::vector<int>{10}));
   EXPECT_EQ(queue.waits(), 1);
   EXPECT_EQ(queue.size(), 1u);
   queue.push({30, &clock, &waited});
   clock = 25;  // the device moved on: the finished item is dropped without waiting
-  queue.make_room();
+  EXPECT_EQ(queue.make_room(), 0);
   EXPECT_EQ(queue.waits(), 1);
   EXPECT_EQ(queue.size(), 1u);
 }
