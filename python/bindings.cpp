@@ -1,5 +1,5 @@
-// fsdpcpp._C: the Python package's binding of the library's module-agnostic core (fsdp/unit.h)
-// and of the rest of its public API that a Python front end needs. Python finds the units in its
+// fsdpcpp._C: the Python package's binding of the library's module-agnostic core (fsdp/group.h)
+// and of the rest of its public API that a Python front end needs. Python finds the groups in its
 // module tree and registers the hooks (fsdpcpp/_fully_shard.py); everything else runs here, in C++.
 #include <torch/csrc/utils/pybind.h>
 
@@ -27,10 +27,10 @@ namespace py = pybind11;
 
 namespace {
 
-// A sharded unit as Python holds it: the unit and the token its registration lives as long as
-// (the module holds this object, so the unit is forgotten with the module).
-struct PyUnit {
-  std::shared_ptr<fsdp::ModuleState> unit;
+// A sharded group as Python holds it: the group and the token its registration lives as long as
+// (the module holds this object, so the group is forgotten with the module).
+struct PyGroup {
+  std::shared_ptr<fsdp::GroupState> state;
   std::shared_ptr<const void> lifetime;
 };
 
@@ -38,11 +38,11 @@ struct RecomputedForward {
   std::unique_ptr<fsdp::RecomputedForwardScope> scope;
 };
 
-// A root's units as Python lists them (module path, unit), for the planner's calls.
-using PyNamedUnits = std::vector<std::pair<std::string, PyUnit*>>;
-fsdp::PlanningRoot planning_root(const std::string& name, const PyNamedUnits& units) {
-  std::vector<std::pair<std::string, fsdp::ModuleState*>> listed;
-  for (const auto& [path, unit] : units) listed.emplace_back(path, unit->unit.get());
+// A root's groups as Python lists them (module path, group), for the planner's calls.
+using PyNamedGroups = std::vector<std::pair<std::string, PyGroup*>>;
+fsdp::PlanningRoot planning_root(const std::string& name, const PyNamedGroups& groups) {
+  std::vector<std::pair<std::string, fsdp::GroupState*>> listed;
+  for (const auto& [path, group] : groups) listed.emplace_back(path, group->state.get());
   return fsdp::PlanningRoot(name, std::move(listed));
 }
 
@@ -120,33 +120,33 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def("__enter__", [](RecomputedForward& c) { c.scope = std::make_unique<fsdp::RecomputedForwardScope>(); })
       .def("__exit__", [](RecomputedForward& c, py::args) { c.scope.reset(); });
-  py::class_<PyUnit>(m, "Unit")
-      .def_property_readonly("name", [](const PyUnit& u) { return fsdp::unit_name(*u.unit); })
-      .def("pre_forward", [](PyUnit& u) { fsdp::unit_pre_forward(*u.unit); })
-      .def("post_forward", [](PyUnit& u, const std::vector<at::Tensor>& outputs) {
-        fsdp::unit_post_forward(*u.unit, outputs);
+  py::class_<PyGroup>(m, "Group")
+      .def_property_readonly("name", [](const PyGroup& g) { return fsdp::group_name(*g.state); })
+      .def("pre_forward", [](PyGroup& g) { fsdp::group_pre_forward(*g.state); })
+      .def("post_forward", [](PyGroup& g, const std::vector<at::Tensor>& outputs) {
+        fsdp::group_post_forward(*g.state, outputs);
       })
-      .def("abort_forward", [](PyUnit& u) { fsdp::unit_abort_forward(*u.unit); })
-      .def("set_requires_gradient_sync", [](PyUnit& u, bool sync) { fsdp::set_requires_gradient_sync(*u.unit, sync); })
-      .def("set_reshard_after_forward", [](PyUnit& u, bool r) { fsdp::set_reshard_after_forward(*u.unit, r); })
-      .def("reshard", [](PyUnit& u) { fsdp::reshard(*u.unit); })
-      .def("unshard", [](PyUnit& u) { fsdp::unshard(*u.unit); })
-      .def("wait_for_unshard", [](PyUnit& u) { fsdp::wait_for_unshard(*u.unit); })
-      .def_property_readonly("reshard_after_forward", [](const PyUnit& u) { return fsdp::reshard_after_forward(*u.unit); })
-      .def("set_runtime_options", [](PyUnit& u, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*u.unit, o); })
-      .def("runtime_options", [](const PyUnit& u) { return fsdp::runtime_options(*u.unit); });
+      .def("abort_forward", [](PyGroup& g) { fsdp::group_abort_forward(*g.state); })
+      .def("set_requires_gradient_sync", [](PyGroup& g, bool sync) { fsdp::set_requires_gradient_sync(*g.state, sync); })
+      .def("set_reshard_after_forward", [](PyGroup& g, bool r) { fsdp::set_reshard_after_forward(*g.state, r); })
+      .def("reshard", [](PyGroup& g) { fsdp::reshard(*g.state); })
+      .def("unshard", [](PyGroup& g) { fsdp::unshard(*g.state); })
+      .def("wait_for_unshard", [](PyGroup& g) { fsdp::wait_for_unshard(*g.state); })
+      .def_property_readonly("reshard_after_forward", [](const PyGroup& g) { return fsdp::reshard_after_forward(*g.state); })
+      .def("set_runtime_options", [](PyGroup& g, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*g.state, o); })
+      .def("runtime_options", [](const PyGroup& g) { return fsdp::runtime_options(*g.state); });
 
   // HSDP's communicators (fsdp/mesh.h): the ranks of this rank's replica, and those holding its shard.
   py::class_<fsdp::Mesh>(m, "Mesh").def_property_readonly("replicas", &fsdp::Mesh::replicas);
   m.def("make_mesh", [](int replicas) { return fsdp::make_mesh(replicas); });
   m.def(
-      "shard_unit",
-      [](const std::string& name, const fsdp::NamedTensors& params, const std::vector<PyUnit*>& inner,
+      "shard_group",
+      [](const std::string& name, const fsdp::NamedTensors& params, const std::vector<PyGroup*>& inner,
          std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
          bool reshard_after_forward, bool cpu_offload, const fsdp::Mesh* mesh) {
         auto lifetime = std::make_shared<int>(0);
-        fsdp::UnitSpec spec{name, params, {}, lifetime.get(), lifetime, "fsdpcpp.fully_shard"};
-        for (const PyUnit* u : inner) spec.inner.push_back(u->unit);
+        fsdp::GroupSpec spec{name, params, {}, lifetime.get(), lifetime, "fsdpcpp.fully_shard"};
+        for (const PyGroup* g : inner) spec.inner.push_back(g->state);
         fsdp::ShardOptions options;
         if (mesh) {
           options.comm = mesh->shard;
@@ -156,15 +156,15 @@ PYBIND11_MODULE(_C, m) {
         options.cpu_offload = cpu_offload;
         options.mixed_precision.param_dtype = param_dtype;
         options.mixed_precision.reduce_dtype = reduce_dtype;
-        return PyUnit{fsdp::shard_unit(std::move(spec), options), lifetime};
+        return PyGroup{fsdp::shard_group(std::move(spec), options), lifetime};
       },
       py::arg("name"), py::arg("params"), py::arg("inner"), py::arg("param_dtype"), py::arg("reduce_dtype"),
       py::arg("reshard_after_forward"), py::arg("cpu_offload"), py::arg("mesh") = nullptr);
-  m.def("is_sharded_parameter", [](const at::Tensor& p) { return fsdp::unit_of_parameter(p) != nullptr; });
-  m.def("unit_name_of_parameter", [](const at::Tensor& p) -> std::optional<std::string> {
-    auto unit = fsdp::unit_of_parameter(p);
-    if (!unit) return std::nullopt;
-    return fsdp::unit_name(*unit);
+  m.def("is_sharded_parameter", [](const at::Tensor& p) { return fsdp::group_of_parameter(p) != nullptr; });
+  m.def("group_name_of_parameter", [](const at::Tensor& p) -> std::optional<std::string> {
+    auto state = fsdp::group_of_parameter(p);
+    if (!state) return std::nullopt;
+    return fsdp::group_name(*state);
   });
   m.def("full_parameter", [](const at::Tensor& p) { return fsdp::full_parameter(p); });
   m.def("deferred_parameter", [](const std::vector<int64_t>& shape, at::ScalarType dtype, const std::string& device) {
@@ -221,14 +221,14 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fsdp::plan::CostModel>(m, "CostModel")
       .def_readonly("profiled_peak_bytes", &fsdp::plan::CostModel::profiled_peak_bytes)
       .def_readonly("profiled_step_ms", &fsdp::plan::CostModel::profiled_step_ms);
-  m.def("set_schedule", [](const std::string& root, const PyNamedUnits& units, const fsdp::plan::Schedule& s) {
-    fsdp::set_schedule(planning_root(root, units), s);
+  m.def("set_schedule", [](const std::string& root, const PyNamedGroups& groups, const fsdp::plan::Schedule& s) {
+    fsdp::set_schedule(planning_root(root, groups), s);
   });
   py::class_<fsdp::ProfilingSteps>(m, "ProfilingSteps")
-      .def(py::init([](const std::string& root, const PyNamedUnits& units,
+      .def(py::init([](const std::string& root, const PyNamedGroups& groups,
                        std::function<void(const fsdp::plan::Schedule&)> apply, int micro_batches,
                        bool reduce_every_micro_batch) {
-        return std::make_unique<fsdp::ProfilingSteps>(planning_root(root, units), std::move(apply), micro_batches,
+        return std::make_unique<fsdp::ProfilingSteps>(planning_root(root, groups), std::move(apply), micro_batches,
                                                       reduce_every_micro_batch);
       }))
       .def("before_step", &fsdp::ProfilingSteps::before_step)
@@ -238,10 +238,10 @@ PYBIND11_MODULE(_C, m) {
       .def("profile", &fsdp::ProfilingSteps::profile, py::return_value_policy::copy);
   // The plan, or (message, smallest budget in bytes) when none fits: Python raises its
   // fsdpcpp.BudgetTooSmall with both.
-  m.def("plan_for_budget", [](const std::string& root, const PyNamedUnits& units, int64_t budget_bytes,
+  m.def("plan_for_budget", [](const std::string& root, const PyNamedGroups& groups, int64_t budget_bytes,
                               const fsdp::plan::CostModel& profile, double margin) -> py::object {
     try {
-      return py::cast(fsdp::plan_for_budget(planning_root(root, units), budget_bytes, profile, margin));
+      return py::cast(fsdp::plan_for_budget(planning_root(root, groups), budget_bytes, profile, margin));
     } catch (const fsdp::plan::BudgetTooSmall& e) {
       return py::make_tuple(std::string(e.what()), e.smallest_budget_bytes);
     }
@@ -252,9 +252,9 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(bytes.now, bytes.peak);
   });
   m.def("reset_peak_allocated", [](const std::string& device) { fsdp::reset_peak_allocated(c10::Device(device)); });
-  m.def("group_names", [](const std::string& root, const PyNamedUnits& units) {
+  m.def("group_names", [](const std::string& root, const PyNamedGroups& groups) {
     std::vector<std::string> names;
-    for (const auto& shape : fsdp::group_shapes(planning_root(root, units))) names.push_back(shape.name);
+    for (const auto& shape : fsdp::group_shapes(planning_root(root, groups))) names.push_back(shape.name);
     return names;
   });
   m.def("describe_schedule", &fsdp::plan::describe);

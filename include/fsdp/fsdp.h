@@ -13,8 +13,8 @@
 #include "fsdp/sharded_checkpoint.h"  // every rank saves and loads its own rows
 #include "fsdp/version.h"
 
-// Writing a front end (the Python package is one): the module-agnostic units under fully_shard.
-#include "fsdp/unit.h"
+// Writing a front end (the Python package is one): the module-agnostic groups under fully_shard.
+#include "fsdp/group.h"
 #include "fsdp/communicator.h"        // collectives between the ranks of a group
 
 // Planning under a memory budget: profile a step, choose a schedule, apply it.

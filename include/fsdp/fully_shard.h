@@ -31,7 +31,7 @@ class Module;
 
 namespace fsdp {
 
-class ModuleState;
+class GroupState;
 
 /// Shards the parameters of `module` not already sharded by an inner
 /// fully_shard call into one parameter group: one all-gather before its
@@ -43,8 +43,8 @@ class ModuleState;
 /// same tensor objects), so an optimizer created before or after this call
 /// trains the same way; named_parameters() returns the shards. Each parameter
 /// is split along dim 0, zero-padded where rows do not divide evenly.
-std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module,
-                                         const ShardOptions& options = {});
+std::shared_ptr<GroupState> fully_shard(torch::nn::Module& module,
+                                        const ShardOptions& options = {});
 namespace detail {
 /// A module, a ModuleHolder (torch::nn::Linear) or a shared_ptr to a module.
 template <class M>
@@ -56,7 +56,7 @@ torch::nn::Module& as_module(M& m) {
 }
 }  // namespace detail
 template <class M>
-std::shared_ptr<ModuleState> fully_shard(M& module, const ShardOptions& options = {}) {
+std::shared_ptr<GroupState> fully_shard(M& module, const ShardOptions& options = {}) {
   return fully_shard(detail::as_module(module), options);
 }
 
@@ -130,7 +130,7 @@ at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& op
 void init_normal_(const at::Tensor& param, uint64_t seed, double std);
 
 /// The state fully_shard attached to `module`, or nullptr.
-ModuleState* state_of(const torch::nn::Module& module);
+GroupState* state_of(const torch::nn::Module& module);
 
 /// Collective. A full (unsharded) copy of the parameter `name` of `root`.
 at::Tensor full_parameter(torch::nn::Module& root, const std::string& name);
@@ -160,14 +160,14 @@ namespace detail {
 /// arms backward and reshards; an exception leaves through the destructor.
 class ForwardScope {
  public:
-  explicit ForwardScope(ModuleState& state);
+  explicit ForwardScope(GroupState& state);
   ~ForwardScope();
   ForwardScope(const ForwardScope&) = delete;
   ForwardScope& operator=(const ForwardScope&) = delete;
   void finish(const std::vector<at::Tensor>& outputs);
 
  private:
-  ModuleState& state_;
+  GroupState& state_;
   bool finished_ = false;
 };
 
@@ -200,7 +200,7 @@ void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
 /// `module` (a ModuleHolder or shared_ptr to a module) is sharded.
 template <class M, class... Args>
 auto forward(M& module, Args&&... args) {
-  ModuleState* state = state_of(detail::as_module(module));
+  GroupState* state = state_of(detail::as_module(module));
   if (!state) return module->forward(std::forward<Args>(args)...);
   detail::ForwardScope scope(*state);
   auto output = module->forward(std::forward<Args>(args)...);

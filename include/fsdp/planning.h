@@ -16,7 +16,7 @@
 // The runtime applies the per-group and runtime choices of a schedule; which groups are
 // recomputed in backward is the model's to do (fsdp::recompute), as the schedule's recompute
 // vector says. Each call takes the root as a PlanningRoot: a torch::nn model converts to one; the
-// Python package (fsdpcpp.plan_memory_budget) lists its nn.Module's units itself.
+// Python package (fsdpcpp.plan_memory_budget) lists its nn.Module's groups itself.
 #pragma once
 
 #include <cstdint>
@@ -32,17 +32,17 @@
 
 namespace fsdp {
 
-/// The sharded units of one root, each under the name plans and reports give its group: its
-/// module's path ("blocks.3"; the root's own unit "root").
+/// The sharded groups of one root, each under the name plans and reports give it: its
+/// module's path ("blocks.3"; the root's own group "root").
 struct PlanningRoot {
-  /// The units of `root`'s modules, found by their paths (implicit, so that a model passes as is).
+  /// The groups of `root`'s modules, found by their paths (implicit, so that a model passes as is).
   PlanningRoot(const torch::nn::Module& root);  // NOLINT(google-explicit-constructor)
   /// A front end's own listing: `name` is how errors name the root.
-  PlanningRoot(std::string name, std::vector<std::pair<std::string, ModuleState*>> units)
-      : name(std::move(name)), units(std::move(units)) {}
+  PlanningRoot(std::string name, std::vector<std::pair<std::string, GroupState*>> groups)
+      : name(std::move(name)), groups(std::move(groups)) {}
 
   std::string name;  ///< how errors name the root (a torch::nn model: its name())
-  std::vector<std::pair<std::string, ModuleState*>> units;  ///< the root's own unit among them
+  std::vector<std::pair<std::string, GroupState*>> groups;  ///< the root's own group among them
 };
 
 /// The sharded groups under `root` in the forward order recorded by the last step (so at least
@@ -59,7 +59,7 @@ plan::Schedule profiling_schedule(const PlanningRoot& root);
 /// buckets (bucket_mb, reduce_bucket_max_wait), as the schedule says. Takes effect from the next step. Throws
 /// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
 void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule);
-/// Only the runtime's part of it, as the root's own options (set_runtime_options(root's unit, ...)):
+/// Only the runtime's part of it, as the root's own options (set_runtime_options(root's group, ...)):
 /// prefetch depth, in-flight caps and buckets; the cap on pending host steps stays the root's.
 /// Needs no recorded order (for use right after sharding with the schedule's per-group choices).
 void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule);

@@ -34,7 +34,7 @@ from ._runtime import device, rank, world_size
 
 _mesh = None  # the DeviceMesh of every face
 _hsdp = None  # its C++ communicators where it is 2-D (HSDP), else None
-_units = weakref.WeakSet()  # the _Faces of every live sharded module
+_live_faces = weakref.WeakSet()  # the _Faces of every live sharded module
 _forward_depth = 0  # sharded forwards in progress: 0 outside the outermost
 _mirror_queued = False
 
@@ -135,7 +135,7 @@ def use_mesh(mesh, caller: str):
 
 def release_dropped_gradients() -> None:
     """Frees now what each step's first forward would free (the planner measures from before it)."""
-    for state in list(_units):
+    for state in list(_live_faces):
         state.release_dropped_gradients()
 
 
@@ -232,8 +232,8 @@ def _face(param: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Par
 
 
 def make_faces(modules, params, inner_modules) -> _Faces:
-    """Registers a face for each of `params` (the unit's managed (name, tensor) pairs) in every
-    slot of the trees of `modules` (the unit's: one, or a fully_shard list) outside the inner
+    """Registers a face for each of `params` (the group's managed (name, tensor) pairs) in every
+    slot of the trees of `modules` (the group's: one, or a fully_shard list) outside the inner
     sharded modules that holds it."""
     mesh = default_mesh()
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # FSDP2's, FSDP and HSDP
@@ -254,14 +254,14 @@ def make_faces(modules, params, inner_modules) -> _Faces:
                 slots.append((sub, name, value, *faces[id(value)]))
     state = _Faces(slots)
     state.use_faces()
-    _units.add(state)
+    _live_faces.add(state)
     return state
 
 
 def enter_forward(faces: _Faces) -> None:
     global _forward_depth
     if outermost():  # a step's first forward, not a recompute in backward
-        for state in list(_units):
+        for state in list(_live_faces):
             state.forward_settings()
     _forward_depth += 1
     faces.use_managed()
@@ -299,6 +299,6 @@ def _queue_mirror(grad):
 def _end_of_backward() -> None:
     global _mirror_queued
     _mirror_queued = False
-    for state in list(_units):
+    for state in list(_live_faces):
         state.use_faces()
         state.mirror_gradients()

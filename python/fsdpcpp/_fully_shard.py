@@ -1,5 +1,5 @@
-"""fully_shard for nn.Module: finds the unit's parameters and inner units in the module tree,
-registers it with the C++ core (fsdp/unit.h), and hooks the module's forward."""
+"""fully_shard for nn.Module: finds the group's parameters and inner groups in the module tree,
+registers it with the C++ core (fsdp/group.h), and hooks the module's forward."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class FSDPModule:
     def reshard(self) -> None:
         """Frees the module's unsharded parameters now, if it holds them; the module holds its
         sharded DTensors again."""
-        self._fsdpcpp.unit.reshard()
+        self._fsdpcpp.group.reshard()
         self._fsdpcpp.faces.use_faces()
 
     def unshard(self, async_op: bool = False):
@@ -66,7 +66,7 @@ class FSDPModule:
         reshard_after_forward); that forward uses this all-gather. async_op=True returns a handle
         whose wait() ends it (the forward waits for it by itself)."""
         state = self._fsdpcpp
-        state.unit.unshard()
+        state.group.unshard()
         handle = _UnshardHandle(state)
         if async_op:
             return handle
@@ -109,7 +109,7 @@ class FSDPModule:
         module and (recurse=True) every sharded module inside it."""
         if not recurse:
             raise NotImplementedError("fsdpcpp: set_requires_gradient_sync(recurse=False) is not supported")
-        self._fsdpcpp.unit.set_requires_gradient_sync(bool(requires_gradient_sync))
+        self._fsdpcpp.group.set_requires_gradient_sync(bool(requires_gradient_sync))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the modules free their unsharded parameters after forward (ZeRO-3) or keep them
@@ -117,13 +117,13 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         for module in modules:
             if isinstance(module, FSDPModule):
-                module._fsdpcpp.unit.set_reshard_after_forward(bool(reshard_after_forward))
+                module._fsdpcpp.group.set_reshard_after_forward(bool(reshard_after_forward))
 
     def set_runtime_options(self, **options) -> None:
         """This root's scheduling options (names as fsdpcpp.runtime_options()), instead of the
         process-wide defaults: prefetch depth, the caps on in-flight collectives, bucketing."""
-        unit = self._fsdpcpp.unit
-        unit.set_runtime_options(_updated(unit.runtime_options(), options, "FSDPModule.set_runtime_options"))
+        group = self._fsdpcpp.group
+        group.set_runtime_options(_updated(group.runtime_options(), options, "FSDPModule.set_runtime_options"))
 
 
 class _UnshardHandle:
@@ -133,7 +133,7 @@ class _UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        self._state.unit.wait_for_unshard()
+        self._state.group.wait_for_unshard()
         self._state.faces.use_managed()
 
 
@@ -146,25 +146,25 @@ class _RecomputedInBackward:
         if not torch.is_grad_enabled():
             return super().__call__(*args, **kwargs)
         # Its backward starts at the recompute, which runs the whole call (no early stop): the
-        # unit's post-forward hook ends the recompute and starts the backward proper.
+        # group's post-forward hook ends the recompute and starts the backward proper.
         with _C.recomputed_forward():
             return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, early_stop=False,
                                                      **kwargs)
 
 
-class _UnitState:
-    __slots__ = ("unit", "mp_policy", "module_class", "faces", "group")
+class _GroupState:
+    __slots__ = ("group", "mp_policy", "module_class", "faces", "module_list")
 
-    def __init__(self, unit, mp_policy, module_class, faces, group=None):
-        self.unit = unit
+    def __init__(self, group, mp_policy, module_class, faces, module_list=None):
+        self.group = group
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
         self.faces = faces  # the parameters' DTensor faces (_dtensor.py)
-        self.group = group  # a _ModuleGroup where one fully_shard call took a list of modules
+        self.module_list = module_list  # a _ModuleList where one fully_shard call took a list of modules
 
 
-class _ModuleGroup:
-    """fully_shard([a, b, ...]): one unit for several modules. Its forward starts when the first
+class _ModuleList:
+    """fully_shard([a, b, ...]): one group for several modules. Its forward starts when the first
     of them starts and ends once each has run (FSDP2's rule), or with the forward of the module
     around it where one of them did not run this time (a head a forward skipped); so the group is
     all-gathered once and its backward starts at whichever of their outputs' gradients comes
@@ -176,14 +176,14 @@ class _ModuleGroup:
         self.members = frozenset(id(m) for m in modules)
         self.waiting = set()  # the modules yet to run in the current forward; empty: none running
         self.outputs = []
-        self.state = None  # the group's _UnitState (its unit and faces)
+        self.state = None  # the group's _GroupState (its C++ group and faces)
 
     def starts_forward(self, module) -> bool:
         """Whether `module`'s forward starts the group's."""
         if self.waiting:
             return False
         self.waiting = set(self.members)
-        _open_groups.append(self)
+        _open_lists.append(self)
         return True
 
     def ends_forward(self, module, outputs):
@@ -195,13 +195,13 @@ class _ModuleGroup:
     def end_early(self) -> None:
         """Ends the group's forward with the outputs of the modules that ran."""
         outputs = self._close()
-        self.state.unit.post_forward(outputs)
+        self.state.group.post_forward(outputs)
         _dtensor.exit_forward(self.state.faces, outputs)
 
     def end_aborted(self) -> None:
-        """Ends the group's forward as a forward that raised ends (unit_abort_forward)."""
+        """Ends the group's forward as a forward that raised ends (group_abort_forward)."""
         self._close()
-        self.state.unit.abort_forward()
+        self.state.group.abort_forward()
         _dtensor.exit_forward(self.state.faces, [])
 
     def abort(self) -> None:
@@ -209,21 +209,21 @@ class _ModuleGroup:
             self._close()
 
     def _close(self):
-        _open_groups.remove(self)
+        _open_lists.remove(self)
         outputs, self.outputs, self.waiting = self.outputs, [], set()
         return outputs
 
 
-_open_groups: list[_ModuleGroup] = []  # groups whose forward started and has not ended, oldest first
+_open_lists: list[_ModuleList] = []  # lists whose forward started and has not ended, oldest first
 
 
 def _end_groups_inside(state, raised: bool) -> None:
     """Before the forward of the module around them ends (every forward still running but its
     own is an open group's), the groups whose modules did not all run end theirs; as aborted
     where that forward raised."""
-    if _open_groups and state.group is None and _dtensor.forward_depth() == 1 + len(_open_groups):
-        for group in reversed(list(_open_groups)):
-            group.end_aborted() if raised else group.end_early()
+    if _open_lists and state.module_list is None and _dtensor.forward_depth() == 1 + len(_open_lists):
+        for module_list in reversed(list(_open_lists)):
+            module_list.end_aborted() if raised else module_list.end_early()
 
 
 def set_recomputed(module: FSDPModule, recompute: bool) -> None:
@@ -232,7 +232,7 @@ def set_recomputed(module: FSDPModule, recompute: bool) -> None:
     if not isinstance(module, FSDPModule):
         raise ValueError(f"fsdpcpp.set_recomputed({type(module).__name__}): the module is not sharded; "
                          "fully_shard it first")
-    if recompute and module._fsdpcpp.group is not None:
+    if recompute and module._fsdpcpp.module_list is not None:
         raise NotImplementedError(f"fsdpcpp.set_recomputed({type(module).__name__}): the module was sharded in a "
                                   "list with others (one group); recomputing one module of a group is not supported")
     module.__class__ = _fsdp_class(module._fsdpcpp.module_class, recompute)
@@ -249,9 +249,9 @@ def _cast_floating(dtype, tree):
 @torch._dynamo.disable
 def _pre_forward(module, args, kwargs):
     state = module._fsdpcpp
-    if state.group is None or state.group.starts_forward(module):
+    if state.module_list is None or state.module_list.starts_forward(module):
         _dtensor.enter_forward(state.faces)
-        state.unit.pre_forward()
+        state.group.pre_forward()
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floating(mp.param_dtype, (args, kwargs))
@@ -265,26 +265,26 @@ def _post_forward(module, args, kwargs, output):
         # Called for a forward that raised (always_call): its bookkeeping ends, the parameters stay
         # as they are. Non-reentrant checkpointing stops a recomputation this way once it has the
         # tensors backward needs, and backward still reads the gathered parameters after it.
-        if state.group is not None:
-            state.group.abort()
+        if state.module_list is not None:
+            state.module_list.abort()
         _end_groups_inside(state, raised=True)
-        state.unit.abort_forward()
+        state.group.abort_forward()
         _dtensor.exit_forward(state.faces, [])
         return output
     leaves, _ = tree_flatten(output)
     outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if state.group is not None:
-        outputs = state.group.ends_forward(module, outputs)
+    if state.module_list is not None:
+        outputs = state.module_list.ends_forward(module, outputs)
     _end_groups_inside(state, raised=False)
     if outputs is not None:
-        state.unit.post_forward(outputs)
+        state.group.post_forward(outputs)
         _dtensor.exit_forward(state.faces, outputs)
     if state.mp_policy.output_dtype is not None:
         output = _cast_floating(state.mp_policy.output_dtype, output)
     return output
 
 
-def _unit_parameters(modules, name: str, ignored: set):
+def _group_parameters(modules, name: str, ignored: set):
     """The parameters this call shards: those of `modules` no inner fully_shard took and not in
     `ignored` (ids), each tensor once (a weight tied within them is one parameter under its first
     name)."""
@@ -293,7 +293,7 @@ def _unit_parameters(modules, name: str, ignored: set):
         inner_prefixes = [prefix for prefix, sub in module.named_modules() if prefix and isinstance(sub, FSDPModule)]
         for param_name, param in module.named_parameters(remove_duplicate=False):
             param = _dtensor.managed(param)
-            owner = _C.unit_name_of_parameter(param)
+            owner = _C.group_name_of_parameter(param)
             if owner is not None:
                 if not any(param_name.startswith(prefix + ".") for prefix in inner_prefixes):
                     raise ValueError(
@@ -377,16 +377,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     members = {id(m) for m in modules}
     inner_modules = list({id(sub): sub for m in modules for sub in m.modules()
                           if id(sub) not in members and isinstance(sub, FSDPModule)}.values())
-    inner = list({id(sub._fsdpcpp.unit): sub._fsdpcpp.unit for sub in inner_modules}.values())
-    params = _unit_parameters(modules, name, {id(_dtensor.managed(p)) for p in ignored_params or ()})
+    inner = list({id(sub._fsdpcpp.group): sub._fsdpcpp.group for sub in inner_modules}.values())
+    params = _group_parameters(modules, name, {id(_dtensor.managed(p)) for p in ignored_params or ()})
     _check_placements(shard_placement_fn, params, name)
     _off_meta(params)
-    unit = _C.shard_unit(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                         reshard_after_forward is not False, offload, hsdp)
+    group = _C.shard_group(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                           reshard_after_forward is not False, offload, hsdp)
     faces = _dtensor.make_faces(modules, params, inner_modules)
-    group = _ModuleGroup(modules) if len(modules) > 1 else None
+    module_list = _ModuleList(modules) if len(modules) > 1 else None
     for m in modules:
-        m._fsdpcpp = _UnitState(unit, mp_policy, type(m), faces, group)
+        m._fsdpcpp = _GroupState(group, mp_policy, type(m), faces, module_list)
         # FSDP2's marks of a module it manages, set as FSDP2 sets them: transformers' generate()
         # then defaults to synced_gpus (running forwards on a rank that finished until every rank
         # has, so the all-gathers stay paired), and dynamo compiles it as FSDP2's (without
@@ -397,8 +397,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         m.register_forward_hook(_post_forward, prepend=False, with_kwargs=True, always_call=True)
         # FSDP2's FSDPModule methods on this module alone: a class made once per module class.
         m.__class__ = _fsdp_class(type(m), recompute=False)
-    if group is not None:
-        group.state = modules[0]._fsdpcpp  # any member's: they share the unit and the faces
+    if module_list is not None:
+        module_list.state = modules[0]._fsdpcpp  # any member's: they share the group and the faces
     return module
 
 

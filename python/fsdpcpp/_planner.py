@@ -49,7 +49,7 @@ class Plan:
 
 
 class _Root:
-    """The sharded root as the library's planning calls take it: its units named by module path."""
+    """The sharded root as the library's planning calls take it: its groups named by module path."""
 
     def __init__(self, model: nn.Module):
         if not isinstance(model, FSDPModule):
@@ -57,15 +57,15 @@ class _Root:
                              "fully_shard its blocks and then the model itself (the root), then plan")
         self.name = model._fsdpcpp.module_class.__name__  # the user's class, not fully_shard's mixin
         self.modules = {path or "root": m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
-        grouped = [path for path, m in self.modules.items() if m._fsdpcpp.group is not None]
+        grouped = [path for path, m in self.modules.items() if m._fsdpcpp.module_list is not None]
         if grouped:
             raise NotImplementedError(f"fsdpcpp.plan_memory_budget({self.name}): '{grouped[0]}' was sharded in a list "
-                                      "with other modules (one group); the planner plans one module a unit: shard "
+                                      "with other modules (one group); the planner plans one module a group: shard "
                                       "them one by one, or together through their parent")
-        self.units = [(path, m._fsdpcpp.unit) for path, m in self.modules.items()]
+        self.groups = [(path, m._fsdpcpp.group) for path, m in self.modules.items()]
 
     def call(self, function, *args):
-        return function(self.name, self.units, *args)
+        return function(self.name, self.groups, *args)
 
     def apply(self, schedule) -> None:
         """The schedule's per-group and runtime choices, and its recomputation."""
@@ -80,15 +80,15 @@ class _Root:
     def choices(self):
         """What a failed or unapplied plan puts back: each module's recomputation and reshard
         choice, and the root's scheduling options."""
-        return ({path: (is_recomputed(m), m._fsdpcpp.unit.reshard_after_forward) for path, m in self.modules.items()},
-                self.modules["root"]._fsdpcpp.unit.runtime_options())
+        return ({path: (is_recomputed(m), m._fsdpcpp.group.reshard_after_forward) for path, m in self.modules.items()},
+                self.modules["root"]._fsdpcpp.group.runtime_options())
 
     def restore(self, choices) -> None:
         per_module, runtime = choices
         for path, (recompute, reshard) in per_module.items():
             set_recomputed(self.modules[path], recompute)
-            self.modules[path]._fsdpcpp.unit.set_reshard_after_forward(reshard)
-        self.modules["root"]._fsdpcpp.unit.set_runtime_options(runtime)
+            self.modules[path]._fsdpcpp.group.set_reshard_after_forward(reshard)
+        self.modules["root"]._fsdpcpp.group.set_runtime_options(runtime)
 
 
 def _wait_for_device() -> None:

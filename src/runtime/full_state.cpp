@@ -1,11 +1,11 @@
 // Whole-model views of sharded state for torch::nn modules: full parameters, state dicts, and
-// the global gradient norm (over fsdp/unit.h's per-parameter operations).
+// the global gradient norm (over fsdp/group.h's per-parameter operations).
 #include <torch/nn/module.h>
 
 #include <stdexcept>
 
 #include "fsdp/fully_shard.h"
-#include "fsdp/unit.h"
+#include "fsdp/group.h"
 
 namespace fsdp {
 

@@ -8,8 +8,8 @@
 
 #include "fsdp/fully_shard.h"
 #include "fsdp/launch.h"
-#include "fsdp/unit.h"
-#include "runtime/module_state.h"
+#include "fsdp/group.h"
+#include "runtime/group_state.h"
 #include "runtime/runtime.h"
 
 namespace fsdp {
@@ -31,9 +31,9 @@ bool is_under(const std::string& name, const std::string& prefix) {
 NamedParams collect_params(torch::nn::Module& module, const std::string& module_name) {
   // Where inner sharded modules sit, so that their parameters can be told
   // apart from the same tensors reached through another path (tied weights).
-  std::unordered_map<const ModuleState*, std::vector<std::string>> inner_prefixes;
+  std::unordered_map<const GroupState*, std::vector<std::string>> inner_prefixes;
   for (const auto& item : module.named_modules("", /*include_self=*/false))
-    if (ModuleState* inner = unit_of_owner(item.value().get()))
+    if (GroupState* inner = group_of_owner(item.value().get()))
       inner_prefixes[inner].push_back(item.key());
 
   NamedParams params;
@@ -64,7 +64,7 @@ NamedParams collect_params(torch::nn::Module& module, const std::string& module_
 
 }  // namespace
 
-std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardOptions& options) {
+std::shared_ptr<GroupState> fully_shard(torch::nn::Module& module, const ShardOptions& options) {
   const std::string module_name = module.name();
   std::shared_ptr<const torch::nn::Module> owned;
   try {
@@ -73,16 +73,16 @@ std::shared_ptr<ModuleState> fully_shard(torch::nn::Module& module, const ShardO
     throw shard_error(module_name, "the module must be owned by a shared_ptr (a ModuleHolder "
                                    "such as torch::nn::Linear, or std::make_shared)");
   }
-  if (unit_of_owner(&module))
+  if (group_of_owner(&module))
     throw shard_error(module_name, "this module is already sharded: call fully_shard once per module");
-  UnitSpec spec{module_name, collect_params(module, module_name), {}, &module, owned};
-  // The units inside it: those of its submodules at every depth.
+  GroupSpec spec{module_name, collect_params(module, module_name), {}, &module, owned};
+  // The groups inside it: those of its submodules at every depth.
   for (const auto& sub : module.modules(/*include_self=*/false))
-    if (ModuleState* inner = unit_of_owner(sub.get())) spec.inner.push_back(inner->shared_from_this());
-  return shard_unit(std::move(spec), options);
+    if (GroupState* inner = group_of_owner(sub.get())) spec.inner.push_back(inner->shared_from_this());
+  return shard_group(std::move(spec), options);
 }
 
-ModuleState* state_of(const torch::nn::Module& module) { return unit_of_owner(&module); }
+GroupState* state_of(const torch::nn::Module& module) { return group_of_owner(&module); }
 
 namespace {
 
@@ -91,7 +91,7 @@ template <class Set>
 void for_each_state(torch::nn::Module& root, const char* caller, Set&& set) {
   bool any = false;
   for (const auto& module : root.modules(/*include_self=*/true))
-    if (ModuleState* state = unit_of_owner(module.get())) {
+    if (GroupState* state = group_of_owner(module.get())) {
       set(*state);
       any = true;
     }
@@ -103,11 +103,11 @@ void for_each_state(torch::nn::Module& root, const char* caller, Set&& set) {
 }  // namespace
 
 void set_requires_gradient_sync(torch::nn::Module& root, bool sync) {
-  for_each_state(root, "set_requires_gradient_sync", [sync](ModuleState& state) { state.set_gradient_sync(sync); });
+  for_each_state(root, "set_requires_gradient_sync", [sync](GroupState& state) { state.set_gradient_sync(sync); });
 }
 
 void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options) {
-  ModuleState* state = unit_of_owner(&root);
+  GroupState* state = group_of_owner(&root);
   if (!state)
     throw std::invalid_argument("fsdp::set_runtime_options(" + root.name() +
                                 "): the module is not sharded; call fully_shard on it first (the root)");
@@ -115,7 +115,7 @@ void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options)
 }
 
 void set_step_in_backward(torch::nn::Module& root, GroupStep step) {
-  for_each_state(root, "set_step_in_backward", [&step](ModuleState& state) { state.set_step_in_backward(step); });
+  for_each_state(root, "set_step_in_backward", [&step](GroupState& state) { state.set_step_in_backward(step); });
 }
 
 }  // namespace fsdp

@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "fsdp/fully_shard.h"
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 #include "runtime/runtime.h"
 
 namespace fsdp {

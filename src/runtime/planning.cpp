@@ -13,8 +13,8 @@
 #include "fsdp/launch.h"
 #include "fsdp/memory_stats.h"
 #include "fsdp/runtime_options.h"
-#include "fsdp/unit.h"
-#include "runtime/module_state.h"
+#include "fsdp/group.h"
+#include "runtime/group_state.h"
 #include "runtime/root_state.h"
 #include "runtime/runtime.h"
 #include "shard/streams.h"
@@ -24,8 +24,8 @@ namespace fsdp {
 namespace {
 
 struct Group {
-  std::string path;  // as PlanningRoot names it: "blocks.3"; "root" for the root's own unit
-  ModuleState* state;
+  std::string path;  // as PlanningRoot names it: "blocks.3"; "root" for the root's own group
+  GroupState* state;
 };
 
 std::string root_error(const char* caller, const PlanningRoot& root, const std::string& why) {
@@ -35,7 +35,7 @@ std::string root_error(const char* caller, const PlanningRoot& root, const std::
 // The groups under `root`, in the recorded forward order.
 std::vector<Group> groups_in_order(const PlanningRoot& root, const char* caller) {
   std::unordered_map<int, Group> under_root;
-  for (const auto& [path, state] : root.units) under_root.emplace(state->id(), Group{path, state});
+  for (const auto& [path, state] : root.groups) under_root.emplace(state->id(), Group{path, state});
   if (under_root.empty())
     throw std::invalid_argument(root_error(caller, root, "no module in it is sharded; call fully_shard first"));
   // The groups' root's record (each root records its own order: runtime/root_state.h).
@@ -88,16 +88,16 @@ void agree_across_ranks(plan::CostModel& model, Communicator& comm) {
   visit_measurements(model, [&](auto& field) { field = static_cast<std::decay_t<decltype(field)>>(agreed[i++]); });
 }
 
-// The root's own unit: the listed unit every listed unit is under (null when the root's own
+// The root's own group: the listed group every listed group is under (null when the root's own
 // module is not sharded).
-ModuleState* own_unit(const PlanningRoot& root) {
-  for (const auto& [path, state] : root.units)
-    if (state->units_under().size() == root.units.size()) return state;
+GroupState* own_group(const PlanningRoot& root) {
+  for (const auto& [path, state] : root.groups)
+    if (state->groups_under().size() == root.groups.size()) return state;
   return nullptr;
 }
 
-// What the planner needs of `groups` (groups_in_order(root)); `own` is own_unit(root).
-std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const ModuleState* own) {
+// What the planner needs of `groups` (groups_in_order(root)); `own` is own_group(root).
+std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const GroupState* own) {
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
     if (group.state->group().replicate())
@@ -119,12 +119,12 @@ std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const 
 PlanningRoot::PlanningRoot(const torch::nn::Module& root) : name(root.name()) {
   auto& mutable_root = const_cast<torch::nn::Module&>(root);  // named_modules() is not const
   for (const auto& item : mutable_root.named_modules("", /*include_self=*/true))
-    if (ModuleState* state = unit_of_owner(item.value().get()))
-      units.emplace_back(item.key().empty() ? "root" : item.key(), state);
+    if (GroupState* state = group_of_owner(item.value().get()))
+      groups.emplace_back(item.key().empty() ? "root" : item.key(), state);
 }
 
 std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root) {
-  return shapes_of(groups_in_order(root, "group_shapes"), own_unit(root));
+  return shapes_of(groups_in_order(root, "group_shapes"), own_group(root));
 }
 
 plan::Schedule profiling_schedule(const PlanningRoot& root) {
@@ -143,7 +143,7 @@ void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule) {
 }
 
 void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule) {
-  ModuleState* top = own_unit(root);
+  GroupState* top = own_group(root);
   if (!top)
     throw std::invalid_argument(root_error("set_runtime_choices", root,
                                            "its own module is not sharded; fully_shard the root too (last)"));
@@ -235,7 +235,7 @@ plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_s
   step.micro_batches = micro_batches;
   step.reduce_every_micro_batch = reduce_every_micro_batch;
   const auto groups = groups_in_order(root, "finish_profiled_step");
-  plan::CostModel model = plan::measure_cost_model(shapes_of(groups, own_unit(root)), step);
+  plan::CostModel model = plan::measure_cost_model(shapes_of(groups, own_group(root)), step);
   measure_collective_latency(model, groups.front().state->group().comm());
   agree_across_ranks(model, *default_communicator());
   return model;

@@ -4,7 +4,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
-#include "fsdp/unit.h"
+#include "fsdp/group.h"
 #include "runtime/runtime.h"
 
 namespace fsdp::detail {

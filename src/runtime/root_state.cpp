@@ -5,23 +5,23 @@
 
 #include <algorithm>
 
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 #include "runtime/runtime.h"
 #include "shard/param_group.h"
 #include "shard/trace.h"
 
 namespace fsdp {
 
-RootState::RootState(std::weak_ptr<ModuleState> top, RuntimeStats& stats)
-    : top_unit_(std::move(top)), top_name_(top_unit_.lock()->module_name()), stats_(stats) {}
+RootState::RootState(std::weak_ptr<GroupState> top, RuntimeStats& stats)
+    : top_group_(std::move(top)), top_name_(top_group_.lock()->module_name()), stats_(stats) {}
 
 RuntimeOptions RootState::options() const {
-  const auto top = top_unit_.lock();
+  const auto top = top_group_.lock();
   if (top && top->runtime_options()) return *top->runtime_options();
   return Runtime::get().options();
 }
 
-void RootState::add_member(const std::shared_ptr<ModuleState>& state) { members_.push_back(state); }
+void RootState::add_member(const std::shared_ptr<GroupState>& state) { members_.push_back(state); }
 
 void RootState::adopt(RootState& other) {
   for (const auto& state : other.members()) {
@@ -31,14 +31,14 @@ void RootState::adopt(RootState& other) {
   other.members_.clear();
 }
 
-std::vector<std::shared_ptr<ModuleState>> RootState::members() const {
-  std::vector<std::shared_ptr<ModuleState>> out;
+std::vector<std::shared_ptr<GroupState>> RootState::members() const {
+  std::vector<std::shared_ptr<GroupState>> out;
   for (const auto& weak : members_)
     if (auto state = weak.lock()) out.push_back(std::move(state));
   return out;
 }
 
-void RootState::enter_forward(ModuleState& state) {
+void RootState::enter_forward(GroupState& state) {
   Runtime& runtime = Runtime::get();
   if (runtime.recomputing()) {
     ++depth_;
@@ -80,7 +80,7 @@ void RootState::exit_forward() {
   reshard_strays(/*only_idle_this_step=*/true);
 }
 
-void RootState::enter_backward(ModuleState& state) {
+void RootState::enter_backward(GroupState& state) {
   if (!callback_queued_) {
     callback_queued_ = true;
     backward_pass_.begin_pass();
@@ -101,13 +101,13 @@ void RootState::reshard_strays(bool only_idle_this_step) {
 // In forward: the group's forward already ran this step. In backward: its
 // backward already started, or it did not run forward this step (so it has
 // no backward to run).
-bool RootState::ran_in_pass(const ModuleState& state, bool backward) const {
+bool RootState::ran_in_pass(const GroupState& state, bool backward) const {
   return backward ? state.backward_started_ || state.step_ != step_ : state.step_ == step_;
 }
 
-std::vector<ModuleState*> RootState::prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
-                                                      bool backward) {
-  std::vector<ModuleState*> targets;
+std::vector<GroupState*> RootState::prefetch_targets(const ExecutionOrder& order, const GroupState& state,
+                                                     bool backward) {
+  std::vector<GroupState*> targets;
   const auto ids = order.next(state.id_, options().prefetch_depth);
   if (ids.empty()) return targets;
   const auto states = members();
@@ -115,7 +115,7 @@ std::vector<ModuleState*> RootState::prefetch_targets(const ExecutionOrder& orde
   // differs between processes): every rank must issue the same all-gathers
   // in the same order, or equal-sized ones silently trade data.
   for (int id : ids) {
-    ModuleState* candidate = find_state(states, id);
+    GroupState* candidate = find_state(states, id);
     // Guards against a stale order: never prefetch a group that already ran
     // in this pass (it would be gathered again for nothing).
     if (candidate && !ran_in_pass(*candidate, backward)) targets.push_back(candidate);
@@ -123,20 +123,20 @@ std::vector<ModuleState*> RootState::prefetch_targets(const ExecutionOrder& orde
   return targets;
 }
 
-ModuleState* RootState::find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id) {
+GroupState* RootState::find_state(const std::vector<std::shared_ptr<GroupState>>& states, int id) {
   auto it = std::find_if(states.begin(), states.end(), [id](const auto& s) { return s->id_ == id; });
   return it == states.end() ? nullptr : it->get();
 }
 
-std::vector<ModuleState*> RootState::forward_prefetch_targets(const ModuleState& state) {
+std::vector<GroupState*> RootState::forward_prefetch_targets(const GroupState& state) {
   return prefetch_targets(forward_pass_, state, /*backward=*/false);
 }
 
-std::vector<ModuleState*> RootState::backward_prefetch_targets(const ModuleState& state) {
+std::vector<GroupState*> RootState::backward_prefetch_targets(const GroupState& state) {
   return prefetch_targets(backward_pass_, state, /*backward=*/true);
 }
 
-void RootState::all_gather(ModuleState& state) {
+void RootState::all_gather(GroupState& state) {
   const RuntimeOptions options = this->options();
   std::vector<ParamGroup*> groups{&state.group()};
   const size_t limit = options.bucket_bytes();
@@ -146,11 +146,11 @@ void RootState::all_gather(ModuleState& state) {
     // all-gathers are not delayed), until the bucket is full.
     const bool backward = callback_queued_ || Runtime::get().recomputing();
     const auto& order = backward ? backward_pass_ : forward_pass_;
-    std::vector<std::shared_ptr<ModuleState>> states = members();
+    std::vector<std::shared_ptr<GroupState>> states = members();
     for (int id : order.next(state.id_, static_cast<int>(states.size()))) {
-      ModuleState* found = find_state(states, id);
+      GroupState* found = find_state(states, id);
       if (!found) continue;
-      ModuleState& next = *found;
+      GroupState& next = *found;
       const size_t next_bytes = next.group().unsharded_size_bytes();
       if (next_bytes >= limit || ran_in_pass(next, backward) || next.group().is_unsharded() ||
           &next.group().comm() != &state.group().comm())
@@ -210,7 +210,7 @@ void RootState::flush_reduce_scatters() {
   reduce_bucket_waited_ = 0;
 }
 
-void RootState::step_in_backward(ModuleState& state) {
+void RootState::step_in_backward(GroupState& state) {
   const int limit = options().max_pending_host_steps;
   if (state.group().offloaded() && limit > 0) {
     const bool waited = host_steps_.submit(
@@ -236,7 +236,7 @@ void RootState::step_in_backward(ModuleState& state) {
 void RootState::end_of_backward() {
   callback_queued_ = false;
   host_steps_.wait_all();
-  std::vector<std::shared_ptr<ModuleState>> groups;
+  std::vector<std::shared_ptr<GroupState>> groups;
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
     if (auto state = it->lock()) groups.push_back(std::move(state));
   for (auto& state : groups) state->finish_backward();

@@ -23,21 +23,21 @@
 
 namespace fsdp {
 
-class ModuleState;
+class GroupState;
 class ParamGroup;
 
 class RootState : public std::enable_shared_from_this<RootState> {
  public:
-  // `top`: the outermost sharded unit (the root's errors name it, its options are the root's);
+  // `top`: the outermost sharded group (the root's errors name it, its options are the root's);
   // `stats`: the Runtime's counters.
-  RootState(std::weak_ptr<ModuleState> top, RuntimeStats& stats);
+  RootState(std::weak_ptr<GroupState> top, RuntimeStats& stats);
 
   const std::string& top() const { return top_name_; }
-  const std::weak_ptr<ModuleState>& top_unit() const { return top_unit_; }
-  // The scheduling options of this root: its top unit's (set_runtime_options on it), else the
+  const std::weak_ptr<GroupState>& top_group() const { return top_group_; }
+  // The scheduling options of this root: its top group's (set_runtime_options on it), else the
   // process-wide default.
   RuntimeOptions options() const;
-  void add_member(const std::shared_ptr<ModuleState>& state);
+  void add_member(const std::shared_ptr<GroupState>& state);
   // Moves every group of `other` (an idle root under this one) here.
   void adopt(RootState& other);
   // A forward or backward of this root is under way (another root may not take its groups).
@@ -45,20 +45,20 @@ class RootState : public std::enable_shared_from_this<RootState> {
 
   // A forward at depth 0 starts a new step and is its root; its end closes
   // the forward pass (recording the order, resharding stray prefetches).
-  void enter_forward(ModuleState& state);
+  void enter_forward(GroupState& state);
   void exit_forward();
   // The first group of a backward queues the callback that finishes every
   // group; each group's backward start is recorded in the backward order.
-  void enter_backward(ModuleState& state);
+  void enter_backward(GroupState& state);
 
   // Groups to all-gather ahead of `state`, from the recorded orders, minus
   // any that already ran (or are running) in this pass.
-  std::vector<ModuleState*> forward_prefetch_targets(const ModuleState& state);
-  std::vector<ModuleState*> backward_prefetch_targets(const ModuleState& state);
+  std::vector<GroupState*> forward_prefetch_targets(const GroupState& state);
+  std::vector<GroupState*> backward_prefetch_targets(const GroupState& state);
 
   // All-gathers `state`'s group, with the small groups expected next when it
   // is small itself (bucketing), within the CPU run-ahead limit.
-  void all_gather(ModuleState& state);
+  void all_gather(GroupState& state);
   void after_reshard(std::shared_ptr<c10::Event> last_use);
   // Prepares `group`'s gradients and issues its reduce-scatter, or holds it
   // in the bucket until enough bytes are ready (flush_reduce_scatters).
@@ -66,7 +66,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void flush_reduce_scatters();
   // With a step in backward: commits `state`'s reduced gradients and steps them, on the host
   // worker for an offloaded group (RuntimeOptions::max_pending_host_steps), else here.
-  void step_in_backward(ModuleState& state);
+  void step_in_backward(GroupState& state);
 
   // Group ids in the forward order the last step recorded.
   const std::vector<int>& recorded_forward_order() const { return forward_pass_.recorded(); }
@@ -75,19 +75,19 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void end_of_backward();
   void refresh_gather_transforms();
   void reshard_strays(bool only_idle_this_step);
-  std::vector<ModuleState*> prefetch_targets(const ExecutionOrder& order, const ModuleState& state,
-                                             bool backward);
-  std::vector<std::shared_ptr<ModuleState>> members() const;
-  static ModuleState* find_state(const std::vector<std::shared_ptr<ModuleState>>& states, int id);
-  bool ran_in_pass(const ModuleState& state, bool backward) const;
+  std::vector<GroupState*> prefetch_targets(const ExecutionOrder& order, const GroupState& state,
+                                            bool backward);
+  std::vector<std::shared_ptr<GroupState>> members() const;
+  static GroupState* find_state(const std::vector<std::shared_ptr<GroupState>>& states, int id);
+  bool ran_in_pass(const GroupState& state, bool backward) const;
 
-  std::weak_ptr<ModuleState> top_unit_;
+  std::weak_ptr<GroupState> top_group_;
   std::string top_name_;
   RuntimeStats& stats_;
-  std::vector<std::weak_ptr<ModuleState>> members_;
+  std::vector<std::weak_ptr<GroupState>> members_;
   int depth_ = 0;
   uint64_t step_ = 0;
-  std::vector<std::weak_ptr<ModuleState>> forward_order_;  // groups of this step
+  std::vector<std::weak_ptr<GroupState>> forward_order_;  // groups of this step
   bool callback_queued_ = false;
   ExecutionOrder forward_pass_, backward_pass_;
   InflightQueue<DeviceWork> allgathers_, reduce_scatters_;

@@ -7,7 +7,7 @@
 #include <mutex>
 
 #include "fsdp/launch.h"
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 #include "runtime/root_state.h"
 #include "shard/trace.h"
 
@@ -48,7 +48,7 @@ void Runtime::keep_states_at_exit() {
   });
 }
 
-void Runtime::add(const void* key, std::weak_ptr<const void> lifetime, std::shared_ptr<ModuleState> state) {
+void Runtime::add(const void* key, std::weak_ptr<const void> lifetime, std::shared_ptr<GroupState> state) {
   if (state->group().offloaded() && state->group().device().type() != at::kCPU) keep_states_at_exit();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
@@ -60,7 +60,7 @@ void Runtime::add(const void* key, std::weak_ptr<const void> lifetime, std::shar
   states_[key] = Entry{std::move(lifetime), std::move(state)};
 }
 
-ModuleState* Runtime::state_of(const void* key) const {
+GroupState* Runtime::state_of(const void* key) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = states_.find(key);
   if (it == states_.end() || it->second.lifetime.expired()) return nullptr;
@@ -76,10 +76,10 @@ std::optional<ParamOwner> Runtime::owner_of(const at::Tensor& param) const {
 
 bool Runtime::recomputing() { return torch::autograd::get_current_graph_task_id() != -1; }
 
-RootState& Runtime::root_of(ModuleState& state) {
+RootState& Runtime::root_of(GroupState& state) {
   if (state.root_) return *state.root_;
   auto root = std::make_shared<RootState>(state.weak_from_this(), stats_);
-  const auto under = state.units_under();
+  const auto under = state.groups_under();
   for (const auto& sub : under) {
     if (sub->root_ == root) continue;
     if (!sub->root_) {
@@ -91,7 +91,7 @@ RootState& Runtime::root_of(ModuleState& state) {
     // is idle, its groups join this root. Held here: adopting its groups drops their references.
     const std::shared_ptr<RootState> held = sub->root_;
     RootState& other = *held;
-    const auto other_top = other.top_unit().lock();
+    const auto other_top = other.top_group().lock();
     const bool other_under = std::find(under.begin(), under.end(), other_top) != under.end();
     if (!other_under || other.busy())
       throw std::invalid_argument(

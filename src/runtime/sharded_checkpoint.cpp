@@ -22,7 +22,7 @@
 
 #include "io/checkpoint_format.h"
 #include "io/files.h"
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 #include "runtime/runtime.h"
 #include "shard/shard_layout.h"
 

@@ -5,7 +5,7 @@
 #include <set>
 
 #include "helpers.h"
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 
 namespace fsdp::testing {
 namespace {

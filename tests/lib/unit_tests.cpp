@@ -13,7 +13,7 @@
 #include "fsdp/communicator.h"
 #include "fsdp/recompute.h"
 #include "fsdp/fully_shard.h"
-#include "fsdp/unit.h"
+#include "fsdp/group.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
 #include "sched/execution_order.h"

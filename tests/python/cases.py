@@ -670,7 +670,7 @@ def case_compile(args):
 
 
 def case_trace(args):
-    """A Chrome trace of one step names each unit's forward, backward, all-gathers and
+    """A Chrome trace of one step names each group's forward, backward, all-gathers and
     reduce-scatters; runtime_stats counts the collectives."""
     model = shard(build("plain"))
     train_sharded(model, 1)
@@ -683,10 +683,10 @@ def case_trace(args):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     names = [e.get("name", "") for e in events]
-    units = len(blocks_of(model)) + 1
+    groups = len(blocks_of(model)) + 1
     for kind in ("forward #", "backward #", "all-gather #", "reduce-scatter #"):
-        assert sum(n.startswith(kind) for n in names) >= units - (kind == "all-gather #"), (kind, names)
-    assert after["reduce_scatters"] - before["reduce_scatters"] == units, (before, after)
+        assert sum(n.startswith(kind) for n in names) >= groups - (kind == "all-gather #"), (kind, names)
+    assert after["reduce_scatters"] - before["reduce_scatters"] == groups, (before, after)
     assert after["order_departures"] == before["order_departures"], "the second step's order changed"
     if fsdpcpp.rank() == 0:
         print(f"trace: {len(events)} events, {after['reduce_scatters'] - before['reduce_scatters']} reduce-scatters")

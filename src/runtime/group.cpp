@@ -1,6 +1,6 @@
-// The module-agnostic core (fsdp/unit.h): sharding a unit, its forward hooks, and the per-unit
+// The module-agnostic core (fsdp/group.h): sharding a group, its forward hooks, and the per-group
 // and per-parameter operations every front end shares.
-#include "fsdp/unit.h"
+#include "fsdp/group.h"
 
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
@@ -19,13 +19,13 @@
 
 #include "fsdp/float8.h"
 #include "fsdp/launch.h"
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 #include "runtime/runtime.h"
 
 namespace fsdp {
 namespace {
 
-std::invalid_argument shard_error(const UnitSpec& spec, const std::string& why) {
+std::invalid_argument shard_error(const GroupSpec& spec, const std::string& why) {
   return std::invalid_argument(spec.api + "(" + spec.name + "): " + why);
 }
 
@@ -47,7 +47,7 @@ uint64_t structure_hash(const NamedTensors& params) {
   return h;
 }
 
-std::invalid_argument structure_error(const UnitSpec& spec, int64_t first_hash, int64_t other_hash, int other_rank,
+std::invalid_argument structure_error(const GroupSpec& spec, int64_t first_hash, int64_t other_hash, int other_rank,
                                       const Communicator& comm) {
   char hashes[64];
   std::snprintf(hashes, sizeof(hashes), "%llx on rank 0 but %llx", static_cast<unsigned long long>(first_hash),
@@ -63,7 +63,7 @@ std::invalid_argument structure_error(const UnitSpec& spec, int64_t first_hash, 
 
 // Every rank must shard the same parameters in the same order, or the collectives would exchange
 // mismatched buffers.
-void check_same_structure(Communicator& comm, const UnitSpec& spec) {
+void check_same_structure(Communicator& comm, const GroupSpec& spec) {
   const auto opts = at::TensorOptions().dtype(at::kLong).device(comm.device());
   at::Tensor mine = at::full({1}, static_cast<int64_t>(structure_hash(spec.params)), opts);
   at::Tensor all = at::empty({comm.world_size()}, opts);
@@ -76,7 +76,7 @@ void check_same_structure(Communicator& comm, const UnitSpec& spec) {
 
 // HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups,
 // with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
-void check_replicas(const Communicator& comm, Communicator& replicate, const UnitSpec& spec) {
+void check_replicas(const Communicator& comm, Communicator& replicate, const GroupSpec& spec) {
   const std::string fix = ": make both communicators with fsdp::make_mesh";
   if (replicate.device() != comm.device())
     throw shard_error(spec, "the replicate communicator works on " + replicate.device().str() +
@@ -99,7 +99,7 @@ void check_replicas(const Communicator& comm, Communicator& replicate, const Uni
   }
 }
 
-void check_devices(const UnitSpec& spec, const Communicator& comm) {
+void check_devices(const GroupSpec& spec, const Communicator& comm) {
   for (const auto& [name, t] : spec.params)
     if (t.device().type() != comm.device().type() || (comm.device().has_index() && t.device() != comm.device()))
       throw shard_error(spec, "parameter '" + name + "' is on " + t.device().str() + " but the communicator (" +
@@ -109,58 +109,58 @@ void check_devices(const UnitSpec& spec, const Communicator& comm) {
 
 }  // namespace
 
-std::shared_ptr<ModuleState> shard_unit(UnitSpec spec, const ShardOptions& options) {
+std::shared_ptr<GroupState> shard_group(GroupSpec spec, const ShardOptions& options) {
   if (spec.owner && Runtime::get().state_of(spec.owner))
     throw shard_error(spec, "this module is already sharded: call fully_shard once per module");
   for (const auto& [name, t] : spec.params)
     if (auto owner = Runtime::get().owner_of(t))
       throw shard_error(spec, "parameter '" + name + "' is already managed by fully_shard(" +
-                                  owner->state->module_name() + "); shard each parameter in one unit");
+                                  owner->state->module_name() + "); shard each parameter in one group");
   ShardOptions resolved = options;
   if (!resolved.comm) resolved.comm = default_communicator();
   check_devices(spec, *resolved.comm);
   check_same_structure(*resolved.comm, spec);
   if (resolved.replicate) check_replicas(*resolved.comm, *resolved.replicate, spec);
-  auto state = std::make_shared<ModuleState>(spec.name, std::move(spec.params), std::move(spec.inner), resolved);
+  auto state = std::make_shared<GroupState>(spec.name, std::move(spec.params), std::move(spec.inner), resolved);
   Runtime::get().add(spec.owner ? spec.owner : state.get(), std::move(spec.lifetime), state);
   return state;
 }
 
-ModuleState* unit_of_owner(const void* owner) { return Runtime::get().state_of(owner); }
+GroupState* group_of_owner(const void* owner) { return Runtime::get().state_of(owner); }
 
-std::shared_ptr<ModuleState> unit_of_parameter(const at::Tensor& param) {
+std::shared_ptr<GroupState> group_of_parameter(const at::Tensor& param) {
   auto owner = Runtime::get().owner_of(param);
   return owner ? owner->state : nullptr;
 }
 
-const std::string& unit_name(const ModuleState& unit) { return unit.module_name(); }
+const std::string& group_name(const GroupState& state) { return state.module_name(); }
 
-void unit_pre_forward(ModuleState& unit) { unit.pre_forward(); }
-void unit_post_forward(ModuleState& unit, const std::vector<at::Tensor>& outputs) { unit.post_forward(outputs); }
-void unit_abort_forward(ModuleState& unit) { unit.abort_forward(); }
+void group_pre_forward(GroupState& state) { state.pre_forward(); }
+void group_post_forward(GroupState& state, const std::vector<at::Tensor>& outputs) { state.post_forward(outputs); }
+void group_abort_forward(GroupState& state) { state.abort_forward(); }
 
 RecomputedForwardScope::RecomputedForwardScope() { ++Runtime::get().recomputed_forward_; }
 RecomputedForwardScope::~RecomputedForwardScope() { --Runtime::get().recomputed_forward_; }
 
-void set_requires_gradient_sync(ModuleState& unit, bool sync) {
-  for (const auto& under : unit.units_under()) under->set_gradient_sync(sync);
+void set_requires_gradient_sync(GroupState& state, bool sync) {
+  for (const auto& under : state.groups_under()) under->set_gradient_sync(sync);
 }
-void set_reshard_after_forward(ModuleState& unit, bool reshard) { unit.set_reshard_after_forward(reshard); }
-bool reshard_after_forward(const ModuleState& unit) { return unit.reshard_after_forward(); }
-void reshard(ModuleState& unit) {
-  if (unit.group().is_unsharded()) unit.reshard();
-}
-
-void unshard(ModuleState& unit) { unit.prefetch(); }
-void wait_for_unshard(ModuleState& unit) { unit.group().wait_for_unshard(); }
-
-void set_runtime_options(ModuleState& unit, const RuntimeOptions& options) {
-  check_runtime_options(options, "fsdp::set_runtime_options(" + unit_name(unit) + ")");
-  unit.set_runtime_options(options);
+void set_reshard_after_forward(GroupState& state, bool reshard) { state.set_reshard_after_forward(reshard); }
+bool reshard_after_forward(const GroupState& state) { return state.reshard_after_forward(); }
+void reshard(GroupState& state) {
+  if (state.group().is_unsharded()) state.reshard();
 }
 
-RuntimeOptions runtime_options(const ModuleState& unit) {
-  return unit.runtime_options().value_or(runtime_options());
+void unshard(GroupState& state) { state.prefetch(); }
+void wait_for_unshard(GroupState& state) { state.group().wait_for_unshard(); }
+
+void set_runtime_options(GroupState& state, const RuntimeOptions& options) {
+  check_runtime_options(options, "fsdp::set_runtime_options(" + group_name(state) + ")");
+  state.set_runtime_options(options);
+}
+
+RuntimeOptions runtime_options(const GroupState& state) {
+  return state.runtime_options().value_or(runtime_options());
 }
 
 at::Tensor full_parameter(const at::Tensor& param) {

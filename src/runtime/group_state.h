@@ -29,21 +29,21 @@ namespace fsdp {
 
 class RootState;
 
-class ModuleState : public std::enable_shared_from_this<ModuleState> {
+class GroupState : public std::enable_shared_from_this<GroupState> {
  public:
-  // `inner`: the units sharded inside this one, at every depth (each fully_shard call is made
+  // `inner`: the groups sharded inside this one, at every depth (each fully_shard call is made
   // bottom-up, so they exist already).
-  ModuleState(std::string module_name, std::vector<std::pair<std::string, at::Tensor>> params,
-              std::vector<std::shared_ptr<ModuleState>> inner, const ShardOptions& options);
+  GroupState(std::string module_name, std::vector<std::pair<std::string, at::Tensor>> params,
+             std::vector<std::shared_ptr<GroupState>> inner, const ShardOptions& options);
 
   const std::string& module_name() const { return module_name_; }
   int id() const { return id_; }
   bool reshard_after_forward() const { return reshard_after_forward_; }
   void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
   ParamGroup& group() { return group_; }
-  // This unit and those sharded inside it (that still exist).
-  std::vector<std::shared_ptr<ModuleState>> units_under();
-  // This unit's scheduling options when it runs as a root (set_runtime_options); none: the
+  // This group and those sharded inside it (that still exist).
+  std::vector<std::shared_ptr<GroupState>> groups_under();
+  // This group's scheduling options when it runs as a root (set_runtime_options); none: the
   // process-wide default.
   const std::optional<RuntimeOptions>& runtime_options() const { return runtime_options_; }
   void set_runtime_options(const RuntimeOptions& options) { runtime_options_ = options; }
@@ -98,7 +98,7 @@ class ModuleState : public std::enable_shared_from_this<ModuleState> {
 
   std::string module_name_;
   ParamGroup group_;
-  std::vector<std::weak_ptr<ModuleState>> inner_;
+  std::vector<std::weak_ptr<GroupState>> inner_;
   std::optional<RuntimeOptions> runtime_options_;
   bool reshard_after_forward_;
   bool has_frozen_params_ = false;

@@ -1,4 +1,4 @@
-#include "runtime/module_state.h"
+#include "runtime/group_state.h"
 
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -29,7 +29,7 @@ bool tracing() {
 // Runs after AccumulateGrad stored a parameter's gradient.
 class GradientReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  GradientReadyHook(std::weak_ptr<ModuleState> state, size_t index)
+  GradientReadyHook(std::weak_ptr<GroupState> state, size_t index)
       : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
@@ -38,15 +38,15 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
   }
 
  private:
-  std::weak_ptr<ModuleState> state_;
+  std::weak_ptr<GroupState> state_;
   size_t index_;
 };
 
 }  // namespace
 
-ModuleState::ModuleState(std::string module_name,
-                         std::vector<std::pair<std::string, at::Tensor>> params,
-                         std::vector<std::shared_ptr<ModuleState>> inner, const ShardOptions& options)
+GroupState::GroupState(std::string module_name,
+                       std::vector<std::pair<std::string, at::Tensor>> params,
+                       std::vector<std::shared_ptr<GroupState>> inner, const ShardOptions& options)
     : module_name_(std::move(module_name)),
       group_(std::move(params), options),
       inner_(inner.begin(), inner.end()),
@@ -60,14 +60,14 @@ ModuleState::ModuleState(std::string module_name,
   accumulators_.resize(group_.params().size());
 }
 
-std::vector<std::shared_ptr<ModuleState>> ModuleState::units_under() {
-  std::vector<std::shared_ptr<ModuleState>> under{shared_from_this()};
+std::vector<std::shared_ptr<GroupState>> GroupState::groups_under() {
+  std::vector<std::shared_ptr<GroupState>> under{shared_from_this()};
   for (const auto& weak : inner_)
-    if (auto unit = weak.lock()) under.push_back(std::move(unit));
+    if (auto state = weak.lock()) under.push_back(std::move(state));
   return under;
 }
 
-void ModuleState::start_step(uint64_t step, bool is_root) {
+void GroupState::start_step(uint64_t step, bool is_root) {
   if (step_ != step) {
     step_ = step;
     is_root_ = false;
@@ -78,7 +78,7 @@ void ModuleState::start_step(uint64_t step, bool is_root) {
   is_root_ = is_root_ || is_root;
 }
 
-void ModuleState::pre_forward() {
+void GroupState::pre_forward() {
   const Runtime& runtime = Runtime::get();
   RootState& root = this->root();
   root.enter_forward(*this);
@@ -89,7 +89,7 @@ void ModuleState::pre_forward() {
       group_.wait_for_unshard();
     } else {
       unshard();
-      for (ModuleState* next : root.forward_prefetch_targets(*this)) next->prefetch();
+      for (GroupState* next : root.forward_prefetch_targets(*this)) next->prefetch();
       group_.wait_for_unshard();
       compute_span_ =
           Trace::get().begin("forward " + group_.label(), Trace::Track::Compute, compute_stream());
@@ -100,34 +100,34 @@ void ModuleState::pre_forward() {
   }
 }
 
-void ModuleState::unshard() {
+void GroupState::unshard() {
   if (!group_.is_unsharded()) root().all_gather(*this);
 }
 
-void ModuleState::prefetch() {
+void GroupState::prefetch() {
   if (group_.is_unsharded()) return;
   trace("prefetch", "");
   unshard();
   Runtime::get().count_prefetch();
 }
 
-void ModuleState::reshard() {
+void GroupState::reshard() {
   auto last_use = group_.reshard();
   if (root_) root_->after_reshard(std::move(last_use));
   Trace::get().mark();  // the parameters' memory is back (cost model)
 }
 
-void ModuleState::abort_forward() { root().exit_forward(); }
+void GroupState::abort_forward() { root().exit_forward(); }
 
-RootState& ModuleState::root() { return root_ ? *root_ : Runtime::get().root_of(*this); }
+RootState& GroupState::root() { return root_ ? *root_ : Runtime::get().root_of(*this); }
 
-std::optional<c10::Stream> ModuleState::compute_stream() const {
+std::optional<c10::Stream> GroupState::compute_stream() const {
   const auto& streams = DeviceStreams::of(group_.device());
   if (!streams.active()) return std::nullopt;
   return streams.compute();
 }
 
-void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
+void GroupState::post_forward(const std::vector<at::Tensor>& outputs) {
   Trace::get().end(compute_span_, compute_stream());
   // A recompute is traced apart from the backward that follows it (the cost model tells them apart).
   if (Runtime::get().recomputing())
@@ -139,7 +139,7 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
     // recompute, not the outputs' gradients, starts this group's backward; the graph built here
     // is still the one backward runs, so its gradient accumulators are hooked all the same.
     const bool started_by_outputs = !Runtime::get().in_recomputed_forward();
-    std::weak_ptr<ModuleState> self = weak_from_this();
+    std::weak_ptr<GroupState> self = weak_from_this();
     for (const auto& t : outputs) {
       if (!t.defined() || !t.requires_grad()) continue;
       needs_backward = true;
@@ -160,7 +160,7 @@ void ModuleState::post_forward(const std::vector<at::Tensor>& outputs) {
 // The accumulator is a parameter's leaf node in the graph. set_data to a new
 // dtype (mixed precision) makes autograd create a fresh one, so each forward
 // checks that the one this graph uses carries our hook.
-void ModuleState::hook_gradient_accumulators() {
+void GroupState::hook_gradient_accumulators() {
   const auto& params = group_.params();
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].param.requires_grad()) continue;
@@ -171,7 +171,7 @@ void ModuleState::hook_gradient_accumulators() {
   }
 }
 
-void ModuleState::trace(const char* event, const char* detail) const {
+void GroupState::trace(const char* event, const char* detail) const {
   if (!tracing()) return;
   std::fprintf(stderr, "fsdp trace: rank %d step %llu group %d (%s) %s %s (thread %zx)\n",
                group_.comm().rank(), static_cast<unsigned long long>(step_), id_,
@@ -179,17 +179,17 @@ void ModuleState::trace(const char* event, const char* detail) const {
                std::hash<std::thread::id>{}(std::this_thread::get_id()));
 }
 
-void ModuleState::pre_backward() {
+void GroupState::pre_backward() {
   trace("pre_backward", backward_started_ ? "(again)" : "");
   start_backward(/*recompute=*/false);
 }
 
-void ModuleState::start_backward(bool recompute) {
+void GroupState::start_backward(bool recompute) {
   if (backward_started_) return;
   backward_started_ = true;
   root().enter_backward(*this);
   unshard();
-  for (ModuleState* next : root().backward_prefetch_targets(*this)) next->prefetch();
+  for (GroupState* next : root().backward_prefetch_targets(*this)) next->prefetch();
   group_.wait_for_unshard();
   const char* phase = recompute ? "recompute " : "backward ";
   compute_span_ = Trace::get().begin(phase + group_.label(), Trace::Track::Compute, compute_stream());
@@ -198,13 +198,13 @@ void ModuleState::start_backward(bool recompute) {
 // AccumulateGrad runs once per parameter per backward, after every use of the
 // parameter in the graph: once all trainable parameters have their
 // gradients, none of the group's backward work that needs them remains.
-void ModuleState::on_gradient(size_t index) {
+void GroupState::on_gradient(size_t index) {
   trace("gradient", group_.params()[index].name.c_str());
   if (!backward_started_ || reduced_) return;
   if (++gradients_ready_ == trainable_params_) post_backward();
 }
 
-void ModuleState::post_backward() {
+void GroupState::post_backward() {
   if (tracing()) {
     std::string missing;
     for (const auto& p : group_.params())
@@ -224,7 +224,7 @@ void ModuleState::post_backward() {
   }
 }
 
-void ModuleState::step_committed_gradients() {
+void GroupState::step_committed_gradients() {
   if (!step_in_backward_) return;
   std::vector<at::Tensor> stepped;
   for (const auto& p : group_.params())
@@ -242,7 +242,7 @@ void ModuleState::step_committed_gradients() {
 
 // The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
 // the cost model times apart from the backward (GroupCost::handoff_ms).
-void ModuleState::hand_off_gradients() {
+void GroupState::hand_off_gradients() {
   const int span = Trace::get().begin("hand-off " + group_.label(), Trace::Track::Compute, compute_stream());
   if (gradient_sync_)
     group_.prepare_reduce_scatter();
@@ -253,7 +253,7 @@ void ModuleState::hand_off_gradients() {
   reduced_ = true;
 }
 
-void ModuleState::finish_backward() {
+void GroupState::finish_backward() {
   trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
   if (backward_started_ && !reduced_) hand_off_gradients();
   reshard();
@@ -264,7 +264,7 @@ void ModuleState::finish_backward() {
 
 namespace detail {
 
-ForwardScope::ForwardScope(ModuleState& state) : state_(state) { state_.pre_forward(); }
+ForwardScope::ForwardScope(GroupState& state) : state_(state) { state_.pre_forward(); }
 
 ForwardScope::~ForwardScope() {
   if (!finished_) state_.abort_forward();
