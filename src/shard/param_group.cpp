@@ -1,6 +1,7 @@
 #include "shard/param_group.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/GradMode.h>
@@ -150,6 +151,7 @@ void ParamGroup::wait_for_unshard() {
 
 std::shared_ptr<c10::Event> ParamGroup::reshard() {
   if (state_ == State::Sharded) return nullptr;
+  RECORD_USER_SCOPE("fsdp::reshard " + label_);  // a torch.profiler range, as the collectives'
   for (auto& p : params_) {
     TORCH_INTERNAL_ASSERT(!p.param.grad().defined(),
                           "fsdp: resharding '", p.name, "' would drop its unreduced gradient");

@@ -1,7 +1,9 @@
 // What the all-gather and reduce-scatter paths (all_gather.cpp, reduce_scatter.cpp) share: issuing
-// a collective on its side stream, and the name a bucket of groups has in traces.
+// a collective on its side stream (a span of fsdp.cpp's trace and a torch.profiler range), and the
+// name a bucket of groups has in traces.
 #pragma once
 
+#include <ATen/record_function.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 
@@ -36,6 +38,8 @@ inline std::shared_ptr<c10::Event> issue_on_side_stream(const DeviceStreams& str
     if (after) streams.wait(*side, *after);
     on_side_stream.emplace(*side);
   }
+  // A user's torch.profiler sees the issue as a range of its own (nothing to pay when none runs).
+  RECORD_USER_SCOPE("fsdp::" + span_name);
   const int span = Trace::get().begin(span_name, track, side);
   issue();
   Trace::get().end(span, side);

@@ -671,7 +671,7 @@ def case_compile(args):
 
 def case_trace(args):
     """A Chrome trace of one step names each group's forward, backward, all-gathers and
-    reduce-scatters; runtime_stats counts the collectives."""
+    reduce-scatters; runtime_stats counts the collectives; torch.profiler sees them as ranges."""
     model = shard(build("plain"))
     train_sharded(model, 1)
     before = fsdpcpp.runtime_stats()
@@ -688,6 +688,12 @@ def case_trace(args):
         assert sum(n.startswith(kind) for n in names) >= groups - (kind == "all-gather #"), (kind, names)
     assert after["reduce_scatters"] - before["reduce_scatters"] == groups, (before, after)
     assert after["order_departures"] == before["order_departures"], "the second step's order changed"
+    # A user's own torch.profiler sees the same collectives, and the reshards, as ranges.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_sharded(model, 1)
+    ranges = [e.name for e in profile.events()]
+    for kind in ("fsdp::all-gather #", "fsdp::reduce-scatter #", "fsdp::reshard #"):
+        assert sum(n.startswith(kind) for n in ranges) >= groups - (kind == "fsdp::all-gather #"), (kind, ranges)
     if fsdpcpp.rank() == 0:
         print(f"trace: {len(events)} events, {after['reduce_scatters'] - before['reduce_scatters']} reduce-scatters")
 

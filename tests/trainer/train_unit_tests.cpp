@@ -1,12 +1,18 @@
 // Single-process tests of the trainer's parts: the LR schedule, the token source, the fused AdamW
-// against libtorch's, which checkpoints --keep-last removes.
+// against libtorch's, which checkpoints --keep-last removes, the progress lines (--log-every).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
 
 #include "train/data.h"
 #include "train/fused_adamw.h"
 #include "train/lineage.h"
 #include "train/lr_schedule.h"
+#include "train/step_log.h"
 
 namespace {
 
@@ -36,6 +42,38 @@ TEST(KeepLast, RemovesTheRunsOwnBeyondItsNewest) {
   EXPECT_EQ(paths(fsdp::train::older_than_newest(saved, "a", 2)), (std::vector<std::string>{"d/step-000002"}));
   EXPECT_TRUE(fsdp::train::older_than_newest(saved, "a", 3).empty());
   EXPECT_TRUE(fsdp::train::older_than_newest(saved, "", 1).empty());  // no run id: nothing is its own
+}
+
+TEST(StepLog, PrintsEveryNthStepWithTheTimeLeftAndLogsEveryStep) {
+  const std::string path = testing::TempDir() + "step_log_test.jsonl";
+  std::remove(path.c_str());
+  testing::internal::CaptureStdout();
+  {
+    fsdp::train::StepLog log(path, /*print_every=*/3);
+    for (int step = 1; step <= 7; ++step) {
+      fsdp::train::StepRecord r;
+      r.step = step, r.steps = 7, r.ms = step == 1 ? 5000 : 100, r.tokens_per_step = 1000;
+      log.write(r);
+    }
+  }
+  const std::string printed = testing::internal::GetCapturedStdout();
+  std::vector<std::string> lines;
+  for (size_t at = 0, end; (end = printed.find('\n', at)) != std::string::npos; at = end + 1)
+    lines.push_back(printed.substr(at, end - at));
+  ASSERT_EQ(lines.size(), 4u) << printed;  // the first, the multiples of 3, the last
+  EXPECT_EQ(lines[0].rfind("step    1/7", 0), 0u);
+  EXPECT_NE(lines[0].find("eta 30s"), std::string::npos) << lines[0];  // 6 steps at the first's 5 s
+  EXPECT_EQ(lines[1].rfind("step    3/7", 0), 0u);
+  EXPECT_NE(lines[1].find("eta 0s"), std::string::npos) << lines[1];  // the first step left out: 0.4 s
+  EXPECT_EQ(lines[3].rfind("step    7/7", 0), 0u);
+  EXPECT_EQ(lines[3].find("eta"), std::string::npos) << lines[3];
+  std::ifstream in(path);
+  int logged = 0;
+  for (std::string line; std::getline(in, line);) ++logged;
+  EXPECT_EQ(logged, 7);
+  EXPECT_EQ(fsdp::train::eta_text(1000, 45), "45s");
+  EXPECT_EQ(fsdp::train::eta_text(1000, 192), "3m12s");
+  EXPECT_EQ(fsdp::train::eta_text(1000, 7500), "2h05m");
 }
 
 TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {

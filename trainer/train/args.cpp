@@ -62,7 +62,7 @@ Setter text(std::string& field) {
   return {[&field](const std::string& v) { field = v; }, field};
 }
 Setter set_true(bool& field) {
-  return {[&field](const std::string&) { field = true; }};
+  return {[&field](const std::string&) { field = true; }, ""};
 }
 
 // fsdp-train's flag for a RuntimeOptions knob: --prefetch-depth for prefetch_depth.
@@ -100,7 +100,7 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16", text(a.reduce_dtype)}},
       {"--no-reshard-after-forward",
        {"keep blocks unsharded from forward to backward",
-        Setter{[&a](const std::string&) { a.reshard_after_forward = false; }}, false}},
+        Setter{[&a](const std::string&) { a.reshard_after_forward = false; }, ""}, false}},
       {"--tie-embeddings", {"share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings), false}},
       {"--recompute", {"recompute every block's activations in backward (activation checkpointing)",
                        set_true(a.recompute), false}},
@@ -124,8 +124,10 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--no-fp8-all-gather",
        {"with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
         "backward, instead of all-gathering them in float8 (on by default, off with --cpu-offload)",
-        Setter{[&a](const std::string&) { a.fp8_all_gather = false; }}, false}},
+        Setter{[&a](const std::string&) { a.fp8_all_gather = false; }, ""}, false}},
       {"--log", {"JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
+      {"--log-every", {"steps between progress lines (also the first, the last and any skipped or evaluated "
+                       "step); the --log file keeps every step", number(a.log_every)}},
       {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
       {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
       {"--trace-steps", {"steps the trace covers, from the second", number(a.trace_steps)}},
@@ -178,7 +180,8 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--overwrite-export", {"the model already at --export may be replaced (whole, once the new one is "
                               "written); without it an existing export is refused", set_true(a.overwrite_export), false}},
       {"--overwrite", {"both --overwrite-checkpoints and --overwrite-export",
-                       Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }}, false}},
+                       Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, ""},
+                       false}},
       {"--allow-resume-changes",
        {"resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
         "would go on with other data than it trained on)", set_true(a.allow_resume_changes), false}},
@@ -258,6 +261,7 @@ void check_ranges(const TrainArgs& a) {
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");
   require(a.trace_steps >= 1, "--trace-steps must be at least 1");
+  require(a.log_every >= 1, "--log-every must be at least 1");
   require(a.profile.empty() || (a.profile_steps >= 1 && a.profile_steps <= a.steps),
           "--profile-steps must be between 1 and --steps");
   require(a.backend == "auto" || a.backend == "mpi" || a.backend == "nccl",

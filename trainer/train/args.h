@@ -39,6 +39,7 @@ struct TrainArgs {
   std::string fp8 = "off";  // the blocks' projections in float8: off, tensorwise, rowwise (fsdp::Float8Recipe)
   bool fp8_all_gather = true;  // tensorwise: the projections' weights all-gathered in float8
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
+  int log_every = 1;  // steps between progress lines (the log keeps every step)
   double timeout_s = 0;
   RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)

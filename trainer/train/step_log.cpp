@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 
 #include "train/args.h"
@@ -20,7 +21,19 @@ RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& aft
   return d;
 }
 
-StepLog::StepLog(const std::string& path) {
+std::string eta_text(double step_ms, int steps_left) {
+  const long seconds = std::lround(step_ms * steps_left / 1000.0);
+  char text[32];
+  if (seconds < 60)
+    std::snprintf(text, sizeof(text), "%lds", seconds);
+  else if (seconds < 3600)
+    std::snprintf(text, sizeof(text), "%ldm%02lds", seconds / 60, seconds % 60);
+  else
+    std::snprintf(text, sizeof(text), "%ldh%02ldm", seconds / 3600, seconds % 3600 / 60);
+  return text;
+}
+
+StepLog::StepLog(const std::string& path, int print_every) : print_every_(print_every) {
   const std::string dir = io::parent_of(path);
   if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>-<run>/
   file_ = io::LockedFile::open(path);
@@ -32,14 +45,30 @@ StepLog::StepLog(const std::string& path) {
 void StepLog::write(const StepRecord& r) {
   const double tok_s = r.tokens_per_step / (r.ms / 1000.0);
   const MemoryPeaks& mem = r.memory;
-  std::printf("step %4d/%d | loss %.4f | lr %.2e", r.step, r.steps, r.loss, r.lr);
-  if (r.grad_norm) std::printf(" | grad norm %.3f", *r.grad_norm);
-  std::printf(" | %8.0f tok/s | %7.1f ms | %s %.2f", tok_s, r.ms, r.on_gpu ? "peak alloc/reserved" : "peak rss",
-              mem.allocated_gib);
-  if (r.on_gpu) std::printf("/%.2f", mem.reserved_gib);
-  std::printf(" GiB | waits ag %ld rs %ld", r.waits.allgather_waits, r.waits.reduce_scatter_waits);
-  if (r.shows_host_steps) std::printf(" host steps %ld", r.waits.host_step_waits);
-  std::printf("\n");
+  // The time left at the mean of the last 20 steps; the run's first step (its start-up in it)
+  // counts only until a second comes.
+  if (recent_ms_.size() == 1 && !dropped_first_) {
+    recent_ms_.clear();
+    dropped_first_ = true;
+  }
+  recent_ms_.push_back(r.ms);
+  if (recent_ms_.size() > 20) recent_ms_.pop_front();
+  if (!printed_ || r.step % print_every_ == 0 || r.step == r.steps || r.skipped || r.eval) {
+    printed_ = true;
+    std::printf("step %4d/%d | loss %.4f | lr %.2e", r.step, r.steps, r.loss, r.lr);
+    if (r.grad_norm) std::printf(" | grad norm %.3f", *r.grad_norm);
+    std::printf(" | %8.0f tok/s | %7.1f ms | %s %.2f", tok_s, r.ms, r.on_gpu ? "peak alloc/reserved" : "peak rss",
+                mem.allocated_gib);
+    if (r.on_gpu) std::printf("/%.2f", mem.reserved_gib);
+    std::printf(" GiB | waits ag %ld rs %ld", r.waits.allgather_waits, r.waits.reduce_scatter_waits);
+    if (r.shows_host_steps) std::printf(" host steps %ld", r.waits.host_step_waits);
+    if (r.step < r.steps) {
+      double sum = 0;
+      for (double ms : recent_ms_) sum += ms;
+      std::printf(" | eta %s", eta_text(sum / recent_ms_.size(), r.steps - r.step).c_str());
+    }
+    std::printf("\n");
+  }
   if (r.eval)
     std::printf("eval after step %d | loss %.4f | perplexity %.2f | %lld tokens\n", r.step, r.eval->loss,
                 r.eval->perplexity, (long long)r.eval->tokens);

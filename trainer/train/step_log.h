@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,17 +35,28 @@ struct StepRecord {
 // What the runtime counted between two readings of fsdp::runtime_stats().
 RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& after);
 
+// How long the rest of a run takes at `step_ms` a step, as a progress line shows it: "45s",
+// "3m12s", "2h05m".
+std::string eta_text(double step_ms, int steps_left);
+
 // The JSONL log (rank 0), held under an exclusive lock for the run (io::LockedFile): two runs
 // given one --log never interleave their lines. Throws naming the file when it cannot be written,
 // and UsageError when another run is writing it.
 class StepLog {
  public:
-  explicit StepLog(const std::string& path);
-  void write(const StepRecord& record);  // prints the step's line and appends its JSON line
+  // `print_every`: steps between progress lines (--log-every); the log gets every step.
+  StepLog(const std::string& path, int print_every = 1);
+  // Appends the step's JSON line; prints its progress line every print_every steps, and for the
+  // run's first and last steps and any skipped or evaluated one.
+  void write(const StepRecord& record);
   const std::string& path() const { return file_->path(); }
 
  private:
   std::unique_ptr<io::LockedFile> file_;
+  int print_every_;
+  bool printed_ = false;
+  std::deque<double> recent_ms_;  // the last steps' times, for the time left
+  bool dropped_first_ = false;
 };
 
 }  // namespace fsdp::train

@@ -224,7 +224,7 @@ void Trainer::claim_outputs() {
                            "): wait for it to end, or save elsewhere");
         save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
       }
-      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log);
+      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every);
     } catch (const UsageError& e) {
       refusal = e.what();
     }
