@@ -76,6 +76,10 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--overwrite-export", "--save-dir", "/tmp/x"}, "--overwrite-export needs --export"},
       {{"--allow-resume-changes"}, "--allow-resume-changes needs --resume"},
       {{"--seq", "16", "--seq", "32"}, "--seq is given twice: give it once"},
+      {{"--seq=16", "--seq", "32"}, "--seq is given twice: give it once"},
+      {{"--recompute=yes"}, "--recompute takes no value: give it alone"},
+      {{"--steps="}, "--steps: '' is not an integer"},
+      {{"--bogus=1"}, "unknown flag '--bogus'"},
       {{"--timeout", "0.0009"}, "--timeout must be 0 (default) or at least 0.001 seconds"},
       {{"--backend", "mpi", "--memory-snapshot", "/tmp/s"}, "--memory-snapshot records the GPU allocator's history"},
       {{"--backend", "mpi", "--attention", "flash"}, "--attention flash chooses a GPU kernel"},
@@ -106,9 +110,9 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_EQ(usage_error_of({}), "(accepted)");
   const std::string log = ::testing::TempDir() + "fsdp_cli_test.jsonl";
   EXPECT_EQ(usage_error_of({"--model", "tiny", "--steps", "3", "--log", log}), "(accepted)");
-  const TrainArgs a = checked({"--steps", "7", "--seq", "32", "--recompute", "--dry-run"});
+  const TrainArgs a = checked({"--steps", "7", "--seq=32", "--recompute", "--dry-run"});
   EXPECT_EQ(a.steps, 7);
-  EXPECT_EQ(a.seq, 32);
+  EXPECT_EQ(a.seq, 32);  // --flag=value as --flag value
   EXPECT_TRUE(a.recompute && a.dry_run);
   EXPECT_TRUE(checked({"--checkpoint"}).recompute);  // the flag's old name, until 0.8
 }

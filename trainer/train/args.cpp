@@ -578,17 +578,22 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
   TrainArgs a;
   auto table = flags(a);
   for (size_t i = 0; i < argv.size(); ++i) {
-    const std::string& name = argv[i];
-    if (name == "--help" || name == "-h" || name == "--version") {
-      (name == "--version" ? a.version : a.help) = true;
+    if (argv[i] == "--help" || argv[i] == "-h" || argv[i] == "--version") {
+      (argv[i] == "--version" ? a.version : a.help) = true;
       return a;
     }
+    // --name value, or --name=value.
+    const size_t equals = argv[i].find('=');
+    const std::string name = argv[i].substr(0, equals);
     auto it = table.find(name);
     if (it == table.end()) throw UsageError("unknown flag '" + name + "' (see --help)");
     // One value a flag: which of two the user meant is not ours to guess.
     if (a.given.count(name)) throw UsageError(name + " is given twice: give it once");
     std::string value;
-    if (it->second.takes_value) {
+    if (equals != std::string::npos) {
+      if (!it->second.takes_value) throw UsageError(name + " takes no value: give it alone");
+      value = argv[i].substr(equals + 1);
+    } else if (it->second.takes_value) {
       if (i + 1 >= argv.size()) throw UsageError(name + " needs a value");
       value = argv[++i];
     }
@@ -606,7 +611,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
 std::string train_help_text() {
   TrainArgs defaults;
   std::string out =
-      "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun)\n"
+      "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun; --flag V or --flag=V)\n"
       "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
       "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n"
       "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run.\n\n";
