@@ -118,6 +118,52 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
 }
 
 // --help shows each flag's default from the field itself, the runtime knobs' too.
+// --config: a JSON object of flags, which the command line overrides; a run's given flags written
+// beside its log read back as the same arguments.
+TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
+  using ::testing::HasSubstr;
+  const std::string dir = ::testing::TempDir();
+  const auto config = [&](const std::string& name, const std::string& json) {
+    std::ofstream(dir + name) << json;
+    return dir + name;
+  };
+  const std::string good = config("cli_config.json", R"({"steps": 7, "seq": "32", "lr": 0.001, "recompute": true,
+                                                         "cpu-offload": false})");
+  const TrainArgs a = checked({"--config", good, "--seq=16"});
+  EXPECT_EQ(a.steps, 7);
+  EXPECT_EQ(a.seq, 16);  // the command line's
+  EXPECT_DOUBLE_EQ(a.lr, 0.001);
+  EXPECT_TRUE(a.recompute);
+  EXPECT_FALSE(a.cpu_offload);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--config", config("c1.json", R"({"bogus": 1})")}, "unknown flag 'bogus'"},
+      {{"--config", config("c2.json", R"({"recompute": "yes"})")}, "'recompute' is a switch: give true or false"},
+      {{"--config", config("c3.json", R"({"steps": [1]})")}, "'steps' needs a string or a number"},
+      {{"--config", config("c4.json", R"({"steps": 0})")}, "--steps must be at least 1"},
+      {{"--config", config("c5.json", R"({"steps": "x"})")}, "--steps (from --config"},
+      {{"--config", config("c6.json", R"([1, 2])")}, "is not a JSON object of flags"},
+      {{"--config", config("c7.json", "{")}, "is not a JSON object of flags"},
+      {{"--config", config("c8.json", R"({"config": "x.json"})")}, "a --config cannot name another"},
+      {{"--config", dir + "missing.json"}, "--config: cannot read"},
+      {{"--config"}, "--config needs a value"},
+      {{"--steps", "3", "--steps=4"}, "--steps is given twice"},
+  };
+  for (const auto& [argv, message] : refused) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv.back();
+  // What a run writes beside its log is a --config giving the same flags.
+  const TrainArgs given = checked({"--steps", "5", "--recompute", "--lr=0.002"});
+  const std::string written = config("given.json", fsdp::train::given_flags_json(given));
+  const TrainArgs again = checked({"--config", written});
+  EXPECT_EQ(again.steps, 5);
+  EXPECT_TRUE(again.recompute);
+  EXPECT_DOUBLE_EQ(again.lr, 0.002);
+  EXPECT_EQ(fsdp::train::given_flags_json(again).find("\"config\""), std::string::npos);
+  const std::string log = dir + "cli_log.jsonl";
+  std::remove((dir + "cli_log.config.json").c_str());
+  std::remove((dir + "cli_log.config-2.json").c_str());
+  EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config.json");
+  EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config-2.json");  // none replaced
+}
+
 TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
   using ::testing::HasSubstr;
   using ::testing::Not;
@@ -188,7 +234,7 @@ TEST(TrainArgs, FuzzedCommandLinesGetAUsageErrorOrAreAccepted) {
       "--no-reshard-after-forward", "--dry-run",
       "--optimizer-before-shard", "--overwrite", "--overwrite-checkpoints", "--overwrite-export",
       "--allow-resume-changes", "--max-skipped-steps", "--save-dir", "--save-every", "--export",
-      "--resume", "--init-from", "-", "--", "---steps", "--STEPS", "--steps=3", ""};
+      "--resume", "--init-from", "--config", "--log-every", "-", "--", "---steps", "--STEPS", "--steps=3", ""};
   const std::vector<std::string> values = {
       "0", "1", "2", "-1", "3.5", "1e308", "1e-320", "inf", "-inf", "nan", "0x10", "9223372036854775807",
       "18446744073709551616", "-9223372036854775809", "", " ", "1 2", "tiny", "small", "1b", "8b", "fp32",

@@ -9,10 +9,14 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "fsdp/launch.h"
 #include "fsdp/sharded_checkpoint.h"
@@ -125,6 +129,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
        {"with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
         "backward, instead of all-gathering them in float8 (on by default, off with --cpu-offload)",
         Setter{[&a](const std::string&) { a.fp8_all_gather = false; }, ""}, false}},
+      {"--config", {"a JSON object of flags and their values ({\"model\": \"1b\", \"steps\": 100, \"recompute\": "
+                    "true}), taken before the command line's, which override them; every run writes the flags it was "
+                    "given beside its log (LOG.config.json), which --config reads back", text(a.config)}},
       {"--log", {"JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
       {"--log-every", {"steps between progress lines (also the first, the last and any skipped or evaluated "
                        "step); the --log file keeps every step", number(a.log_every)}},
@@ -563,6 +570,36 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
                      (held_gradients > 0 ? ", or use --grad-accum-sync every" : ""));
 }
 
+// The flags of --config FILE as command-line words: "--name=value", a switch given true alone (one
+// given false is left out), in the file's order.
+std::vector<std::string> config_words(const std::string& path, const std::map<std::string, Flag>& table) {
+  if (path.empty()) throw UsageError("--config needs a value");
+  std::ifstream in(path);
+  if (!in) throw UsageError("--config: cannot read '" + path + "': " + std::strerror(errno));
+  const auto j = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object())
+    throw UsageError("--config: '" + path + "' is not a JSON object of flags and values ({\"steps\": 100, ...})");
+  std::vector<std::string> words;
+  for (const auto& [key, value] : j.items()) {
+    const std::string flag = "--" + key;
+    const auto it = table.find(flag);
+    const std::string where = "--config '" + path + "': ";
+    if (it == table.end() || key == "config")
+      throw UsageError(where + (key == "config" ? "a --config cannot name another" : "unknown flag '" + key + "' (see --help)"));
+    if (!it->second.takes_value) {
+      if (!value.is_boolean()) throw UsageError(where + "'" + key + "' is a switch: give true or false");
+      if (value.get<bool>()) words.push_back(flag);
+    } else if (value.is_string()) {
+      words.push_back(flag + "=" + value.get<std::string>());
+    } else if (value.is_number()) {
+      words.push_back(flag + "=" + value.dump());
+    } else {
+      throw UsageError(where + "'" + key + "' needs a string or a number");
+    }
+  }
+  return words;
+}
+
 }  // namespace
 
 int local_ranks() { return launch_env().local_world_size; }
@@ -577,35 +614,71 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
 TrainArgs parse_train_args(const std::vector<std::string>& argv) {
   TrainArgs a;
   auto table = flags(a);
+  // --config's flags come first, as --name=value words (a switch alone), then the command line's.
+  std::vector<std::string> words;
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i] == "--help" || argv[i] == "-h" || argv[i] == "--version") {
-      (argv[i] == "--version" ? a.version : a.help) = true;
+    const bool spaced = argv[i] == "--config" && i + 1 < argv.size();
+    if (spaced || argv[i].rfind("--config=", 0) == 0) {
+      a.config = spaced ? argv[i + 1] : argv[i].substr(9);
+      words = config_words(a.config, table);
+      break;
+    }
+  }
+  const size_t from_command_line = words.size();
+  words.insert(words.end(), argv.begin(), argv.end());
+  std::set<std::string> from_config;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (words[i] == "--help" || words[i] == "-h" || words[i] == "--version") {
+      (words[i] == "--version" ? a.version : a.help) = true;
       return a;
     }
     // --name value, or --name=value.
-    const size_t equals = argv[i].find('=');
-    const std::string name = argv[i].substr(0, equals);
+    const size_t equals = words[i].find('=');
+    const std::string name = words[i].substr(0, equals);
     auto it = table.find(name);
     if (it == table.end()) throw UsageError("unknown flag '" + name + "' (see --help)");
-    // One value a flag: which of two the user meant is not ours to guess.
-    if (a.given.count(name)) throw UsageError(name + " is given twice: give it once");
+    // One value a flag: which of two the user meant is not ours to guess. The command line's
+    // overrides --config's.
+    if (a.given.count(name) && !(i >= from_command_line && from_config.erase(name)))
+      throw UsageError(name + " is given twice: give it once");
     std::string value;
     if (equals != std::string::npos) {
       if (!it->second.takes_value) throw UsageError(name + " takes no value: give it alone");
-      value = argv[i].substr(equals + 1);
+      value = words[i].substr(equals + 1);
     } else if (it->second.takes_value) {
-      if (i + 1 >= argv.size()) throw UsageError(name + " needs a value");
-      value = argv[++i];
+      if (i + 1 >= words.size()) throw UsageError(name + " needs a value");
+      value = words[++i];
     }
     try {
       it->second.value.set(value);
     } catch (const std::exception& e) {
-      throw UsageError(name + ": " + e.what());
+      throw UsageError(name + (i < from_command_line ? " (from --config '" + a.config + "')" : "") + ": " + e.what());
     }
-    a.given.insert(name);
+    a.given[name] = value;
+    if (i < from_command_line) from_config.insert(name);
   }
   check_ranges(a);
   return a;
+}
+
+std::string given_flags_json(const TrainArgs& a) {
+  nlohmann::ordered_json flags = nlohmann::ordered_json::object();
+  for (const auto& [name, value] : a.given)
+    if (name != "--config") flags[name.substr(2)] = value.empty() ? nlohmann::ordered_json(true) : nlohmann::ordered_json(value);
+  return flags.dump(2) + "\n";
+}
+
+std::string write_given_flags(const TrainArgs& a, const std::string& log_path) {
+  struct stat st{};
+  if (stat(log_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return "";  // a log on a device or pipe
+  const bool jsonl = log_path.size() > 6 && log_path.compare(log_path.size() - 6, 6, ".jsonl") == 0;
+  const std::string stem = jsonl ? log_path.substr(0, log_path.size() - 6) : log_path;
+  std::string path = stem + ".config.json";
+  for (int n = 2; io::exists(path); ++n) path = stem + ".config-" + std::to_string(n) + ".json";
+  std::ofstream out(path);
+  out << given_flags_json(a);
+  if (!out.flush()) throw UsageError("--log: cannot write '" + path + "' beside it: " + std::strerror(errno));
+  return path;
 }
 
 std::string train_help_text() {

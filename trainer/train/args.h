@@ -5,6 +5,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -69,11 +70,20 @@ struct TrainArgs {
   int max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   bool help = false;     // --help: print the flags and exit
   bool version = false;  // --version: print fsdp.cpp's version and exit
-  std::set<std::string> given;  // the flags on the command line, to refuse those another flag makes moot
+  std::string config;  // --config: a JSON file of flags, which the command line's override
+  // The flags given (by --config and the command line) and their values ("" for a switch): to
+  // refuse those another flag makes moot, and written beside the log (write_given_flags).
+  std::map<std::string, std::string> given;
 };
 
 // Reads the flags (argv without the program name). Throws UsageError naming the flag and the fix.
 TrainArgs parse_train_args(const std::vector<std::string>& argv);
+// The flags `a` was given, as a JSON object --config reads back ({"steps": "100", "recompute": true}).
+std::string given_flags_json(const TrainArgs& a);
+// Writes given_flags_json beside the log `log_path` (LOG.config.json for LOG.jsonl; where that exists,
+// from an earlier run on the same log, LOG.config-2.json and on: none is replaced) and returns its path;
+// nothing, and "", where the log is not a regular file (/dev/stdout).
+std::string write_given_flags(const TrainArgs& a, const std::string& log_path);
 std::string train_help_text();
 // The checks that need this machine: the data file, every output path writable, and memory for
 // the model and for --batch x --seq, on the GPUs when there are any (else the host).

@@ -225,6 +225,9 @@ void Trainer::claim_outputs() {
         save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
       }
       step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every);
+      const std::string flags_file = write_given_flags(args_, step_log_->path());
+      if (!flags_file.empty())
+        std::printf("fsdp-train: the flags given are in %s (--config reads them back)\n", flags_file.c_str());
     } catch (const UsageError& e) {
       refusal = e.what();
     }
