@@ -157,11 +157,12 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   EXPECT_TRUE(again.recompute);
   EXPECT_DOUBLE_EQ(again.lr, 0.002);
   EXPECT_EQ(fsdp::train::given_flags_json(again).find("\"config\""), std::string::npos);
-  const std::string log = dir + "cli_log.jsonl";
+  const std::string log = config("cli_log.jsonl", "");
   std::remove((dir + "cli_log.config.json").c_str());
   std::remove((dir + "cli_log.config-2.json").c_str());
   EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config.json");
   EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config-2.json");  // none replaced
+  EXPECT_EQ(fsdp::train::write_given_flags(given, "/dev/null"), "");  // a log on a device: none
 }
 
 TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
@@ -179,6 +180,17 @@ TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
     EXPECT_THAT(text, HasSubstr("(default " + std::to_string(expected) + ")")) << text;
   }
   EXPECT_THAT(help, Not(HasSubstr("--recompute V")));  // a switch takes no value and shows no default
+  // Grouped by topic: each flag once, under its section (the planner's checks beside the budget, the
+  // runtime's knobs with sharding, not among the basics).
+  const auto section_of = [&help](const std::string& flag) {
+    const size_t at = help.find("\n  " + flag + " ");
+    const size_t title = help.rfind("\n\n", at), end = help.find(":\n", title + 2);
+    return at == std::string::npos || title == std::string::npos ? std::string() : help.substr(title + 2, end - title - 2);
+  };
+  EXPECT_EQ(section_of("--plan-check-steps"), "memory-budget planner");
+  EXPECT_EQ(section_of("--prefetch-depth"), "sharding, recomputation and scheduling");
+  EXPECT_EQ(section_of("--keep-last"), "checkpoints and export");
+  EXPECT_EQ(help.find("\n  --steps "), help.rfind("\n  --steps "));
 }
 
 // The 3b preset is Llama-3.2-3B, whose head is the embedding: 3.21B parameters, the flag's

@@ -38,7 +38,15 @@ struct Setter {
   std::string current;  // empty: nothing to show (a switch, or a text whose default the help explains)
 };
 
+// The help's sections, in its order.
+enum class Topic { Model, Training, Precision, Sharding, Planner, Checkpoints, Logs, Launch };
+constexpr const char* kTopicTitles[] = {"model and data", "training", "precision and kernels",
+                                        "sharding, recomputation and scheduling", "memory-budget planner",
+                                        "checkpoints and export", "configuration, logs, traces and profiles",
+                                        "launch and checks"};
+
 struct Flag {
+  Topic topic;
   std::string help;
   Setter value;
   bool takes_value = true;
@@ -78,126 +86,202 @@ std::string runtime_flag(const char* name) {
 
 std::map<std::string, Flag> flags(TrainArgs& a) {
   std::map<std::string, Flag> table = {
-      {"--model", {"preset: tiny, small, 1b, 3b, 8b", text(a.model)}},
-      {"--steps", {"training steps", number(a.steps)}},
-      {"--batch", {"sequences per rank per step", number(a.batch)}},
-      {"--seq", {"tokens per sequence", number(a.seq)}},
-      {"--lr", {"peak learning rate", number(a.lr)}},
-      {"--min-lr", {"final learning rate of the cosine decay", number(a.min_lr)}},
-      {"--warmup", {"linear warmup steps", number(a.warmup)}},
-      {"--weight-decay", {"AdamW weight decay", number(a.weight_decay)}},
-      {"--clip", {"global gradient-norm clip, 0 = off", number(a.clip)}},
-      {"--seed", {"seed for weights and data", number(a.seed)}},
-      {"--data", {"'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped) or a text "
-                  "file read as bytes", text(a.data)}},
-      {"--eval-data", {"held-out data (same kinds as --data) for an evaluation loss and perplexity",
-                       text(a.eval_data)}},
-      {"--eval-every", {"steps between evaluations, 0 = after the last step only", number(a.eval_every)}},
-      {"--eval-batches", {"evaluation set size in batches of --batch sequences, the same set whatever "
-                          "the rank count", number(a.eval_batches)}},
-      {"--grad-accum", {"micro-batches of --batch sequences per optimizer step", number(a.grad_accum)}},
-      {"--grad-accum-sync", {"with --grad-accum: reduce-scatter after the 'last' micro-batch (gradients held "
-                             "unsharded in fp32 meanwhile) or after 'every' one (less memory, more "
-                             "communication)", text(a.grad_accum_sync)}},
-      {"--param-dtype", {"all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU",
-                         text(a.param_dtype)}},
-      {"--reduce-dtype", {"reduce-scatter dtype: fp32, bf16", text(a.reduce_dtype)}},
+      {"--model", {Topic::Model, "preset: tiny, small, 1b, 3b, 8b", text(a.model)}},
+      {"--steps", {Topic::Training, "training steps", number(a.steps)}},
+      {"--batch", {Topic::Model, "sequences per rank per step", number(a.batch)}},
+      {"--seq", {Topic::Model, "tokens per sequence", number(a.seq)}},
+      {"--lr", {Topic::Training, "peak learning rate", number(a.lr)}},
+      {"--min-lr", {Topic::Training, "final learning rate of the cosine decay", number(a.min_lr)}},
+      {"--warmup", {Topic::Training, "linear warmup steps", number(a.warmup)}},
+      {"--weight-decay", {Topic::Training, "AdamW weight decay", number(a.weight_decay)}},
+      {"--clip", {Topic::Training, "global gradient-norm clip, 0 = off", number(a.clip)}},
+      {"--seed", {Topic::Model, "seed for weights and data", number(a.seed)}},
+      {"--data",
+       {Topic::Model,
+        "'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped) or a text "
+        "file read as bytes",
+        text(a.data)}},
+      {"--eval-data",
+       {Topic::Model, "held-out data (same kinds as --data) for an evaluation loss and perplexity", text(a.eval_data)}},
+      {"--eval-every", {Topic::Model, "steps between evaluations, 0 = after the last step only", number(a.eval_every)}},
+      {"--eval-batches",
+       {Topic::Model,
+        "evaluation set size in batches of --batch sequences, the same set whatever "
+        "the rank count",
+        number(a.eval_batches)}},
+      {"--grad-accum",
+       {Topic::Training, "micro-batches of --batch sequences per optimizer step", number(a.grad_accum)}},
+      {"--grad-accum-sync",
+       {Topic::Training,
+        "with --grad-accum: reduce-scatter after the 'last' micro-batch (gradients held "
+        "unsharded in fp32 meanwhile) or after 'every' one (less memory, more "
+        "communication)",
+        text(a.grad_accum_sync)}},
+      {"--param-dtype",
+       {Topic::Precision, "all-gather/compute dtype: fp32, bf16, auto = bf16 on GPU", text(a.param_dtype)}},
+      {"--reduce-dtype", {Topic::Precision, "reduce-scatter dtype: fp32, bf16", text(a.reduce_dtype)}},
       {"--no-reshard-after-forward",
-       {"keep blocks unsharded from forward to backward",
+       {Topic::Sharding, "keep blocks unsharded from forward to backward",
         Setter{[&a](const std::string&) { a.reshard_after_forward = false; }, ""}, false}},
-      {"--tie-embeddings", {"share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings), false}},
-      {"--recompute", {"recompute every block's activations in backward (activation checkpointing)",
-                       set_true(a.recompute), false}},
-      {"--checkpoint", {"the old name of --recompute, accepted until 0.8", set_true(a.recompute), false}},
-      {"--cpu-offload", {"keep the sharded weights, gradients and AdamW moments in host memory and step the "
-                         "optimizer on the CPU: the GPU holds only what forward and backward use",
-                         set_true(a.cpu_offload), false}},
+      {"--tie-embeddings",
+       {Topic::Model, "share the embedding matrix with the output head (3b always does)", set_true(a.tie_embeddings),
+        false}},
+      {"--recompute",
+       {Topic::Sharding, "recompute every block's activations in backward (activation checkpointing)",
+        set_true(a.recompute), false}},
+      {"--checkpoint",
+       {Topic::Sharding, "the old name of --recompute, accepted until 0.8", set_true(a.recompute), false}},
+      {"--cpu-offload",
+       {Topic::Sharding,
+        "keep the sharded weights, gradients and AdamW moments in host memory and step the "
+        "optimizer on the CPU: the GPU holds only what forward and backward use",
+        set_true(a.cpu_offload), false}},
       {"--optimizer-in-backward",
-       {"step AdamW group by group in backward, as each group's gradients are reduced, and free them: no "
+       {Topic::Sharding,
+        "step AdamW group by group in backward, as each group's gradients are reduced, and free them: no "
         "model-sized gradients (with --cpu-offload 12 bytes of host memory a parameter instead of 16); "
-        "needs --clip 0", set_true(a.optimizer_in_backward), false}},
-      {"--replicas", {"HSDP: split the ranks into this many replicas, each sharding the model over its "
-                      "ranks (consecutive ones); gradients are averaged across replicas (1 = plain FSDP)",
-                      number(a.replicas)}},
-      {"--backend", {"auto, mpi (CPU) or nccl (GPU)", text(a.backend)}},
-      {"--attention", {"attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
-                       "it applies)", text(a.attention)}},
-      {"--fp8", {"the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
-                 "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it)",
-                 text(a.fp8)}},
+        "needs --clip 0",
+        set_true(a.optimizer_in_backward), false}},
+      {"--replicas",
+       {Topic::Sharding,
+        "HSDP: split the ranks into this many replicas, each sharding the model over its "
+        "ranks (consecutive ones); gradients are averaged across replicas (1 = plain FSDP)",
+        number(a.replicas)}},
+      {"--backend", {Topic::Launch, "auto, mpi (CPU) or nccl (GPU)", text(a.backend)}},
+      {"--attention",
+       {Topic::Precision,
+        "attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
+        "it applies)",
+        text(a.attention)}},
+      {"--fp8",
+       {Topic::Precision,
+        "the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
+        "tensorwise or rowwise (GPUs of compute capability 8.9+; CPU ranks emulate it)",
+        text(a.fp8)}},
       {"--no-fp8-all-gather",
-       {"with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
+       {Topic::Precision,
+        "with --fp8 tensorwise: all-gather the projections' weights in bf16 and cast them in each forward and "
         "backward, instead of all-gathering them in float8 (on by default, off with --cpu-offload)",
         Setter{[&a](const std::string&) { a.fp8_all_gather = false; }, ""}, false}},
-      {"--config", {"a JSON object of flags and their values ({\"model\": \"1b\", \"steps\": 100, \"recompute\": "
-                    "true}), taken before the command line's, which override them; every run writes the flags it was "
-                    "given beside its log (LOG.config.json), which --config reads back", text(a.config)}},
-      {"--log", {"JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
-      {"--log-every", {"steps between progress lines (also the first, the last and any skipped or evaluated "
-                       "step); the --log file keeps every step", number(a.log_every)}},
-      {"--timeout", {"seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
-      {"--trace", {"Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
-      {"--trace-steps", {"steps the trace covers, from the second", number(a.trace_steps)}},
-      {"--profile", {"PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
-                     "GPU kernels per stream, to PATH-rankR.json", text(a.profile)}},
-      {"--profile-steps", {"steps the profile covers, at the end of the run", number(a.profile_steps)}},
+      {"--config",
+       {Topic::Logs,
+        "a JSON object of flags and their values ({\"model\": \"1b\", \"steps\": 100, \"recompute\": "
+        "true}), taken before the command line's, which override them; every run writes the flags it was "
+        "given beside its log (LOG.config.json), which --config reads back",
+        text(a.config)}},
+      {"--log",
+       {Topic::Logs, "JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
+      {"--log-every",
+       {Topic::Logs,
+        "steps between progress lines (also the first, the last and any skipped or evaluated "
+        "step); the --log file keeps every step",
+        number(a.log_every)}},
+      {"--timeout",
+       {Topic::Launch, "seconds a collective may wait, 0 = default (300, or FSDP_TIMEOUT_S)", number(a.timeout_s)}},
+      {"--trace", {Topic::Logs, "Chrome trace of steps 2.. (see --trace-steps) to PATH-rankR.json", text(a.trace)}},
+      {"--trace-steps", {Topic::Logs, "steps the trace covers, from the second", number(a.trace_steps)}},
+      {"--profile",
+       {Topic::Logs,
+        "PyTorch profiler (kineto) trace of the last --profile-steps steps: CPU ops and "
+        "GPU kernels per stream, to PATH-rankR.json",
+        text(a.profile)}},
+      {"--profile-steps", {Topic::Logs, "steps the profile covers, at the end of the run", number(a.profile_steps)}},
       {"--memory-snapshot",
-       {"GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)", text(a.memory_snapshot)}},
-      {"--memory-log", {"sample memory every 10 ms into PATH-rankR.jsonl, with step markers", text(a.memory_log)}},
+       {Topic::Logs, "GPU: allocator history of the run to PATH-rankR.pickle (pytorch.org/memory_viz)",
+        text(a.memory_snapshot)}},
+      {"--memory-log",
+       {Topic::Logs, "sample memory every 10 ms into PATH-rankR.jsonl, with step markers", text(a.memory_log)}},
       {"--optimizer-before-shard",
-       {"create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
+       {Topic::Training, "create AdamW before fully_shard (trains the same: the parameters are sharded in place)",
         set_true(a.optimizer_before_shard), false}},
-      {"--save-init", {"write the initial full weights here (torch.load-able; for benchmarks)", text(a.save_init)}},
-      {"--save-dir", {"save sharded checkpoints under DIR/step-N (at --save-every, at the end, at "
-                      "--stop-at-step, and on SIGTERM/SIGINT/SIGUSR1 at the next step boundary)", text(a.save_dir)}},
-      {"--save-every", {"steps between checkpoints, 0 = only at the end or when stopped",
-                        number(a.save_every)}},
-      {"--keep-last", {"after each save, remove this run's checkpoints in --save-dir but the newest N (those it "
-                       "resumed from included; other runs' never); 0 = keep all", number(a.keep_last)}},
-      {"--resume", {"resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
-      {"--stop-at-step", {"save and exit 0 after this step; the schedule stays that of --steps; 0 = run all --steps",
-                          number(a.stop_at_step)}},
-      {"--init-from", {"start from Hugging Face Llama weights: a .safetensors file or a directory with "
-                       "config.json (which then gives the model) and *.safetensors; each rank reads its rows",
-                       text(a.init_from)}},
-      {"--export", {"after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
-                    "or a directory with config.json + model.safetensors for from_pretrained", text(a.export_path)}},
-      {"--memory-budget", {"GiB of GPU memory (allocated, per rank) the run may use: step 3 is profiled, step 5 "
-                           "calibrated, and the fastest schedule predicted to fit (blocks recomputed, blocks kept "
-                           "unsharded, prefetch depth, in-flight caps, buckets) trains from step 6; replaces "
-                           "--recompute and the prefetch, in-flight and bucket flags", number(a.memory_budget_gib)}},
-      {"--plan-only", {"with --memory-budget: profile, print the plan and its runners-up, stop",
-                       set_true(a.plan_only), false}},
-      {"--plan-check", {"benchmark of the planner: after the profile and calibration, train each budget's plan "
-                        "a few steps and write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
-                        text(a.plan_check)}},
-      {"--plan-check-budgets", {"budgets --plan-check spreads from the fully recomputed peak to the "
-                                "unconstrained one", number(a.plan_check_budgets)}},
-      {"--plan-check-steps", {"steps per schedule and round in --plan-check, two of them warm-up",
-                              number(a.plan_check_steps)}},
-      {"--plan-check-rounds", {"rounds over the schedules in --plan-check, alternately in order and reversed, so "
-                               "a drift over the run reaches all alike",
-                               number(a.plan_check_rounds)}},
-      {"--dry-run", {"check the flags, the files and the memory, print the plan, train nothing",
-                     set_true(a.dry_run), false}},
+      {"--save-init",
+       {Topic::Checkpoints, "write the initial full weights here (torch.load-able; for benchmarks)",
+        text(a.save_init)}},
+      {"--save-dir",
+       {Topic::Checkpoints,
+        "save sharded checkpoints under DIR/step-N (at --save-every, at the end, at "
+        "--stop-at-step, and on SIGTERM/SIGINT/SIGUSR1 at the next step boundary)",
+        text(a.save_dir)}},
+      {"--save-every",
+       {Topic::Checkpoints, "steps between checkpoints, 0 = only at the end or when stopped", number(a.save_every)}},
+      {"--keep-last",
+       {Topic::Checkpoints,
+        "after each save, remove this run's checkpoints in --save-dir but the newest N (those it "
+        "resumed from included; other runs' never); 0 = keep all",
+        number(a.keep_last)}},
+      {"--resume",
+       {Topic::Checkpoints, "resume from the newest complete checkpoint in DIR (any rank count)", text(a.resume)}},
+      {"--stop-at-step",
+       {Topic::Checkpoints, "save and exit 0 after this step; the schedule stays that of --steps; 0 = run all --steps",
+        number(a.stop_at_step)}},
+      {"--init-from",
+       {Topic::Model,
+        "start from Hugging Face Llama weights: a .safetensors file or a directory with "
+        "config.json (which then gives the model) and *.safetensors; each rank reads its rows",
+        text(a.init_from)}},
+      {"--export",
+       {Topic::Checkpoints,
+        "after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
+        "or a directory with config.json + model.safetensors for from_pretrained",
+        text(a.export_path)}},
+      {"--memory-budget",
+       {Topic::Planner,
+        "GiB of GPU memory (allocated, per rank) the run may use: step 3 is profiled, step 5 "
+        "calibrated, and the fastest schedule predicted to fit (blocks recomputed, blocks kept "
+        "unsharded, prefetch depth, in-flight caps, buckets) trains from step 6; replaces "
+        "--recompute and the prefetch, in-flight and bucket flags",
+        number(a.memory_budget_gib)}},
+      {"--plan-only",
+       {Topic::Planner, "with --memory-budget: profile, print the plan and its runners-up, stop", set_true(a.plan_only),
+        false}},
+      {"--plan-check",
+       {Topic::Planner,
+        "benchmark of the planner: after the profile and calibration, train each budget's plan "
+        "a few steps and write predicted vs measured time and peak to FILE (JSONL, rank 0), then stop",
+        text(a.plan_check)}},
+      {"--plan-check-budgets",
+       {Topic::Planner,
+        "budgets --plan-check spreads from the fully recomputed peak to the "
+        "unconstrained one",
+        number(a.plan_check_budgets)}},
+      {"--plan-check-steps",
+       {Topic::Planner, "steps per schedule and round in --plan-check, two of them warm-up",
+        number(a.plan_check_steps)}},
+      {"--plan-check-rounds",
+       {Topic::Planner,
+        "rounds over the schedules in --plan-check, alternately in order and reversed, so "
+        "a drift over the run reaches all alike",
+        number(a.plan_check_rounds)}},
+      {"--dry-run",
+       {Topic::Launch, "check the flags, the files and the memory, print the plan, train nothing", set_true(a.dry_run),
+        false}},
       {"--overwrite-checkpoints",
-       {"other runs' checkpoints in --save-dir may be replaced: they are removed once this run has saved its "
+       {Topic::Checkpoints,
+        "other runs' checkpoints in --save-dir may be replaced: they are removed once this run has saved its "
         "first (this run's own, and those it resumed from, never are); without it they make the run refuse",
         set_true(a.overwrite_checkpoints), false}},
-      {"--overwrite-export", {"the model already at --export may be replaced (whole, once the new one is "
-                              "written); without it an existing export is refused", set_true(a.overwrite_export), false}},
-      {"--overwrite", {"both --overwrite-checkpoints and --overwrite-export",
-                       Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, ""},
-                       false}},
+      {"--overwrite-export",
+       {Topic::Checkpoints,
+        "the model already at --export may be replaced (whole, once the new one is "
+        "written); without it an existing export is refused",
+        set_true(a.overwrite_export), false}},
+      {"--overwrite",
+       {Topic::Checkpoints, "both --overwrite-checkpoints and --overwrite-export",
+        Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, ""}, false}},
       {"--allow-resume-changes",
-       {"resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
-        "would go on with other data than it trained on)", set_true(a.allow_resume_changes), false}},
-      {"--max-skipped-steps", {"steps whose loss or gradient norm is not finite are skipped (no optimizer step, "
-                               "one host wait a step to check) up to this many times; 0 = the first one stops "
-                               "the run with an error", number(a.max_skipped_steps)}},
+       {Topic::Checkpoints,
+        "resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
+        "would go on with other data than it trained on)",
+        set_true(a.allow_resume_changes), false}},
+      {"--max-skipped-steps",
+       {Topic::Training,
+        "steps whose loss or gradient norm is not finite are skipped (no optimizer step, "
+        "one host wait a step to check) up to this many times; 0 = the first one stops "
+        "the run with an error",
+        number(a.max_skipped_steps)}},
   };
   for_each_runtime_option([&](const char* name, auto member, const char* meaning) {
-    table[runtime_flag(name)] = {meaning, number(a.runtime.*member)};
+    table[runtime_flag(name)] = {Topic::Sharding, meaning, number(a.runtime.*member)};
   });
   return table;
 }
@@ -585,7 +669,8 @@ std::vector<std::string> config_words(const std::string& path, const std::map<st
     const auto it = table.find(flag);
     const std::string where = "--config '" + path + "': ";
     if (it == table.end() || key == "config")
-      throw UsageError(where + (key == "config" ? "a --config cannot name another" : "unknown flag '" + key + "' (see --help)"));
+      throw UsageError(
+          where + (key == "config" ? "a --config cannot name another" : "unknown flag '" + key + "' (see --help)"));
     if (!it->second.takes_value) {
       if (!value.is_boolean()) throw UsageError(where + "'" + key + "' is a switch: give true or false");
       if (value.get<bool>()) words.push_back(flag);
@@ -664,7 +749,8 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
 std::string given_flags_json(const TrainArgs& a) {
   nlohmann::ordered_json flags = nlohmann::ordered_json::object();
   for (const auto& [name, value] : a.given)
-    if (name != "--config") flags[name.substr(2)] = value.empty() ? nlohmann::ordered_json(true) : nlohmann::ordered_json(value);
+    if (name != "--config")
+      flags[name.substr(2)] = value.empty() ? nlohmann::ordered_json(true) : nlohmann::ordered_json(value);
   return flags.dump(2) + "\n";
 }
 
@@ -688,11 +774,16 @@ std::string train_help_text() {
       "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
       "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n"
       "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run.\n\n";
-  for (auto& [name, f] : flags(defaults)) {
-    char line[512];
-    const std::string help = f.help + (f.value.current.empty() ? "" : " (default " + f.value.current + ")");
-    std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), help.c_str());
-    out += line;
+  const auto table = flags(defaults);
+  for (int topic = 0; topic < static_cast<int>(std::size(kTopicTitles)); ++topic) {
+    out += std::string(topic ? "\n" : "") + kTopicTitles[topic] + ":\n";
+    for (const auto& [name, f] : table) {
+      if (static_cast<int>(f.topic) != topic) continue;
+      char line[512];
+      const std::string help = f.help + (f.value.current.empty() ? "" : " (default " + f.value.current + ")");
+      std::snprintf(line, sizeof(line), "  %-32s %s\n", (name + (f.takes_value ? " V" : "")).c_str(), help.c_str());
+      out += line;
+    }
   }
   return out + "  --help                           this text\n"
                "  --version                        fsdp.cpp's version\n";
