@@ -163,6 +163,12 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config.json");
   EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config-2.json");  // none replaced
   EXPECT_EQ(fsdp::train::write_given_flags(given, "/dev/null"), "");  // a log on a device: none
+  // A resume says how its flags differ from those its checkpoint recorded (--resume aside).
+  const std::string saved = fsdp::train::given_flags_json(checked({"--steps", "5", "--seq", "64", "--lr=0.003"}));
+  EXPECT_EQ(fsdp::train::changed_flags(saved, checked({"--steps", "5", "--lr", "0.001", "--recompute"})),
+            "--lr 0.001 (was 0.003), --recompute (new), --seq (dropped; was 64)");
+  EXPECT_EQ(fsdp::train::changed_flags(saved, checked({"--lr=0.003", "--seq", "64", "--steps", "5"})), "");
+  EXPECT_EQ(fsdp::train::changed_flags("not json", given), "");
 }
 
 TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {

@@ -754,6 +754,27 @@ std::string given_flags_json(const TrainArgs& a) {
   return flags.dump(2) + "\n";
 }
 
+std::string changed_flags(const std::string& recorded_json, const TrainArgs& a) {
+  const auto recorded = nlohmann::ordered_json::parse(recorded_json, nullptr, /*allow_exceptions=*/false);
+  if (!recorded.is_object()) return "";
+  const auto now = nlohmann::ordered_json::parse(given_flags_json(a));
+  const auto shown = [](const nlohmann::ordered_json& v) { return v.is_string() ? v.get<std::string>() : ""; };
+  std::string changes;
+  const auto add = [&changes](const std::string& change) { changes += (changes.empty() ? "" : ", ") + change; };
+  for (const auto& [key, value] : now.items()) {
+    if (key == "resume") continue;
+    const std::string flag = "--" + key + (shown(value).empty() ? "" : " " + shown(value));
+    if (!recorded.contains(key))
+      add(flag + " (new)");
+    else if (recorded[key] != value)
+      add(flag + " (was " + shown(recorded[key]) + ")");
+  }
+  for (const auto& [key, value] : recorded.items())
+    if (key != "resume" && !now.contains(key))
+      add("--" + key + " (dropped" + (shown(value).empty() ? "" : "; was " + shown(value)) + ")");
+  return changes;
+}
+
 std::string write_given_flags(const TrainArgs& a, const std::string& log_path) {
   struct stat st{};
   if (stat(log_path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return "";  // a log on a device or pipe

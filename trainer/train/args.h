@@ -80,6 +80,10 @@ struct TrainArgs {
 TrainArgs parse_train_args(const std::vector<std::string>& argv);
 // The flags `a` was given, as a JSON object --config reads back ({"steps": "100", "recompute": true}).
 std::string given_flags_json(const TrainArgs& a);
+// How `a`'s given flags differ from those a checkpoint recorded (given_flags_json's text):
+// "--lr 0.001 (was 0.003), --recompute (new), --seq (dropped; was 64)", or "" when they agree (or
+// the checkpoint recorded none). --resume, which names the checkpoint, is left out.
+std::string changed_flags(const std::string& recorded_json, const TrainArgs& a);
 // Writes given_flags_json beside the log `log_path` (LOG.config.json for LOG.jsonl; where that exists,
 // from an earlier run on the same log, LOG.config-2.json and on: none is replaced) and returns its path;
 // nothing, and "", where the log is not a regular file (/dev/stdout).

@@ -130,7 +130,13 @@ Trainer::Trainer(const TrainArgs& args)
   // The run's identity first: a resumed run keeps its checkpoint's (read by every rank).
   if (!args.resume.empty()) {
     resume_from_ = newest_checkpoint(args.resume);
-    run_id_ = run_of(checkpoint_extra(resume_from_));
+    const auto recorded = checkpoint_extra(resume_from_);
+    run_id_ = run_of(recorded);
+    const auto flags = recorded.find("flags");
+    const std::string changes = flags == recorded.end() ? "" : changed_flags(flags->second, args);
+    if (lead_ && !changes.empty())
+      std::printf("fsdp-train: %s was saved with other flags than this run's: %s\n", resume_from_.c_str(),
+                  changes.c_str());
   }
   if (run_id_.empty()) run_id_ = new_run_id(*comm_);
   claim_outputs();
@@ -449,7 +455,8 @@ bool Trainer::state_is_finite(int done, const char* action) {
 
 void Trainer::save(int steps_done) {
   checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
-                       {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_}};
+                       {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_},
+                       {"flags", given_flags_json(args_)}};
   const std::string dir = args_.save_dir + "/" + checkpoint_name(steps_done);
   // Another run's step-N is replaced only where the user said so (--overwrite-checkpoints);
   // every rank reads the metadata alike.
