@@ -63,9 +63,10 @@ void RootState::enter_forward(GroupState& state) {
   ++depth_;
 }
 
-// The gather transforms' state (float8: the scales) comes from the weights as the optimizer left them: one small
-// collective for all of this root's transformed weights, before its first all-gather. In the
-// groups' creation order, the same on every rank (members_ may differ in order between ranks).
+// The gather transforms' state (float8: the scales) comes from the weights as the optimizer left
+// them: one small collective for all of this root's transformed weights, before its first
+// all-gather. In the groups' creation order, the same on every rank (members_ may differ in order
+// between ranks).
 void RootState::refresh_gather_transforms() {
   auto states = members();
   std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) { return a->id_ < b->id_; });

@@ -33,7 +33,6 @@ class InflightQueue {
       settle(items_.front());
       items_.pop_front();
     }
-    waits_ += settled;
     return settled;
   }
   void push(Item item) { items_.push_back(std::move(item)); }
@@ -47,12 +46,10 @@ class InflightQueue {
   size_t size() const { return items_.size(); }
   // Whether make_room() would block now (after drop_finished()).
   bool full() const { return limit_ > 0 && static_cast<int>(items_.size()) >= limit_; }
-  long waits() const { return waits_; }  // items make_room() blocked on or settled
 
  private:
   std::deque<Item> items_;
   int limit_;
-  long waits_ = 0;
 };
 
 }  // namespace fsdp

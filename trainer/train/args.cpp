@@ -746,18 +746,25 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv) {
   return a;
 }
 
-std::string given_flags_json(const TrainArgs& a) {
+namespace {
+
+// The flags `a` was given as JSON: each name without its dashes, a switch true (--config left out).
+nlohmann::ordered_json given_flags(const TrainArgs& a) {
   nlohmann::ordered_json flags = nlohmann::ordered_json::object();
   for (const auto& [name, value] : a.given)
     if (name != "--config")
       flags[name.substr(2)] = value.empty() ? nlohmann::ordered_json(true) : nlohmann::ordered_json(value);
-  return flags.dump(2) + "\n";
+  return flags;
 }
+
+}  // namespace
+
+std::string given_flags_json(const TrainArgs& a) { return given_flags(a).dump(2) + "\n"; }
 
 std::string changed_flags(const std::string& recorded_json, const TrainArgs& a) {
   const auto recorded = nlohmann::ordered_json::parse(recorded_json, nullptr, /*allow_exceptions=*/false);
   if (!recorded.is_object()) return "";
-  const auto now = nlohmann::ordered_json::parse(given_flags_json(a));
+  const auto now = given_flags(a);
   const auto shown = [](const nlohmann::ordered_json& v) { return v.is_string() ? v.get<std::string>() : ""; };
   std::string changes;
   const auto add = [&changes](const std::string& change) { changes += (changes.empty() ? "" : ", ") + change; };
