@@ -789,9 +789,14 @@ std::string write_given_flags(const TrainArgs& a, const std::string& log_path) {
   const std::string stem = jsonl ? log_path.substr(0, log_path.size() - 6) : log_path;
   std::string path = stem + ".config.json";
   for (int n = 2; io::exists(path); ++n) path = stem + ".config-" + std::to_string(n) + ".json";
-  std::ofstream out(path);
-  out << given_flags_json(a);
-  if (!out.flush()) throw UsageError("--log: cannot write '" + path + "' beside it: " + std::strerror(errno));
+  try {
+    io::OutputFile out(path);
+    const std::string text = given_flags_json(a);
+    out.write(text.data(), text.size());
+    out.close();
+  } catch (const std::exception& e) {  // a usage error, which every rank stops on
+    throw UsageError(std::string("--log: the flags beside it: ") + e.what());
+  }
   return path;
 }
 
