@@ -9,7 +9,9 @@ to the file) and each path in backticks that starts at a top-level folder of the
 files outside bench/results/), each path to a file (one with an extension) or to a record
 (bench/results/NAME) that starts at a top-level folder must exist too: a comment that cites a doc,
 a record or another file stays true when they move. Paths with a placeholder (`<`, `*`, `N`,
-`...`, `$`, a segment in capitals such as NAME) are patterns, not files, and are skipped. Prints `doc_links: ok`.
+`...`, `$`, a segment in capitals such as NAME) are patterns, not files, and are skipped. Commit
+hashes stay in docs/results.md (the history): another page that names one in its prose (outside
+its command blocks and record names) fails. Prints `doc_links: ok`.
 """
 import os
 import re
@@ -19,6 +21,8 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CODE = re.compile(r"`([^`\s]+)`")
 IN_CODE = re.compile(r"(?<![\w/.$}-])([a-z]+/[\w.+-]+(?:/[\w.+-]+)*)")
 CODE_FILES = (".cpp", ".h", ".cu", ".cuh", ".py", ".sh", ".cmake", "CMakeLists.txt")
+# A commit hash in prose: 7-40 hex digits, letters and digits both, not part of a record's name.
+COMMIT = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])")
 PATTERN = re.compile(r"[<*{$]|\.\.\.|/N\b|-N\b|/[A-Z_]+(?:/|$)")  # bench/results/NAME is a pattern
 
 
@@ -45,31 +49,33 @@ def main():
     pages = ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(f"{repo}/docs") if n.endswith(".md"))
     pages += sorted(f"{top}/{sub}/README.md" for top in ("src", "trainer") for sub in os.listdir(f"{repo}/{top}")
                     if os.path.exists(f"{repo}/{top}/{sub}/README.md"))  # the mechanism notes beside the code
-    missing, checked = [], 0
+    wrong, checked = [], 0  # each problem in its own words
     for page in pages:
         text = open(f"{repo}/{page}").read()
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands are run by readme_commands
+        if page != "docs/results.md":
+            wrong += [f"{page}: commit {c} in prose (history belongs in docs/results.md)" for c in COMMIT.findall(text)]
         for target in LINK.findall(text):
             if re.match(r"[a-z]+:", target):
                 continue
             checked += 1
             if not os.path.exists(os.path.normpath(f"{repo}/{os.path.dirname(page)}/{target}")):
-                missing.append(f"{page}: link {target}")
+                wrong.append(f"{page}: link {target}: missing")
         for path in CODE.findall(text):
             path = path.rstrip(".,;:)")
             if path.split("/")[0] not in tops or "/" not in path or re.search(r"[<*{]|\.\.\.|/N\b|-N\b", path):
                 continue
             checked += 1
             if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
-                missing.append(f"{page}: `{path}`")
+                wrong.append(f"{page}: `{path}`: missing")
     for where, path in code_paths(repo, tops):
         checked += 1
         if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
-            missing.append(f"{where}: {path}")
-    for m in missing:
-        print(f"doc_links: missing: {m}")
-    print(f"doc_links: {checked} links and paths in {len(pages)} pages and the code, {len(missing)} missing")
-    if missing:
+            wrong.append(f"{where}: {path}: missing")
+    for m in wrong:
+        print(f"doc_links: {m}")
+    print(f"doc_links: {checked} links and paths in {len(pages)} pages and the code, {len(wrong)} wrong")
+    if wrong:
         sys.exit(1)
     print("doc_links: ok")
 
