@@ -10,6 +10,7 @@ clip_grad_norm_, and checkpoints with torch.distributed.checkpoint (get_state_di
 set_state_dict), which either runtime resumes. --compile compiles each layer, as torchtitan does.
 """
 import argparse
+import gc
 import json
 import os
 
@@ -96,4 +97,10 @@ for step in range(first, args.steps):
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step + 1)},
                  checkpoint_id=args.save)
+# The process groups go while the interpreter is alive: with nothing else holding them (the model's
+# DTensors and the optimizer's state hold the mesh), destroy_process_group joins Gloo's worker
+# threads. One left to the interpreter's exit can drop a Python tensor there and abort the process
+# (torch issue #190489).
+del model, optimizer, mesh
+gc.collect()
 dist.destroy_process_group()
