@@ -7,9 +7,11 @@
 #           GPU for 30 steps (its step time) and with a memory budget (the planner's steps).
 #   python: the Python package's GPU cases (python_gpu_tests_*, three parts side by side), then
 #           the benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget).
+#   package: tests/tools/package_install.sh: a wheel from a fresh clone, installed into an empty
+#           prefix, its fsdp-train on one GPU (not part of `all`: it builds everything once more).
 # Each run's step time, memory and losses must lie in bench/gpu_expected.json's ranges.
 # Logs and JSON to OUT_DIR.
-#   bash bench/gpu_checks.sh OUT_DIR COMMIT [all|native|python]
+#   bash bench/gpu_checks.sh OUT_DIR COMMIT [all|native|python|package]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}
@@ -19,6 +21,12 @@ mkdir -p "$out"
 source bench/gpu_env.sh
 record_env "$out/env.txt" "$commit"
 cat "$out/env.txt"
+if [[ $part == package ]]; then
+  bash tests/tools/package_install.sh python3 /tmp/fsdp-package > "$out/package-install.log" 2>&1
+  status=$?
+  tail -3 "$out/package-install.log"
+  exit $status
+fi
 build_with_log "$out/build-$part.log" || exit 1
 status=0
 if [[ $part != python ]]; then

@@ -277,6 +277,10 @@ PYBIND11_MODULE(_C, m) {
     }
     return state.extra;
   });
+  // python -m fsdpcpp.convert: each tensor whole, handed to a Python callable (the GIL held).
+  m.def("for_each_checkpoint_tensor", [](const std::string& dir, const py::function& visit) {
+    fsdp::for_each_checkpoint_tensor(dir, [&](const std::string& name, const at::Tensor& t) { visit(name, t); });
+  });
   m.def("newest_checkpoint", &fsdp::newest_checkpoint);
   m.def("checkpoint_name", &fsdp::checkpoint_name);
 }

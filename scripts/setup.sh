@@ -66,6 +66,12 @@ fi
 # The Python tests shard through accelerate's FSDP2 path (fsdpcpp.use_as_fsdp2).
 "$PYTHON" -c 'import accelerate' 2>/dev/null || pip_install accelerate || log "no accelerate; its Python test will fail"
 
+# fsdp-train --tensorboard writes through TensorBoard's own writer (torch.utils.tensorboard).
+"$PYTHON" -c 'import tensorboard' 2>/dev/null || pip_install tensorboard \
+  || log "no tensorboard; fsdp-train --tensorboard and its test will fail"
+# pip install . (docs/python.md) builds through scikit-build-core, without build isolation.
+"$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core \
+  || log "no scikit-build-core; pip install . of the Python package will fail"
 # The Python package's tests (tests/python) run under pytest.
 "$PYTHON" -c 'import pytest' 2>/dev/null || pip_install pytest || log "no pytest; the Python tests cannot run"
 

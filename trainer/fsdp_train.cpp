@@ -8,6 +8,7 @@
 
 #include "fsdp/fsdp.h"
 #include "train/args.h"
+#include "train/cost_model_file.h"
 #include "train/trainer.h"
 
 namespace {
@@ -36,11 +37,17 @@ int main(int argc, char** argv) {
   // ending the rank without a word.
   fsdp::train::install_stop_handlers();
   std::signal(SIGXFSZ, SIG_IGN);
+  // A --tensorboard writer that died must not end the run: its pipe's writes fail instead.
+  std::signal(SIGPIPE, SIG_IGN);
   fsdp::train::TrainArgs args;
   try {
     args = fsdp::train::parse_train_args(std::vector<std::string>(argv + 1, argv + argc));
     if (args.help || args.version) {
       std::cout << (args.help ? fsdp::train::train_help_text() : "fsdp-train " + std::string(fsdp::version()) + "\n");
+      return 0;
+    }
+    if (!args.project.empty()) {  // arithmetic on a file: no ranks, no device
+      std::cout << fsdp::train::projection_report(args);
       return 0;
     }
     fsdp::train::check_train_args_on_this_machine(args);

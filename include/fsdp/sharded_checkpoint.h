@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -78,6 +79,13 @@ std::string newest_checkpoint(const std::string& parent);
 /// metadata alone: local, no communicator, no tensor read. Throws naming the file if it is
 /// missing or damaged.
 std::map<std::string, std::string> checkpoint_extra(const std::string& dir);
+/// Every tensor of the checkpoint in `dir` whole, one at a time, in the metadata's order (the
+/// sharded ones, then the replicated), each block's checksum checked before it is handed over:
+/// local (no communicator, no model, any world size it was saved on), for offline conversion
+/// (`python -m fsdpcpp.convert`). `visit(name, tensor)` gets a CPU tensor of its own. Throws
+/// naming the file for a missing, truncated or damaged checkpoint.
+void for_each_checkpoint_tensor(const std::string& dir,
+                                const std::function<void(const std::string&, const at::Tensor&)>& visit);
 /// "step-000120": how save directories are named for newest_checkpoint.
 std::string checkpoint_name(int64_t step);
 /// The step a directory name says ("step-000120" -> 120; "step-7" -> 7), or -1 for any other name.

@@ -15,6 +15,9 @@ from ._dtensor import managed
 
 newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
+# How a checkpoint names what is not a parameter: "buffer/NAME", "optimizer/PARAMETER/KEY".
+BUFFER_PREFIX = "buffer/"
+OPTIMIZER_PREFIX = "optimizer/"
 
 
 def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
@@ -55,15 +58,17 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
                              "module too")
         sharded.append((name, p.data, p))
         names[p] = names[face] = name  # an optimizer holds either (made before fully_shard: the managed one)
+    persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers are rebuilt, not saved
     for name, b in model.named_buffers():
-        replicated.append((f"buffer/{name}", b.data))
+        if name in persistent:
+            replicated.append((BUFFER_PREFIX + name, b.data))
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p not in names:
                     raise ValueError("fsdpcpp checkpoint: the optimizer holds a parameter the model does not")
                 for key, value in optimizer.state[p].items():
-                    entry = f"optimizer/{names[p]}/{key}"
+                    entry = f"{OPTIMIZER_PREFIX}{names[p]}/{key}"
                     if isinstance(value, DTensor):  # the state of a face: its local rows are the managed shape
                         value = value._local_tensor
                     if isinstance(value, torch.Tensor) and value.shape == managed(p).shape and value.dim() > 0:

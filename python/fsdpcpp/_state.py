@@ -9,6 +9,7 @@ from torch import nn
 
 from . import _C
 from ._dtensor import managed
+from ._runtime import rank
 
 
 def _named(parameters) -> list[tuple[str, torch.Tensor]]:
@@ -32,21 +33,26 @@ def full_parameter(param: torch.Tensor) -> torch.Tensor:
     return _C.full_parameter(managed(param))
 
 
-def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True,
+                         rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict of `model` on every rank, by the names model.state_dict()
     uses (so transformers' save_pretrained(state_dict=...) and load_state_dict on an unsharded copy
     take it), on the host unless cpu_offload=False. As torch.distributed.checkpoint's
-    get_model_state_dict with StateDictOptions(full_state_dict=True). Collective: every rank calls
-    it."""
+    get_model_state_dict with StateDictOptions(full_state_dict=True). rank0_only=True: rank 0
+    alone keeps the tensors (the others return {}), gathered one parameter at a time, so no other
+    rank ever holds more than one full parameter (FSDP1's FullStateDictConfig(rank0_only=True)).
+    Collective: every rank calls it."""
+    keep = not rank0_only or rank() == 0
     full = {}
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
             value = managed(value)
             if _C.is_sharded_parameter(value):
                 value = _C.full_parameter(value)
-            else:
+            elif keep:
                 value = value.detach().clone()
-            full[name] = value.cpu() if cpu_offload else value
+            if keep:
+                full[name] = value.cpu() if cpu_offload else value
     return full
 
 

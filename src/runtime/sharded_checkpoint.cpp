@@ -154,15 +154,22 @@ class BlockReader {
   int fd_ = -1;
 };
 
-// One tensor's load: for each saved rank whose rows overlap this rank's, its whole block is read
-// (so that its checksum can be checked). The first pass only checks (sizes, checksums); the
-// second copies the overlapping rows, from files unchanged since the first.
-void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const CheckpointState::Sharded& want,
-                  const io::TensorMeta& saved, size_t index, const BlockMap& blocks,
-                  std::vector<FileIdentity>& identities, bool first_pass) {
-  const ShardLayout now = ShardLayout::of_shape(want.full_shape, want.comm->world_size());
+// Rows [first, first + rows.size(0)) of a saved tensor, wanted into `rows` (rows x row length).
+struct WantedRows {
+  int64_t first = 0;
+  at::Tensor rows;
+};
+
+// What a pass over a tensor's blocks does with each: check its checksum, copy its overlap, or both.
+enum class Pass { Check, Copy, CheckAndCopy };
+
+// One tensor's load: for each saved rank whose rows overlap the wanted ones, its whole block is
+// read (so that its checksum can be checked). A load checks everything first (Check) and then
+// copies from files unchanged since (Copy); a conversion does both in one pass per tensor.
+void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const io::TensorMeta& saved, size_t index,
+               const BlockMap& blocks, std::vector<FileIdentity>& identities, const WantedRows& want, Pass pass) {
   const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
-  const int64_t first = want.first_row, last = first + now.local_rows(want.comm->rank());
+  const int64_t first = want.first, last = first + want.rows.size(0);
   const size_t esize = io::element_size(saved.dtype);
   for (uint32_t r = 0; r < meta.world; ++r) {
     const int64_t begin = std::max(first, then.first_row(static_cast<int>(r)));
@@ -179,15 +186,18 @@ void load_sharded(const std::string& dir, const io::CheckpointMeta& meta, const 
                                  at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
     const size_t bytes = block.numel() * esize;
     reader.read(block.data_ptr(), bytes, blocks.offset[index][r], saved.name);
-    if (first_pass) {
-      if (io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
-        throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
-      continue;
-    }
-    at::Tensor rows = want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel});
+    if (pass != Pass::Copy && io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
+      throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
+    if (pass == Pass::Check) continue;
     const int64_t from = then.first_row(static_cast<int>(r));
-    rows.narrow(0, begin - first, end - begin).copy_(block.narrow(0, begin - from, end - begin));
+    want.rows.narrow(0, begin - first, end - begin).copy_(block.narrow(0, begin - from, end - begin));
   }
+}
+
+// This rank's rows of a sharded tensor of `state`.
+WantedRows rows_of(const CheckpointState::Sharded& want) {
+  const ShardLayout now = ShardLayout::of_shape(want.full_shape, want.comm->world_size());
+  return {want.first_row, want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel})};
 }
 
 }  // namespace
@@ -322,13 +332,13 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
       saved_replicated.push_back(&*it);
     }
     for (size_t i = 0; i < state.sharded().size(); ++i)
-      load_sharded(dir, meta, state.sharded()[i], meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
-                   /*first_pass=*/true);
+      load_rows(dir, meta, meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
+                rows_of(state.sharded()[i]), Pass::Check);
   });
   on_every_rank(comm, "loading " + dir, [&] {
     for (size_t i = 0; i < state.sharded().size(); ++i)
-      load_sharded(dir, meta, state.sharded()[i], meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
-                   /*first_pass=*/false);
+      load_rows(dir, meta, meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
+                rows_of(state.sharded()[i]), Pass::Copy);
     for (size_t i = 0; i < state.replicated().size(); ++i) {
       const at::Tensor& value = state.replicated()[i].second;
       value.copy_(at::from_blob(const_cast<char*>(saved_replicated[i]->bytes.data()), value.sizes(),
@@ -336,6 +346,29 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
     }
     state.extra = meta.extra;
   });
+}
+
+void for_each_checkpoint_tensor(const std::string& dir,
+                                const std::function<void(const std::string&, const at::Tensor&)>& visit) {
+  c10::NoGradGuard no_grad;
+  const std::string meta_path = dir + "/metadata.bin";
+  const io::CheckpointMeta meta = io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path);
+  const BlockMap blocks = block_map(meta);
+  std::vector<FileIdentity> identities(meta.world);
+  for (size_t i = 0; i < meta.sharded.size(); ++i) {
+    const io::TensorMeta& saved = meta.sharded[i];
+    at::Tensor full = at::empty(saved.shape, at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
+    const ShardLayout layout = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
+    const int64_t rows = saved.shape.empty() ? 1 : saved.shape[0];
+    load_rows(dir, meta, saved, i, blocks, identities, {0, full.reshape({rows, layout.row_numel})},
+              Pass::CheckAndCopy);
+    visit(saved.name, full);
+  }
+  for (const auto& saved : meta.replicated) {
+    at::Tensor value = at::empty(saved.shape, at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
+    std::memcpy(value.data_ptr(), saved.bytes.data(), std::min(saved.bytes.size(), value.nbytes()));
+    visit(saved.name, value);
+  }
 }
 
 std::map<std::string, std::string> checkpoint_extra(const std::string& dir) {

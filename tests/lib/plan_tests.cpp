@@ -8,6 +8,7 @@
 
 #include "fsdp/plan/measured_step.h"
 #include "fsdp/plan/planner.h"
+#include "fsdp/plan/projection.h"
 #include "fsdp/plan/simulator.h"
 
 namespace {
@@ -416,6 +417,72 @@ TEST(Planner, DescribeNamesTheChoices) {
   s.runtime.bucket_mb = 1.5, s.runtime.reduce_bucket_max_wait = 2;
   EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"),
             std::string::npos);
+}
+
+// One group measured on 2 ranks: 200 MB gathered and reduced, each collective 1.5 ms of which
+// 0.5 ms latency, so its ring moves 1/2 * 200 MB in 1 ms: 100 GB/s (1e8 bytes a ms). 100 bytes
+// of sharded gradients; 1000 fixed bytes of which 600 sharded.
+MeasuredCost measured_on_two() {
+  MeasuredCost m;
+  m.world = 2;
+  GroupCost g;
+  g.name = "blocks.0";
+  g.memory.param_bytes = g.memory.reduce_input_bytes = 200'000'000;
+  g.memory.sharded_grad_bytes = 100;
+  g.allgather_ms = g.reduce_scatter_ms = 1.5;
+  g.forward_ms = 10, g.backward_ms = 20;
+  m.model.groups = {g};
+  m.model.allgather_latency_ms = m.model.reduce_scatter_latency_ms = 0.5;
+  m.model.fixed_bytes = 1000, m.model.fixed_ms = 1;
+  m.sharded_fixed_bytes = 600;
+  return m;
+}
+
+// 4 ranks of one host: 3/4 * 200 MB at 100 GB/s = 1.5 ms, latency 0.5 * 3 steps: 3 ms. The
+// sharded state halves: gradients 50 bytes, fixed 400 + 300.
+TEST(Projection, ARingOnOneHostKeepsItsBandwidthAndGrowsItsLatency) {
+  const CostModel p = project(measured_on_two(), {4, 1}, Cluster{});
+  EXPECT_DOUBLE_EQ(p.groups[0].allgather_ms, 3.0);
+  EXPECT_DOUBLE_EQ(p.groups[0].reduce_scatter_ms, 3.0);
+  EXPECT_DOUBLE_EQ(p.allgather_latency_ms, 1.5);
+  EXPECT_EQ(p.groups[0].memory.sharded_grad_bytes, 50);
+  EXPECT_EQ(p.groups[0].memory.param_bytes, 200'000'000);  // unsharded sizes stay
+  EXPECT_EQ(p.fixed_bytes, 700);
+  EXPECT_DOUBLE_EQ(p.groups[0].forward_ms, 10);  // per-GPU work stays
+}
+
+// 16 ranks over two hosts of 8: the ring is held to the network's 50 GB/s: 15/16 * 200 MB = 3.75
+// ms, latency 0.5 * 15 = 7.5. As HSDP 2 x 8 each ring stays in its host (7/8 * 200 MB at 100 GB/s
+// = 1.75 ms + 3.5) and the reduce-scatter adds the replicas' all-reduce of a 25 MB shard:
+// 2 * 1/2 * 25 MB at 50 GB/s = 0.5 ms.
+TEST(Projection, RingsAcrossHostsTakeTheNetworksBandwidthAndHsdpAddsTheReplicasAllReduce) {
+  const CostModel fsdp = project(measured_on_two(), {16, 1}, Cluster{8, 50});
+  EXPECT_DOUBLE_EQ(fsdp.groups[0].allgather_ms, 11.25);
+  const CostModel hsdp = project(measured_on_two(), {16, 2}, Cluster{8, 50});
+  EXPECT_DOUBLE_EQ(hsdp.groups[0].allgather_ms, 5.25);
+  EXPECT_DOUBLE_EQ(hsdp.groups[0].reduce_scatter_ms, 5.75);
+  EXPECT_EQ(hsdp.fixed_bytes, 400 + 600 * 2 / 8);
+}
+
+TEST(Projection, WorldsGiveFsdpEverywhereAndHsdpOneReplicaAHost) {
+  const MeasuredCost m = measured_on_two();
+  const auto rows = project_worlds(m, default_schedule(1), {2, 16}, Cluster{});
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].layout.world, 2);
+  EXPECT_EQ(rows[2].layout.replicas, 2);
+  // On its own ranks the projection is the measured model's simulation.
+  EXPECT_DOUBLE_EQ(rows[0].step_ms, simulate(m.model, default_schedule(1)).step_ms);
+  // One group has nothing to hide its collectives behind: exposed = all of them.
+  EXPECT_NEAR(rows[0].exposed_comm_ms, 1.5 * 3, 1e-9);  // its all-gather twice and its reduce-scatter
+  EXPECT_GT(rows[1].step_ms, rows[2].step_ms);  // rings within hosts beat one across them
+  EXPECT_LT(rows[1].peak_bytes, rows[0].peak_bytes);
+}
+
+TEST(Projection, RefusesWhatItCannotProject) {
+  MeasuredCost one = measured_on_two();
+  one.world = 1;
+  EXPECT_THROW(project(one, {4, 1}, Cluster{}), std::invalid_argument);
+  EXPECT_THROW(project(measured_on_two(), {6, 4}, Cluster{}), std::invalid_argument);
 }
 
 }  // namespace

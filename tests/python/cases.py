@@ -215,6 +215,12 @@ def case_mixed_precision(args):
     full = fsdpcpp.get_model_state_dict(model)
     worst = max((full[n] - p).abs().max().item() for n, p in ref_params.items())
     assert losses == ref_losses and worst == 0, f"losses {losses} vs {ref_losses}, parameters differ by {worst:.3g}"
+    only = fsdpcpp.get_model_state_dict(model, rank0_only=True)
+    if fsdpcpp.rank() == 0:
+        assert sorted(only) == sorted(full) and all(torch.equal(only[k], full[k]) for k in full), \
+            "get_model_state_dict(rank0_only=True) differs from the full state dict on rank 0"
+    else:
+        assert only == {}, f"rank {fsdpcpp.rank()} kept {len(only)} tensors under rank0_only=True"
     if fsdpcpp.rank() == 0:
         print(f"{args.model}, bfloat16 parameters, float32 reduce: equal to the reference bit for bit on "
               f"{fsdpcpp.world_size()} ranks")
@@ -451,6 +457,9 @@ def case_save(args):
     _, opt = train_sharded(model, 2)
     fsdpcpp.save_checkpoint(os.path.join(args.dir, fsdpcpp.checkpoint_name(2)), model, opt,
                             extra={"step": 2, "ranks": fsdpcpp.world_size()})
+    full = fsdpcpp.get_model_state_dict(model, rank0_only=True)  # what the offline converter must give
+    if fsdpcpp.rank() == 0:
+        torch.save(full, os.path.join(args.dir, "full.pt"))
 
 
 def case_resume(args):

@@ -76,6 +76,40 @@ def test_save_on_3_ranks_resume_on_2(tmp_path):
     run(2, "resume", "--model", "llama", "--dir", tmp_path)
 
 
+def convert(*args):
+    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"))
+    done = subprocess.run([sys.executable, "-m", "fsdpcpp.convert", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+@cpu_only
+def test_convert_a_checkpoint_offline(tmp_path):
+    """python -m fsdpcpp.convert, in one process without ranks, gives the state dict the 3 ranks
+    held (fsdpcpp.get_model_state_dict), as a torch file and as indexed safetensors files."""
+    from safetensors.torch import load_file
+    run(3, "save", "--model", "llama", "--dir", tmp_path)
+    want = torch.load(tmp_path / "full.pt")
+    code, out = convert(tmp_path, tmp_path / "model.pt", "--to", "torch")
+    assert code == 0, out
+    got = torch.load(tmp_path / "model.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), out
+    code, out = convert(tmp_path, tmp_path / "hf", "--to", "safetensors", "--shard-gb", "0.00002", "--dtype", "bf16")
+    assert code == 0, out
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    got = {}
+    for name in files:
+        got.update(load_file(tmp_path / "hf" / name))
+    assert len(files) > 1 and sorted(got) == sorted(want), files
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    code, out = convert(tmp_path, tmp_path / "hf", "--to", "safetensors")
+    assert code == 2 and "exists: pass --overwrite" in out, out
+    code, out = convert(tmp_path / "hf", tmp_path / "x.pt", "--to", "torch")
+    assert code == 2 and "holds no complete checkpoint" in out, out
+
+
 @cpu_only
 def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's

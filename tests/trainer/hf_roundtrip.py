@@ -10,12 +10,14 @@ For a grouped-query model, a tied-embedding one and one with Llama 3's RoPE scal
      export and its logits match fsdp.cpp's on the exported weights, which training changed.
   3. fsdp-train trains a model from scratch and exports it: the same check (not for the scaled
      RoPE: only the 3b preset has it, too big for this test).
-  4. What an import carries passes through the export: every config.json field (bos/eos token ids
+  4. --steps 0 converts an import: a bf16 export split into small files with their index, every
+     tensor exactly the float32 one rounded to bf16, which transformers loads.
+  5. What an import carries passes through the export: every config.json field (bos/eos token ids
      included; torch_dtype says what was written), generation_config.json and the tokenizer files.
      An existing export is refused, or with --overwrite replaced whole. A directory with two sets
      of weights, or an index that disagrees with its files, is refused naming both; so are --seq
      above max_position_embeddings and --model beside a config.json.
-  5. Imports that would train the wrong thing are refused: a tied config.json whose file holds an
+  6. Imports that would train the wrong thing are refused: a tied config.json whose file holds an
      lm_head.weight of its own, weights holding NaN, and a text --data beside an imported model
      (bytes are not its tokenizer's ids); fsdp-prepare-data tokenises that text with the model's
      own tokenizer (made here) into a token file fsdp-train then trains on.
@@ -146,6 +148,40 @@ def check_refusals(work, original, tuned):
                    "--steps", "1", "--seq", "32", "--init-from", indexed)
 
 
+def check_sharded_bf16_export(work, tuned):
+    """--steps 0 converts an import: bf16 in files of at most 100 kB with their index, each tensor
+    the float32 export's rounded to bf16 (exactly), loaded by transformers."""
+    from safetensors.torch import load_file
+    out = f"{work}/bf16"
+    code, log = run_train("--steps", "0", "--init-from", tuned, "--export", out, "--export-dtype", "bf16",
+                          "--export-shard-gb", "0.0001", "--log", f"{work}/convert.jsonl")
+    if code != 0:
+        sys.exit(f"hf_roundtrip: FAIL: --steps 0 --export-dtype bf16 (exit {code}):\n{log}")
+    index = json.load(open(f"{out}/model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    want = load_file(f"{tuned}/model.safetensors")
+    got = {}
+    for name in files:
+        part = load_file(f"{out}/{name}")
+        size = sum(t.numel() * t.element_size() for t in part.values())
+        if len(part) > 1 and size > 100_000:
+            sys.exit(f"hf_roundtrip: FAIL: {name} holds {size} bytes in {len(part)} tensors, above --export-shard-gb")
+        got.update(part)
+    same = sorted(got) == sorted(want) and all(
+        got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    total = sum(t.numel() * 2 for t in got.values())
+    config = json.load(open(f"{out}/config.json"))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype="auto")
+    ok = (same and len(files) >= 3 and index["metadata"]["total_size"] == total and config["torch_dtype"] == "bfloat16"
+          and loaded.dtype == torch.bfloat16 and all(files[i] == f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                     for i in range(len(files))))
+    print(f"hf_roundtrip: bf16 export in {len(files)} files with their index, each tensor the fp32 one rounded, "
+          f"loaded by transformers: {'ok' if ok else 'FAIL'}")
+    if not ok:
+        sys.exit(f"hf_roundtrip: FAIL: files {files}, same tensors {same}, total_size {index['metadata']} vs {total}, "
+                 f"config dtype {config.get('torch_dtype')}, loaded {loaded.dtype}")
+
+
 def edited_weights(original, work, name, edit):
     """A copy of the model directory `original` whose weights `edit` (a dict of tensors) changed."""
     from safetensors.torch import load_file, save_file
@@ -242,6 +278,7 @@ def main():
             check(f"{label}: fine-tuned by fsdp.cpp, exported, loaded by transformers", fsdp_logits(tuned, work), after)
             check_passes_through(original, tuned)
             if label == "grouped-query attention":
+                check_sharded_bf16_export(work, tuned)
                 check_refusals(work, original, tuned)
             if label == "tied embeddings":
                 check_import_refusals(work, original)

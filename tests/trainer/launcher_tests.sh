@@ -24,7 +24,10 @@
 #   launcher_tests.sh BUILD_DIR budget        --memory-budget on CPU ranks: profiles, calibrates, plans
 #                                             and trains (also with --grad-accum 2, either sync); a budget below
 #                                             every schedule is refused
-#                                             with the smallest that fits (exit 2)
+#                                             with the smallest that fits (exit 2); the profile's cost
+#                                             model written (--cost-model) and projected (--project)
+#   launcher_tests.sh BUILD_DIR tensorboard   --tensorboard: TensorBoard's reader finds the logged steps;
+#                                             a python without the writer is refused (exit 2)
 #   launcher_tests.sh BUILD_DIR diverge [cpu|gpu]  --lr 1e8: the first non-finite step stops the run (exit 1),
 #                                             nothing saved or exported after it; --max-skipped-steps
 #                                             skips such steps without touching the state, then stops
@@ -314,15 +317,46 @@ signal)
   fi
   echo "SIG$sig: fsdp-run exited $code, $ranks process(es) under it all gone: ok"
   ;;
+tensorboard)
+  # --tensorboard: TensorBoard's own reader finds each step's loss and learning rate as logged.
+  "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 4 --log "$work/log.jsonl" --tensorboard "$work/tb" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "the run with --tensorboard failed"; }
+  grep -qF "TensorBoard in $work/tb" "$work/out" || { cat "$work/out"; fail "no TensorBoard line"; }
+  "$build/python" - "$work/log.jsonl" "$work/tb" <<'PY' || fail "the event files do not hold the logged steps"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+logged = [json.loads(line) for line in open(sys.argv[1])]
+events = EventAccumulator(sys.argv[2]).Reload()
+for tag, key in (("train/loss", "loss"), ("train/lr", "lr")):
+    got = [(e.step, e.value) for e in events.Scalars(tag)]
+    want = [(r["step"], r[key]) for r in logged]
+    assert len(got) == 4 and all(a == c and abs(b - d) <= 1e-6 * abs(d) for (a, b), (c, d) in zip(got, want)), (tag, got, want)
+assert "perf/tflops_per_gpu" in events.Tags()["scalars"], events.Tags()
+PY
+  # A python without the writer is refused before the run starts.
+  FSDP_PYTHON=/bin/false "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 2 --tensorboard "$work/tb2" \
+    >"$work/out" 2>&1
+  code=$?
+  [ "$code" = 2 ] && grep -qF -- "--tensorboard: " "$work/out" || { cat "$work/out"; fail "exit $code, no refusal"; }
+  echo "TensorBoard events hold the logged steps; a python without the writer refused: ok"
+  ;;
 budget)
   common=(-n 2 --cpu "$train" --model tiny --seq 32)
-  "$run" "${common[@]}" --steps 10 --memory-budget 1 --log "$work/log.jsonl" >"$work/out" 2>&1 ||
-    { cat "$work/out"; fail "the planned run failed"; }
+  "$run" "${common[@]}" --steps 10 --memory-budget 1 --cost-model "$work/cost.json" --log "$work/log.jsonl" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "the planned run failed"; }
   python3 "$(dirname "$0")/check_train_log.py" "$work/log.jsonl" --steps 10 --loss-falls || fail "log check"
   for want in "fsdp-train: profiled step:" "fsdp-train: calibration step" "fsdp-train: plan for a 1.00 GiB budget" \
     "fsdp-train:   predicted"; do
     grep -qF -- "$want" "$work/out" || { cat "$work/out"; fail "no '$want'"; }
   done
+  # The profile, projected to more ranks than it ran on: FSDP rows, and HSDP where the world spans hosts.
+  "$train" --project "$work/cost.json" --project-worlds 2,8 --gpus-per-host 4 >"$work/projected" 2>&1 ||
+    { cat "$work/projected"; fail "--project failed"; }
+  for want in "measured on 2 ranks" "     2  FSDP" "     8  FSDP" "     8  HSDP 2x4"; do
+    grep -qF -- "$want" "$work/projected" || { cat "$work/projected"; fail "no '$want' in the projection"; }
+  done
+  "$train" --project "$work/out" >"$work/projected" 2>&1 && fail "--project read a file that is no cost model"
+  grep -qF "is not a cost model" "$work/projected" || { cat "$work/projected"; fail "no refusal of a bad cost model"; }
   # Gradient accumulation (a reduce-scatter every micro-batch): planned for two passes a step.
   "$run" "${common[@]}" --steps 7 --memory-budget 1 --grad-accum 2 --grad-accum-sync every \
     --log "$work/accum.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "the planned run with --grad-accum failed"; }
@@ -334,7 +368,7 @@ budget)
   code=$?
   [ "$code" = 2 ] || { cat "$work/out"; fail "exit code $code, not 2, for a budget too small"; }
   grep -q "is too small: .* the smallest budget that fits is" "$work/out" || { cat "$work/out"; fail "no refusal"; }
-  echo "planned and trained; too small a budget refused: ok"
+  echo "planned and trained; the cost model projected; too small a budget refused: ok"
   ;;
 diverge)
   if [ "${3:-cpu}" = gpu ]; then launch=(--gpu -n 1); else launch=(-n 2 --cpu); fi

@@ -7,12 +7,14 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <regex>
 #include <set>
 #include <stdexcept>
+#include <utility>
 
 #include "fsdp/fully_shard.h"
 #include "io/files.h"
@@ -286,10 +288,13 @@ nlohmann::json rope_parameters(const LlamaConfig& c) {
           {"original_max_position_embeddings", c.rope_scaling.original_max_seq}};
 }
 
+// config.json's name of the dtypes an export writes.
+const char* config_dtype_name(at::ScalarType dtype) { return dtype == at::kBFloat16 ? "bfloat16" : "float32"; }
+
 // config.json for the export: an imported model's own config with every field passed through
 // (training changes no architecture field, and token ids, generation and tokenizer settings are
 // the user's), else one written from our config. Either way torch_dtype says what is written.
-nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from) {
+nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from, at::ScalarType dtype) {
   nlohmann::json config;
   if (has_hf_config(imported_from)) {
     std::ifstream in(config_path(imported_from));
@@ -315,26 +320,67 @@ nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_f
         {"mlp_bias", false},
     };
   }
-  config["torch_dtype"] = "float32";  // transformers 4 reads this name, 5 the next
-  config["dtype"] = "float32";
+  config["torch_dtype"] = config_dtype_name(dtype);  // transformers 4 reads this name, 5 the next
+  config["dtype"] = config_dtype_name(dtype);
   return config;
+}
+
+int64_t spec_bytes(const io::SafetensorsSpec& spec) {
+  int64_t size = int64_t(c10::elementSize(spec.dtype));
+  for (int64_t d : spec.shape) size *= d;
+  return size;
+}
+
+// The weight files of a directory export: consecutive runs of specs of at most max_bytes each
+// (a larger tensor alone), as [first, end) ranges.
+std::vector<std::pair<size_t, size_t>> split_into_files(const std::vector<io::SafetensorsSpec>& specs,
+                                                        int64_t max_bytes) {
+  std::vector<std::pair<size_t, size_t>> files;
+  int64_t bytes = 0;  // in the last file
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const int64_t size = spec_bytes(specs[i]);
+    if (files.empty() || (bytes > 0 && bytes + size > max_bytes)) {
+      files.emplace_back(i, i);
+      bytes = 0;
+    }
+    files.back().second = i + 1;
+    bytes += size;
+  }
+  return files;
+}
+
+// model.safetensors for one file; model-00001-of-00003.safetensors, ... for several.
+std::string weight_file_name(size_t index, size_t count) {
+  if (count == 1) return "model.safetensors";
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", index + 1, count);
+  return name;
 }
 
 }  // namespace
 
-void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const std::string& imported_from) {
+at::ScalarType imported_dtype(const std::string& imported_from) {
+  if (!has_hf_config(imported_from)) return at::kFloat;
+  std::ifstream in(config_path(imported_from));
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  for (const char* key : {"torch_dtype", "dtype"})
+    if (j.is_object() && j.contains(key) && j[key].is_string() && j[key] == "bfloat16") return at::kBFloat16;
+  return at::kFloat;
+}
+
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const ExportOptions& options) {
   const bool lead = comm.rank() == 0;
   const bool single_file = exports_single_file(path);
   // Written whole beside PATH, then put in its place: an existing export is replaced, never mixed.
   const std::string staged = path + ".tmp";
-  const std::string file = single_file ? staged : staged + "/model.safetensors";
   const auto& c = model.config;
+  const std::string& imported_from = options.imported_from;
   if (lead) {
     io::remove_tree(staged);  // an interrupted earlier export
     if (!single_file) {
       io::make_directories(staged);
       io::OutputFile out(config_path(staged));
-      const std::string text = export_config(c, imported_from).dump(2) + "\n";
+      const std::string text = export_config(c, imported_from, options.dtype).dump(2) + "\n";
       out.write(text.data(), text.size());
       out.close();
       if (has_hf_config(imported_from))
@@ -352,7 +398,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
   std::vector<Source> sources;
   for (size_t i = 0; i < params.size(); ++i) {
     for (const auto& [part, shape] : sized_parts(params[i].first, c, shard_rows_of(params[i].second).full_shape)) {
-      specs.push_back({part.name, at::kFloat, shape});
+      specs.push_back({part.name, options.dtype, shape});
       sources.push_back({i, part});
     }
   }
@@ -361,17 +407,38 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
   auto gathered = [&](size_t spec) {
     const Source& source = sources[spec];
     if (full_of != source.param) {
-      full = full_parameter(model, params[source.param].first).to(at::kCPU, at::kFloat).contiguous();
+      full = full_parameter(model, params[source.param].first).to(at::kCPU, options.dtype).contiguous();
       full_of = source.param;
     }
     return full.narrow(0, source.part.first_row, source.part.rows).contiguous();
   };
-  if (lead) {
-    io::write_safetensors(file, specs, gathered, {{"format", "pt"}});
-    io::replace_with(staged, path);
-  } else {
+  const auto files = single_file ? std::vector<std::pair<size_t, size_t>>{{0, specs.size()}}
+                                 : split_into_files(specs, options.max_file_bytes);
+  if (!lead) {
     for (size_t i = 0; i < specs.size(); ++i) gathered(i);
+    return;
   }
+  nlohmann::json weight_map = nlohmann::json::object();
+  int64_t total_bytes = 0;
+  for (size_t f = 0; f < files.size(); ++f) {
+    const auto [first, end] = files[f];
+    const std::string name = weight_file_name(f, files.size());
+    const std::vector<io::SafetensorsSpec> part(specs.begin() + first, specs.begin() + end);
+    io::write_safetensors(single_file ? staged : staged + "/" + name, part,
+                          [&](size_t i) { return gathered(first + i); }, {{"format", "pt"}});
+    for (const auto& spec : part) {
+      weight_map[spec.name] = name;
+      total_bytes += spec_bytes(spec);
+    }
+  }
+  if (files.size() > 1) {  // transformers finds the files through the index
+    const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+    io::OutputFile out(staged + "/model.safetensors.index.json");
+    const std::string text = index.dump(2) + "\n";
+    out.write(text.data(), text.size());
+    out.close();
+  }
+  io::replace_with(staged, path);
 }
 
 }  // namespace fsdp::model

@@ -39,12 +39,26 @@ void load_hf_weights(LlamaImpl& model, const std::string& path);
 // Whether an --export PATH names one .safetensors file (else a directory).
 bool exports_single_file(const std::string& path);
 
-// Collective. Writes `model`'s weights in float32 with Hugging Face names: PATH.safetensors, or a
-// directory PATH with config.json and model.safetensors that transformers' from_pretrained reads.
-// A model imported from the directory `imported_from` keeps every field of its config.json
-// (torch_dtype says float32) and its generation_config.json and tokenizer files. Written whole
-// as PATH.tmp and then put in PATH's place, replacing what was there. Parameters are gathered one
-// at a time; rank 0 writes.
-void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const std::string& imported_from = "");
+// How export_hf writes the weights.
+struct ExportOptions {
+  at::ScalarType dtype = at::kFloat;  // float32 or bfloat16 (what Hugging Face publishes)
+  // A directory export splits its weights into files of at most this many bytes (a tensor larger
+  // than that gets a file of its own), named model-00001-of-0000N.safetensors with
+  // model.safetensors.index.json, as Hugging Face publishes them; one file is model.safetensors.
+  int64_t max_file_bytes = int64_t(5) << 30;
+  std::string imported_from;  // the directory --init-from read, or ""
+};
+
+// The dtype config.json of a Hugging Face directory names ("torch_dtype", or transformers 5's
+// "dtype"), float32 where it names none or there is no such directory: --export-dtype's default.
+at::ScalarType imported_dtype(const std::string& imported_from);
+
+// Collective. Writes `model`'s weights with Hugging Face names: PATH.safetensors, or a directory
+// PATH with config.json and the weight files that transformers' from_pretrained reads. A model
+// imported from the directory options.imported_from keeps every field of its config.json
+// (torch_dtype says what is written) and its generation_config.json and tokenizer files. Written
+// whole as PATH.tmp and then put in PATH's place, replacing what was there. Parameters are
+// gathered one at a time; rank 0 writes.
+void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const ExportOptions& options);
 
 }  // namespace fsdp::model

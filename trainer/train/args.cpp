@@ -27,6 +27,7 @@
 #include "train/data.h"
 #include "train/lineage.h"
 #include "train/memory.h"
+#include "train/tensorboard_bridge.h"
 
 namespace fsdp::train {
 namespace {
@@ -171,6 +172,11 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         text(a.config)}},
       {"--log",
        {Topic::Logs, "JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
+      {"--tensorboard",
+       {Topic::Logs,
+        "rank 0 also writes each step's loss, lr, grad norm, tokens/s, TFLOP/s a GPU and memory as "
+        "TensorBoard scalars in DIR (python -m fsdpcpp.tensorboard, TensorBoard's own writer)",
+        text(a.tensorboard)}},
       {"--log-every",
        {Topic::Logs,
         "steps between progress lines (also the first, the last and any skipped or evaluated "
@@ -222,8 +228,15 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--export",
        {Topic::Checkpoints,
         "after training, write the model with Hugging Face LlamaForCausalLM names: FILE.safetensors, "
-        "or a directory with config.json + model.safetensors for from_pretrained",
+        "or a directory for from_pretrained (config.json, weight files of at most --export-shard-gb "
+        "and their model.safetensors.index.json); --steps 0 with --init-from or --resume converts",
         text(a.export_path)}},
+      {"--export-dtype",
+       {Topic::Checkpoints, "--export's dtype: fp32, bf16, auto = the --init-from directory's dtype, else fp32",
+        text(a.export_dtype)}},
+      {"--export-shard-gb",
+       {Topic::Checkpoints, "--export to a directory: the largest weight file, GB (10^9 bytes)",
+        number(a.export_shard_gb)}},
       {"--memory-budget",
        {Topic::Planner,
         "GiB of GPU memory (allocated, per rank) the run may use: step 3 is profiled, step 5 "
@@ -252,6 +265,22 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "rounds over the schedules in --plan-check, alternately in order and reversed, so "
         "a drift over the run reaches all alike",
         number(a.plan_check_rounds)}},
+      {"--cost-model",
+       {Topic::Planner,
+        "with --memory-budget or --plan-check: write the profiled and calibrated cost model to FILE "
+        "(JSON, rank 0), for --project",
+        text(a.cost_model)}},
+      {"--project",
+       {Topic::Planner,
+        "print the step a --cost-model FILE predicts on --project-worlds GPUs, FSDP and HSDP (one "
+        "replica a host), under the runtime's default schedule (--recompute: every block recomputed); "
+        "trains nothing, needs no GPU (the model: include/fsdp/plan/projection.h)",
+        text(a.project)}},
+      {"--project-worlds", {Topic::Planner, "GPU counts --project predicts, comma-separated", text(a.project_worlds)}},
+      {"--gpus-per-host", {Topic::Planner, "--project: GPUs a host joins by NVLink", number(a.gpus_per_host)}},
+      {"--network-gb-per-s",
+       {Topic::Planner, "--project: each GPU's network bandwidth to other hosts, GB/s one way",
+        number(a.network_gb_per_s)}},
       {"--dry-run",
        {Topic::Launch, "check the flags, the files and the memory, print the plan, train nothing", set_true(a.dry_run),
         false}},
@@ -313,12 +342,18 @@ void check_flags_that_need_another(const TrainArgs& a) {
       {"--plan-check-budgets", !a.plan_check.empty(), "--plan-check"},
       {"--plan-check-steps", !a.plan_check.empty(), "--plan-check"},
       {"--plan-check-rounds", !a.plan_check.empty(), "--plan-check"},
+      {"--cost-model", plans_schedule(a), "--memory-budget or --plan-check (the profile it writes)"},
+      {"--project-worlds", !a.project.empty(), "--project"},
+      {"--gpus-per-host", !a.project.empty(), "--project"},
+      {"--network-gb-per-s", !a.project.empty(), "--project"},
       {"--reduce-bucket-max-wait", a.runtime.bucket_mb > 0, "--bucket-mb (the buckets it caps)"},
       {"--max-pending-host-steps", a.cpu_offload && a.optimizer_in_backward,
        "--cpu-offload and --optimizer-in-backward (the host steps it caps)"},
       {"--overwrite", !a.save_dir.empty() || !a.export_path.empty(), "--save-dir or --export (what it replaces)"},
       {"--overwrite-checkpoints", !a.save_dir.empty(), "--save-dir (whose checkpoints it replaces)"},
       {"--overwrite-export", !a.export_path.empty(), "--export (the model it replaces)"},
+      {"--export-dtype", !a.export_path.empty(), "--export (the model it writes)"},
+      {"--export-shard-gb", !a.export_path.empty(), "--export (the model it writes)"},
       {"--allow-resume-changes", !a.resume.empty(), "--resume (the checkpoint whose settings may change)"},
   };
   for (const auto& rule : rules)
@@ -333,7 +368,11 @@ void check_ranges(const TrainArgs& a) {
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--model: ") + e.what());
   }
-  require(a.steps >= 1, "--steps must be at least 1");
+  require(a.steps >= 1 || (a.steps == 0 && !a.export_path.empty() && (!a.init_from.empty() || !a.resume.empty())),
+          "--steps must be at least 1 (0 only to convert: --steps 0 --init-from or --resume, and --export)");
+  require(a.export_dtype == "auto" || a.export_dtype == "fp32" || a.export_dtype == "bf16",
+          "--export-dtype must be fp32, bf16 or auto, not '" + a.export_dtype + "'");
+  require(a.export_shard_gb > 0, "--export-shard-gb must be positive");
   require(a.batch >= 1, "--batch must be at least 1");
   require(a.seq >= 1 && a.seq <= (1 << 20), "--seq must be between 1 and 1048576");
   require(a.lr > 0, "--lr must be positive");
@@ -380,6 +419,8 @@ void check_ranges(const TrainArgs& a) {
   require(a.plan_check_budgets >= 1, "--plan-check-budgets must be at least 1");
   require(a.plan_check_steps >= 3, "--plan-check-steps must be at least 3 (two are warm-up)");
   require(a.plan_check_rounds >= 1, "--plan-check-rounds must be at least 1");
+  require(a.gpus_per_host >= 1, "--gpus-per-host must be at least 1");
+  require(a.network_gb_per_s > 0, "--network-gb-per-s must be positive");
   require(!a.optimizer_in_backward || a.clip == 0,
           "--optimizer-in-backward steps each group before the global gradient norm exists: add --clip 0");
   require(a.max_skipped_steps >= 0, "--max-skipped-steps must be 0 (stop at the first) or more");
@@ -838,6 +879,7 @@ model::LlamaConfig model_config(const TrainArgs& a) {
 std::string model_name(const TrainArgs& a) { return model::has_hf_config(a.init_from) ? a.init_from : a.model; }
 
 void check_train_args_on_this_machine(const TrainArgs& a) {
+  if (!a.tensorboard.empty()) check_tensorboard_writer();
   if (!a.init_from.empty()) {
     require(io::exists(a.init_from), "--init-from: '" + a.init_from + "' does not exist");
     if (model::has_hf_config(a.init_from)) {

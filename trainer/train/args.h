@@ -41,6 +41,7 @@ struct TrainArgs {
   bool fp8_all_gather = true;  // tensorwise: the projections' weights all-gathered in float8
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
   int log_every = 1;  // steps between progress lines (the log keeps every step)
+  std::string tensorboard;  // rank 0 also writes the step lines as TensorBoard scalars here
   double timeout_s = 0;
   RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)
@@ -59,10 +60,17 @@ struct TrainArgs {
   int eval_batches = 8;               // evaluation set: this many batches of --batch rows
   std::string init_from;    // Hugging Face weights (.safetensors, or a directory with config.json)
   std::string export_path;  // write the trained model with Hugging Face names (.safetensors or a directory)
+  std::string export_dtype = "auto";  // fp32, bf16, auto = the --init-from directory's dtype, else fp32
+  double export_shard_gb = 5;         // a directory export's largest weight file, GB
   double memory_budget_gib = 0;  // > 0: plan the schedule within this much allocated memory per rank
   bool plan_only = false;        // with --memory-budget: profile, print the plan, stop
   std::string plan_check;        // bench: predicted vs measured for several budgets' plans, to this file
   int plan_check_budgets = 8, plan_check_steps = 6, plan_check_rounds = 2;
+  std::string cost_model;  // with --memory-budget or --plan-check: write the profiled cost model here (rank 0)
+  std::string project;     // print a --cost-model file's step projected to --project-worlds GPUs, train nothing
+  std::string project_worlds = "8,16,32,64,128,256,512";
+  int gpus_per_host = 8;            // plan::Cluster: GPUs a host joins by NVLink
+  double network_gb_per_s = 50;     // plan::Cluster: each GPU's bandwidth to other hosts
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool overwrite_checkpoints = false;  // other runs' checkpoints in --save-dir may go (never this run's lineage)
   bool overwrite_export = false;       // the model at --export may be replaced

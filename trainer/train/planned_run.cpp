@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "fsdp/launch.h"
 #include "fsdp/planning.h"
+#include "train/cost_model_file.h"
 #include "train/plan_reports.h"
 #include "train/memory.h"
 #include "train/llama_schedule.h"
@@ -38,6 +40,11 @@ PlannedRun::Next PlannedRun::report_and_plan(int step, const std::function<void(
   if (step != first_step_after() - 1) return Next::Train;
   const plan::CostModel& profile = steps_.profile();
   if (lead) std::printf("%s", contention_report(profile, calibration_schedule(*model_)).c_str());
+  if (lead && !args_.cost_model.empty()) {
+    const int world = launch_env_from_process().world_size;  // the planner plans plain FSDP: one shard group
+    write_cost_model(args_.cost_model, {profile, world, sharded_fixed_bytes(args_, world)});
+    std::printf("fsdp-train: cost model written to %s (fsdp-train --project reads it)\n", args_.cost_model.c_str());
+  }
   if (!args_.plan_check.empty()) {
     const PlanCheck check{args_.plan_check_budgets, args_.plan_check_steps, args_.plan_check_rounds,
                           smallest_gpu_bytes(), args_.plan_check};

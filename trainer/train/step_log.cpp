@@ -33,13 +33,14 @@ std::string eta_text(double step_ms, int steps_left) {
   return text;
 }
 
-StepLog::StepLog(const std::string& path, int print_every) : print_every_(print_every) {
+StepLog::StepLog(const std::string& path, int print_every, const std::string& tensorboard) : print_every_(print_every) {
   const std::string dir = io::parent_of(path);
   if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>-<run>/
   file_ = io::LockedFile::open(path);
   if (!file_)
     throw UsageError("--log: '" + path + "' is being written by another run (it holds the file's lock): give this "
                      "run a --log of its own");
+  if (!tensorboard.empty()) tensorboard_ = std::make_unique<TensorboardBridge>(tensorboard);
 }
 
 void StepLog::write(const StepRecord& r) {
@@ -101,7 +102,11 @@ void StepLog::write(const StepRecord& r) {
     line["eval_loss"] = r.eval->loss;
     line["eval_ppl"] = r.eval->perplexity;
   }
-  file_->write(line.dump() + "\n");
+  const std::string text = line.dump();
+  file_->write(text + "\n");
+  if (tensorboard_) tensorboard_->send(text);
 }
+
+std::string StepLog::close_tensorboard() { return tensorboard_ ? tensorboard_->close() : ""; }
 
 }  // namespace fsdp::train

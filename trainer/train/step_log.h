@@ -12,6 +12,7 @@
 #include "io/files.h"
 #include "train/evaluate.h"
 #include "train/memory.h"
+#include "train/tensorboard_bridge.h"
 
 namespace fsdp::train {
 
@@ -45,14 +46,19 @@ std::string eta_text(double step_ms, int steps_left);
 class StepLog {
  public:
   // `print_every`: steps between progress lines (--log-every); the log gets every step.
-  StepLog(const std::string& path, int print_every = 1);
+  // `tensorboard`: a directory the lines also go to as TensorBoard scalars (--tensorboard), or "".
+  StepLog(const std::string& path, int print_every = 1, const std::string& tensorboard = "");
   // Appends the step's JSON line; prints its progress line every print_every steps, and for the
   // run's first and last steps and any skipped or evaluated one.
   void write(const StepRecord& record);
   const std::string& path() const { return file_->path(); }
+  // Waits for the TensorBoard writer to finish its files: "" when it did (or there is none), else
+  // what went wrong.
+  std::string close_tensorboard();
 
  private:
   std::unique_ptr<io::LockedFile> file_;
+  std::unique_ptr<TensorboardBridge> tensorboard_;
   int print_every_;
   bool printed_ = false;
   std::deque<double> recent_ms_;  // the last steps' times, for the time left

@@ -230,7 +230,7 @@ void Trainer::claim_outputs() {
                            "): wait for it to end, or save elsewhere");
         save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
       }
-      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every);
+      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every, args_.tensorboard);
       const std::string flags_file = write_given_flags(args_, step_log_->path());
       if (!flags_file.empty())
         std::printf("fsdp-train: the flags given are in %s (--config reads them back)\n", flags_file.c_str());
@@ -494,8 +494,15 @@ int Trainer::finish() {
   const bool failed = exit_code_ == 1 || exit_code_ == 2;  // diverged, a budget refused, the log lost
   if (!args_.export_path.empty() && !failed) {
     if (state_is_finite(steps_done_, "exported")) {
-      model::export_hf(*model_, *comm_, args_.export_path, args_.init_from);
-      if (lead_) std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names)\n", args_.export_path.c_str());
+      model::ExportOptions options;
+      options.imported_from = args_.init_from;
+      options.dtype = args_.export_dtype == "auto" ? model::imported_dtype(args_.init_from)
+                                                   : dtype_named(args_.export_dtype, /*on_gpu=*/false);
+      options.max_file_bytes = static_cast<int64_t>(args_.export_shard_gb * 1e9);
+      model::export_hf(*model_, *comm_, args_.export_path, options);
+      if (lead_)
+        std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names, %s)\n", args_.export_path.c_str(),
+                    options.dtype == at::kBFloat16 ? "bf16" : "fp32");
     } else {
       exit_code_ = 1;
     }
@@ -503,7 +510,14 @@ int Trainer::finish() {
   if (!args_.profile.empty()) save_profile(rank_path(args_.profile, comm_->rank(), ".json"));
   if (!args_.memory_snapshot.empty()) write_memory_snapshot(device_, rank_path(args_.memory_snapshot, comm_->rank(), ".pickle"));
   if (sampler_) sampler_->close();
-  if (step_log_) std::printf("fsdp-train: %s, log in %s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str());
+  if (step_log_) {
+    // Metrics beside the log: a writer that failed is said, the run's outcome stays (the log has every step).
+    const std::string tensorboard_error = step_log_->close_tensorboard();
+    if (!tensorboard_error.empty()) std::fprintf(stderr, "fsdp-train: warning: %s\n", tensorboard_error.c_str());
+    std::printf("fsdp-train: %s, log in %s%s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str(),
+                args_.tensorboard.empty() || !tensorboard_error.empty() ? ""
+                                                                        : (", TensorBoard in " + args_.tensorboard).c_str());
+  }
   shutdown();
   return exit_code_;
 }

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The package as a user installs it (issue #50): a wheel built from a fresh clone of this checkout
+# with `pip wheel --no-build-isolation` (the python with torch, scripts/setup.sh's), installed into
+# an empty prefix; then the installed `fsdp-train` and `fsdp-run` commands (--version, a 2-rank
+# run of the tiny model) and `import fsdpcpp` from there. Builds the library once more (about 8
+# minutes on 2 cores): run by bench/gpu_checks.sh's python part, not by CI.
+#   bash tests/tools/package_install.sh [PYTHON] [WORK]
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+python=${1:-$repo/build/python}
+work=${2:-$(mktemp -d /tmp/fsdp-package.XXXXXX)}
+fail() { echo "package_install: FAILED: $*"; exit 1; }
+rm -rf "$work/src" "$work/wheel" "$work/prefix" && mkdir -p "$work"
+# A fresh clone; where the checkout is no git repository (a copied tree), its files but build/.
+git clone -q "$repo" "$work/src" 2>/dev/null ||
+  { mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -; }
+# Build only what the wheel needs; the clone has no build/ of its own.
+(cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps -w "$work/wheel" .) \
+  > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "pip wheel"; }
+wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
+"$python" -m pip install -q --no-deps --prefix "$work/prefix" "$wheel" > "$work/install.log" 2>&1 ||
+  { cat "$work/install.log"; fail "pip install of $wheel"; }
+site=$(ls -d "$work"/prefix/lib/python3*/site-packages) || fail "no site-packages under $work/prefix"
+export PATH="$work/prefix/bin:$PATH" PYTHONPATH="$site"
+for program in fsdp-train fsdp-run; do
+  [ "$(command -v $program)" = "$work/prefix/bin/$program" ] || fail "$program is not the installed command"
+  $program --version | grep -q "^$program [0-9]" || fail "$program --version"
+done
+gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
+launch=(-n 2 --cpu) && [ "$gpus" -ge 1 ] && launch=(--gpu -n 1)
+fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
+  { cat "$work/train.log"; fail "fsdp-run fsdp-train from the wheel"; }
+grep -q '"step": *3' "$work/train.jsonl" || fail "the installed fsdp-train did not log step 3"
+(cd "$work" && "$python" -c 'import fsdpcpp, sys; assert fsdpcpp.__file__.startswith(sys.argv[1]), fsdpcpp.__file__' "$site") ||
+  fail "import fsdpcpp from the installed package"
+echo "package_install: ok ($(basename "$wheel"), $(du -h "$wheel" | cut -f1))"

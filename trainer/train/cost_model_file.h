@@ -1,0 +1,22 @@
+// The planner's cost model as a file (--cost-model) and its projection to more GPUs (--project):
+// a profile measured on a few GPUs, read back on any machine to say what the step would be on many.
+#pragma once
+
+#include <string>
+
+#include "fsdp/plan/projection.h"
+#include "train/args.h"
+
+namespace fsdp::train {
+
+// Writes `measured` as JSON to `path` (replacing it: the flag names a file the run makes).
+void write_cost_model(const std::string& path, const plan::MeasuredCost& measured);
+// Reads a file write_cost_model wrote; throws UsageError naming the file and what is wrong.
+plan::MeasuredCost read_cost_model(const std::string& path);
+// The sharded part of a planned run's fixed bytes on `shard_ranks` ranks: fp32 weights and AdamW's
+// two moments (none on the device with --cpu-offload).
+int64_t sharded_fixed_bytes(const TrainArgs& args, int shard_ranks);
+// --project: the table of plan::project_worlds for args.project's cost model. Throws UsageError.
+std::string projection_report(const TrainArgs& args);
+
+}  // namespace fsdp::train
