@@ -23,7 +23,8 @@ wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
 site=$(ls -d "$work"/prefix/lib/python3*/site-packages) || fail "no site-packages under $work/prefix"
 export PATH="$work/prefix/bin:$PATH" PYTHONPATH="$site"
 for program in fsdp-train fsdp-run; do
-  [ "$(command -v $program)" = "$work/prefix/bin/$program" ] || fail "$program is not the installed command"
+  [ "$(command -v $program)" = "$work/prefix/bin/$program" ] ||
+    fail "$program is '$(command -v $program)', not the installed command; the prefix holds: $(cd "$work/prefix" && find . -maxdepth 3 | head -20 | tr '\n' ' ')"
   $program --version | grep -q "^$program [0-9]" || fail "$program --version"
 done
 gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
