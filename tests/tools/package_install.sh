@@ -8,6 +8,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 python=${1:-$repo/build/python}
+case $python in */*) python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python") ;; esac  # used from the clone
 work=${2:-$(mktemp -d /tmp/fsdp-package.XXXXXX)}
 fail() { echo "package_install: FAILED: $*"; exit 1; }
 rm -rf "$work/src" "$work/wheel" "$work/prefix" && mkdir -p "$work"
@@ -20,11 +21,15 @@ git clone -q "$repo" "$work/src" 2>/dev/null ||
 wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
 "$python" -m pip install -q --no-deps --prefix "$work/prefix" "$wheel" > "$work/install.log" 2>&1 ||
   { cat "$work/install.log"; fail "pip install of $wheel"; }
-site=$(ls -d "$work"/prefix/lib/python3*/site-packages) || fail "no site-packages under $work/prefix"
-export PATH="$work/prefix/bin:$PATH" PYTHONPATH="$site"
+# Where pip put the commands and the package under the prefix (its scheme differs between
+# interpreters: bin/ or local/bin/, site-packages or dist-packages).
+bin=$(find "$work/prefix" -type f -path '*/bin/fsdp-train' -printf '%h\n' | head -1)
+site=$(find "$work/prefix" -type d -name fsdpcpp -path '*-packages/*' -printf '%h\n' | head -1)
+[ -n "$bin" ] && [ -n "$site" ] ||
+  fail "no bin/fsdp-train or fsdpcpp package under the prefix: $(cd "$work/prefix" && find . -maxdepth 4 | tr '\n' ' ')"
+export PATH="$bin:$PATH" PYTHONPATH="$site"
 for program in fsdp-train fsdp-run; do
-  [ "$(command -v $program)" = "$work/prefix/bin/$program" ] ||
-    fail "$program is '$(command -v $program)', not the installed command; the prefix holds: $(cd "$work/prefix" && find . -maxdepth 3 | head -20 | tr '\n' ' ')"
+  [ "$(command -v $program)" = "$bin/$program" ] || fail "$program is '$(command -v $program)', not $bin/$program"
   $program --version | grep -q "^$program [0-9]" || fail "$program --version"
 done
 gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
