@@ -12,9 +12,13 @@ case $python in */*) python=$(cd "$(dirname "$python")" && pwd)/$(basename "$pyt
 work=${2:-$(mktemp -d /tmp/fsdp-package.XXXXXX)}
 fail() { echo "package_install: FAILED: $*"; exit 1; }
 rm -rf "$work/src" "$work/wheel" "$work/prefix" && mkdir -p "$work"
-# A fresh clone; where the checkout is no git repository (a copied tree), its files but build/.
-git clone -q "$repo" "$work/src" 2>/dev/null ||
-  { mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -; }
+# A fresh clone of a clean checkout; otherwise (changes not committed, or a copied tree whose .git
+# is not its own, as on the GPU machines) its files but build/.
+if git -C "$repo" diff --quiet HEAD -- 2>/dev/null; then
+  git clone -q "$repo" "$work/src"
+else
+  mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -
+fi
 # Build only what the wheel needs; the clone has no build/ of its own.
 (cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps -w "$work/wheel" .) \
   > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "pip wheel"; }
