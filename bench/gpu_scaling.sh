@@ -13,11 +13,14 @@
 #   bash bench/gpu_scaling.sh checkpoint OUT COMMIT the 1B saved on 2 GPUs at step 10 and resumed on 4,
 #        and saved on 4 and resumed on 2: each resumed run's steps against an uninterrupted run's
 #   bash bench/gpu_scaling.sh memreport OUT COMMIT  bench/memreport.py on the 4 GPUs
+#   bash bench/gpu_scaling.sh projection OUT COMMIT the 8B's cost model profiled on 2 and on 4 GPUs
+#        (--plan-only --cost-model), the 2-GPU one projected to 4 beside the 4-GPU one's own step,
+#        and both projected to 8-512 GPUs (fsdp-train --project; issue #48 item 7)
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: bench, hsdp, plan-check, checkpoint or memreport}; out=${2:?output folder}; commit=${3:-unknown}
+phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport or projection}; out=${2:?output folder}; commit=${3:-unknown}
 source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
@@ -85,6 +88,19 @@ PY
     status=$?
     tail -14 "$out/memreport.log"
     rm -f "$out"/memreport/init-*.pt
+    exit $status ;;
+  projection)
+    status=0
+    for gpus in 2 4; do  # the budget only has to fit an H100: the cost model is written before the plan
+      train $gpus --model 8b --seq 2048 --batch 2 --steps 5 --memory-budget 70 --plan-only \
+        --cost-model "$out/cost-8b-w$gpus.json" --log "$out/plan-8b-w$gpus.jsonl" > "$out/plan-8b-w$gpus.log" 2>&1
+      [ -s "$out/cost-8b-w$gpus.json" ] || { tail -20 "$out/plan-8b-w$gpus.log"; status=1; }
+    done
+    for gpus in 2 4; do
+      build/fsdp-train --project "$out/cost-8b-w$gpus.json" --project-worlds 2,4,8,16,32,64,128,256,512 \
+        > "$out/projected-from-$gpus.txt" 2>&1 || status=1
+      cat "$out/projected-from-$gpus.txt"
+    done
     exit $status ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
