@@ -13,9 +13,10 @@
 #   bash bench/gpu_scaling.sh checkpoint OUT COMMIT the 1B saved on 2 GPUs at step 10 and resumed on 4,
 #        and saved on 4 and resumed on 2: each resumed run's steps against an uninterrupted run's
 #   bash bench/gpu_scaling.sh memreport OUT COMMIT  bench/memreport.py on the 4 GPUs
-#   bash bench/gpu_scaling.sh projection OUT COMMIT the 8B's cost model profiled on 2 and on 4 GPUs
-#        (--plan-only --cost-model), the 2-GPU one projected to 4 beside the 4-GPU one's own step,
-#        and both projected to 8-512 GPUs (fsdp-train --project; issue #48 item 7)
+#   bash bench/gpu_scaling.sh projection OUT COMMIT [MODELS]  each model's (default 8b) cost model
+#        profiled on 2 and on 4 GPUs (--plan-only --cost-model) and the step it projects (the default
+#        schedule with --recompute) measured there; both cost models projected to 2-512 GPUs
+#        (fsdp-train --project; issue #48 item 7) and set beside the measured steps
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
@@ -90,17 +91,43 @@ PY
     rm -f "$out"/memreport/init-*.pt
     exit $status ;;
   projection)
-    status=0
-    for gpus in 2 4; do  # the budget only has to fit an H100: the cost model is written before the plan
-      train $gpus --model 8b --seq 2048 --batch 2 --steps 5 --memory-budget 70 --plan-only \
-        --cost-model "$out/cost-8b-w$gpus.json" --log "$out/plan-8b-w$gpus.jsonl" > "$out/plan-8b-w$gpus.log" 2>&1
-      [ -s "$out/cost-8b-w$gpus.json" ] || { tail -20 "$out/plan-8b-w$gpus.log"; status=1; }
+    status=0 models=${4:-8b}
+    for model in ${models//,/ }; do
+      for gpus in 2 4; do  # the budget only has to fit an H100: the cost model is written before the plan
+        name=$model-w$gpus
+        train $gpus --model "$model" --seq 2048 --batch 2 --steps 5 --memory-budget 70 --plan-only \
+          --cost-model "$out/cost-$name.json" --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1
+        [ -s "$out/cost-$name.json" ] || { tail -5 "$out/plan-$name.log"; status=1; continue; }
+        train $gpus --model "$model" --seq 2048 --batch 2 --steps 10 --recompute --log "$out/measured-$name.jsonl" \
+          > "$out/measured-$name.log" 2>&1 || { tail -5 "$out/measured-$name.log"; status=1; }
+        build/fsdp-train --project "$out/cost-$name.json" --project-worlds 2,4,8,16,32,64,128,256,512 \
+          > "$out/projected-from-$name.txt" 2>&1 || status=1
+        cat "$out/projected-from-$name.txt"
+      done
     done
-    for gpus in 2 4; do
-      build/fsdp-train --project "$out/cost-8b-w$gpus.json" --project-worlds 2,4,8,16,32,64,128,256,512 \
-        > "$out/projected-from-$gpus.txt" 2>&1 || status=1
-      cat "$out/projected-from-$gpus.txt"
-    done
+    python3 - "$out" ${models//,/ } <<'PY'
+import os, re, sys
+sys.path.insert(0, "bench")
+import step_log
+out = sys.argv[1]
+for model in sys.argv[2:]:
+    for gpus in (2, 4):
+        path = f"{out}/measured-{model}-w{gpus}.jsonl"
+        if not os.path.exists(path):
+            continue
+        rows = step_log.read(path)
+        print(f"{model} measured on {gpus} GPUs: {step_log.median_step_ms(rows, 3):.1f} ms, "
+              f"peak allocated {max(r['peak_alloc_gib'] for r in rows):.2f} GiB")
+        for source in (2, 4):
+            projected = f"{out}/projected-from-{model}-w{source}.txt"
+            if not os.path.exists(projected):
+                continue
+            for line in open(projected):
+                m = re.match(rf"\s+{gpus}\s+FSDP\s+([\d.]+)\s+([\d.]+)\s+([\d.]+ \w+)", line)
+                if m:
+                    print(f"  projected from {source} GPUs: {m.group(1)} ms (exposed comm {m.group(2)} ms), "
+                          f"peak {m.group(3)}")
+PY
     exit $status ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
