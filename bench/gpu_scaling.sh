@@ -100,7 +100,7 @@ PY
         [ -s "$out/cost-$name.json" ] || { tail -5 "$out/plan-$name.log"; status=1; continue; }
         train $gpus --model "$model" --seq 2048 --batch 2 --steps 10 --recompute --log "$out/measured-$name.jsonl" \
           > "$out/measured-$name.log" 2>&1 || { tail -5 "$out/measured-$name.log"; status=1; }
-        build/fsdp-train --project "$out/cost-$name.json" --project-worlds 2,4,8,16,32,64,128,256,512 \
+        build/fsdp-train --project "$out/cost-$name.json" --project-worlds 2,4,8,16,32,64,128,256,512 --recompute \
           > "$out/projected-from-$name.txt" 2>&1 || status=1
         cat "$out/projected-from-$name.txt"
       done
