@@ -70,12 +70,6 @@ def test_mixed_precision(model, ranks):
     run(ranks, "mixed_precision", "--model", model)
 
 
-@cpu_only
-def test_save_on_3_ranks_resume_on_2(tmp_path):
-    run(3, "save", "--model", "llama", "--dir", tmp_path)
-    run(2, "resume", "--model", "llama", "--dir", tmp_path)
-
-
 def convert(*args):
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"))
     done = subprocess.run([sys.executable, "-m", "fsdpcpp.convert", *map(str, args)], env=env, capture_output=True,
@@ -84,11 +78,13 @@ def convert(*args):
 
 
 @cpu_only
-def test_convert_a_checkpoint_offline(tmp_path):
-    """python -m fsdpcpp.convert, in one process without ranks, gives the state dict the 3 ranks
-    held (fsdpcpp.get_model_state_dict), as a torch file and as indexed safetensors files."""
+def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
+    """A checkpoint saved on 3 ranks resumes on 2; then python -m fsdpcpp.convert, in one process
+    without ranks, gives the state dict the 3 ranks held (fsdpcpp.get_model_state_dict), as a
+    torch file and as indexed safetensors files (one save for both checks: it is the slow part)."""
     from safetensors.torch import load_file
     run(3, "save", "--model", "llama", "--dir", tmp_path)
+    run(2, "resume", "--model", "llama", "--dir", tmp_path)
     want = torch.load(tmp_path / "full.pt")
     code, out = convert(tmp_path, tmp_path / "model.pt", "--to", "torch")
     assert code == 0, out

@@ -33,6 +33,23 @@ std::invalid_argument config_error(const std::string& dir, const std::string& wh
   return std::invalid_argument("'" + config_path(dir) + "': " + why);
 }
 
+// DIR/config.json as a JSON object; throws naming the file if it is unreadable or not an object.
+nlohmann::json read_config_json(const std::string& dir) {
+  std::ifstream in(config_path(dir));
+  if (!in) throw config_error(dir, "cannot be read");
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) throw config_error(dir, "is not a JSON object");
+  return j;
+}
+
+// A JSON file of an export, indented as transformers writes its own.
+void write_json(const std::string& path, const nlohmann::json& j) {
+  io::OutputFile out(path);
+  const std::string text = j.dump(2) + "\n";
+  out.write(text.data(), text.size());
+  out.close();
+}
+
 // The safetensors files of PATH: the file itself, or every *.safetensors in the directory.
 std::vector<std::string> weight_files(const std::string& path) {
   if (!io::is_directory(path)) return {path};
@@ -147,10 +164,7 @@ std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& c) {
 bool has_hf_config(const std::string& path) { return io::is_directory(path) && io::exists(config_path(path)); }
 
 LlamaConfig read_hf_config(const std::string& dir) {
-  std::ifstream in(config_path(dir));
-  if (!in) throw config_error(dir, "cannot be read");
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) throw config_error(dir, "is not a JSON object");
+  const nlohmann::json j = read_config_json(dir);
   auto field = [&](const char* name) -> const nlohmann::json& {
     const auto it = j.find(name);
     if (it == j.end() || !it->is_number()) throw config_error(dir, std::string("no number '") + name + "'");
@@ -297,8 +311,7 @@ const char* config_dtype_name(at::ScalarType dtype) { return dtype == at::kBFloa
 nlohmann::json export_config(const LlamaConfig& c, const std::string& imported_from, at::ScalarType dtype) {
   nlohmann::json config;
   if (has_hf_config(imported_from)) {
-    std::ifstream in(config_path(imported_from));
-    config = nlohmann::json::parse(in);
+    config = read_config_json(imported_from);
   } else {
     config = {
         {"architectures", {"LlamaForCausalLM"}},
@@ -361,10 +374,9 @@ std::string weight_file_name(size_t index, size_t count) {
 
 at::ScalarType imported_dtype(const std::string& imported_from) {
   if (!has_hf_config(imported_from)) return at::kFloat;
-  std::ifstream in(config_path(imported_from));
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = read_config_json(imported_from);
   for (const char* key : {"torch_dtype", "dtype"})
-    if (j.is_object() && j.contains(key) && j[key].is_string() && j[key] == "bfloat16") return at::kBFloat16;
+    if (j.contains(key) && j[key].is_string() && j[key] == "bfloat16") return at::kBFloat16;
   return at::kFloat;
 }
 
@@ -379,10 +391,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
     io::remove_tree(staged);  // an interrupted earlier export
     if (!single_file) {
       io::make_directories(staged);
-      io::OutputFile out(config_path(staged));
-      const std::string text = export_config(c, imported_from, options.dtype).dump(2) + "\n";
-      out.write(text.data(), text.size());
-      out.close();
+      write_json(config_path(staged), export_config(c, imported_from, options.dtype));
       if (has_hf_config(imported_from))
         for (const char* name : kCompanionFiles)
           if (io::exists(imported_from + "/" + name)) io::copy_file(imported_from + "/" + name, staged + "/" + name);
@@ -433,10 +442,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
   }
   if (files.size() > 1) {  // transformers finds the files through the index
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    io::OutputFile out(staged + "/model.safetensors.index.json");
-    const std::string text = index.dump(2) + "\n";
-    out.write(text.data(), text.size());
-    out.close();
+    write_json(staged + "/model.safetensors.index.json", index);
   }
   io::replace_with(staged, path);
 }

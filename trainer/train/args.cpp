@@ -140,8 +140,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--optimizer-in-backward",
        {Topic::Sharding,
         "step AdamW group by group in backward, as each group's gradients are reduced, and free them: no "
-        "model-sized gradients (with --cpu-offload 12 bytes of host memory a parameter instead of 16); "
-        "needs --clip 0",
+        "model-sized gradients (with --cpu-offload " + std::to_string(kWeightAndMomentBytes) +
+            " bytes of host memory a parameter instead of " +
+            std::to_string(kWeightAndMomentBytes + kGradientBytes) + "); needs --clip 0",
         set_true(a.optimizer_in_backward), false}},
       {"--replicas",
        {Topic::Sharding,
@@ -649,8 +650,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   const double held_gradients = a.grad_accum > 1 && a.grad_accum_sync == "last"
                                     ? params * c10::elementSize(dtype_named(a.reduce_dtype, on_gpu))
                                     : 0.0;
-  // fp32 weights, gradients and two AdamW moments; stepped in backward, one group's gradients at a time.
-  const double state_bytes = a.optimizer_in_backward ? 12.0 : 16.0;
+  const double state_bytes = kWeightAndMomentBytes + (a.optimizer_in_backward ? 0 : kGradientBytes);
   const double sharded_state = state_bytes * params / shard_ranks;
   // --cpu-offload: that state is in host memory (every local rank's), none of it on the GPU.
   const bool offloaded = a.cpu_offload && on_gpu;
@@ -673,7 +673,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
                      (host_gradients > 0 ? ") and the gradients waiting for its step take " : ") takes ") +
                      gib(host_state) + " of host memory for this host's " + std::to_string(local) +
                      " rank(s), more than the " + gib(host) + " available: use more hosts" +
-                     (a.optimizer_in_backward ? "" : ", --optimizer-in-backward (12 bytes a parameter)") +
+                     (a.optimizer_in_backward ? "" : ", --optimizer-in-backward (" + std::to_string(kWeightAndMomentBytes) + " bytes a parameter)") +
                      (a.runtime.max_pending_host_steps > 1 ? ", a lower --max-pending-host-steps" : "") +
                      " or a smaller model");
   if (have > 0 && !offloaded && sharded_state > have)

@@ -84,6 +84,12 @@ struct TrainArgs {
   std::map<std::string, std::string> given;
 };
 
+// Bytes a parameter of the sharded training state: the fp32 weight and AdamW's two fp32 moments,
+// held all run, and the fp32 gradient, held from backward to the step unless the optimizer steps in
+// backward (one group's gradients at a time). The memory check and the cost model's file use them.
+constexpr int kWeightAndMomentBytes = 12;
+constexpr int kGradientBytes = 4;
+
 // Reads the flags (argv without the program name). Throws UsageError naming the flag and the fix.
 TrainArgs parse_train_args(const std::vector<std::string>& argv);
 // The flags `a` was given, as a JSON object --config reads back ({"steps": "100", "recompute": true}).

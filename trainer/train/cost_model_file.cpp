@@ -49,8 +49,7 @@ plan::MeasuredCost read_cost_model(const std::string& path) {
 
 int64_t sharded_fixed_bytes(const TrainArgs& args, int shard_ranks) {
   if (args.cpu_offload) return 0;
-  constexpr int64_t kWeightAndMoments = 3 * 4;  // fp32 weight, AdamW's two fp32 moments
-  return kWeightAndMoments * model_config(args).parameter_count() / shard_ranks;
+  return kWeightAndMomentBytes * model_config(args).parameter_count() / shard_ranks;
 }
 
 std::string projection_report(const TrainArgs& args) {
