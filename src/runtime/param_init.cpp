@@ -1,5 +1,9 @@
 // Initialisation that does not depend on how a parameter is sharded (fully_shard.h).
+#include "runtime/param_init.h"
+
+#include <ATen/Parallel.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 
@@ -42,6 +46,42 @@ constexpr int64_t kChunk = int64_t(1) << 24;
 
 }  // namespace
 
+namespace init_detail {
+
+StreamKeys stream_keys(uint64_t seed) {
+  StreamKeys keys;
+  for (uint32_t k = 0; k < 4; ++k) keys[k] = mix32(mix32(seed) ^ mix32((seed >> 32) + 0x9e3779b9u * (k + 1)));
+  return keys;
+}
+
+at::Tensor hashed_sums_by_tensor_ops(int64_t first, int64_t n, const StreamKeys& keys, const at::Device& device) {
+  const at::Tensor position = at::arange(first, first + n, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor sum;
+  for (uint32_t key : keys) {
+    at::Tensor u = mix32(mix32(position.bitwise_xor(int64_t(key))).bitwise_xor(int64_t(mix32(key)))).to(at::kDouble);
+    sum = sum.defined() ? sum.add_(u) : u;
+  }
+  return sum;
+}
+
+at::Tensor hashed_sums_by_loop(int64_t first, int64_t n, const StreamKeys& keys) {
+  StreamKeys mixed;
+  for (size_t k = 0; k < keys.size(); ++k) mixed[k] = mix32(keys[k]);
+  at::Tensor sum = at::empty({n}, at::kDouble);
+  double* out = sum.data_ptr<double>();
+  at::parallel_for(0, n, int64_t(1) << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t position = static_cast<uint64_t>(first + i);
+      double total = 0;  // exact: four integers below 2^32
+      for (size_t k = 0; k < keys.size(); ++k) total += mix32(uint64_t(mix32(position ^ keys[k])) ^ mixed[k]);
+      out[i] = total;
+    }
+  });
+  return sum;
+}
+
+}  // namespace init_detail
+
 int64_t ShardRows::row_numel() const {
   int64_t n = 1;
   for (size_t d = 1; d < full_shape.size(); ++d) n *= full_shape[d];
@@ -76,22 +116,16 @@ void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
                                 "elements (a deferred parameter must be sharded before it is filled)");
   // Four keyed streams; each uniform is an exact multiple of 2^-32 and their sum, shift and scale
   // are correctly rounded float64 operations: the same bits whatever the kernel or the chunking.
-  uint32_t keys[4];
-  for (uint32_t k = 0; k < 4; ++k) keys[k] = mix32(mix32(seed) ^ mix32((seed >> 32) + 0x9e3779b9u * (k + 1)));
+  const init_detail::StreamKeys keys = init_detail::stream_keys(seed);
   const double scale = std * std::sqrt(3.0) / 4294967296.0;  // Irwin-Hall(4) has variance 4/12
   at::Tensor flat = param.view(-1);
   // Computed where the group computes (an offloaded shard lives on the host, the values are the same).
   const auto owner = Runtime::get().owner_of(param);
   const at::Device device = owner ? owner->state->group().device() : param.device();
-  const auto index_options = at::TensorOptions().dtype(at::kLong).device(device);
   for (int64_t begin = 0; begin < count; begin += kChunk) {
     const int64_t n = std::min(kChunk, count - begin);
-    const at::Tensor position = at::arange(first + begin, first + begin + n, index_options);
-    at::Tensor sum;
-    for (uint32_t key : keys) {
-      at::Tensor u = mix32(mix32(position.bitwise_xor(int64_t(key))).bitwise_xor(int64_t(mix32(key)))).to(at::kDouble);
-      sum = sum.defined() ? sum.add_(u) : u;
-    }
+    at::Tensor sum = device.is_cpu() ? init_detail::hashed_sums_by_loop(first + begin, n, keys)
+                                     : init_detail::hashed_sums_by_tensor_ops(first + begin, n, keys, device);
     flat.narrow(0, begin, n).copy_(sum.sub_(2.0 * 4294967296.0).mul_(scale).to(flat.scalar_type()));
   }
 }

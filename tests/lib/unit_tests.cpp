@@ -16,6 +16,7 @@
 #include "fsdp/group.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
+#include "runtime/param_init.h"
 #include "sched/execution_order.h"
 #include "sched/host_worker.h"
 #include "sched/inflight_queue.h"
@@ -395,6 +396,19 @@ TEST(InitNormal, MeanStdBoundsAndSeeds) {
   at::Tensor again = torch::empty({1024, 1024});
   fsdp::init_normal_(again, 7, std);
   EXPECT_TRUE(torch::equal(a, again));
+}
+
+// The CPU's loop gives init_normal_'s numbers bit for bit as the tensor operations a GPU runs,
+// across the 2^31 boundary (int64 lanes) and up to the last position hashed (2^32 - 1).
+TEST(InitNormal, CpuLoopEqualsTensorOps) {
+  for (uint64_t seed : {uint64_t(7), uint64_t(0x123456789abcdefull)}) {
+    const auto keys = fsdp::init_detail::stream_keys(seed);
+    for (int64_t first : {int64_t(0), (int64_t(1) << 31) - 5000, (int64_t(1) << 32) - 10000}) {
+      const at::Tensor by_ops = fsdp::init_detail::hashed_sums_by_tensor_ops(first, 10000, keys, at::kCPU);
+      const at::Tensor by_loop = fsdp::init_detail::hashed_sums_by_loop(first, 10000, keys);
+      EXPECT_TRUE(torch::equal(by_ops, by_loop)) << "seed " << seed << ", first " << first;
+    }
+  }
 }
 
 // The clip as a divisor: norm / max_norm (plus clip_grad_norm_'s 1e-6) above max_norm, 1 below it.
