@@ -65,6 +65,35 @@ CheckpointState model_state(torch::nn::Module& root);
 /// (its parent must exist) through `dir`.tmp, renamed once every file and the metadata are on
 /// disk; replaces an existing `dir`.
 void save_checkpoint(const std::string& dir, const CheckpointState& state);
+/// A save whose files are being written on a thread of their own (start_checkpoint_save).
+class CheckpointWrite {
+ public:
+  /// Collective, at a point every rank reaches (the next save, the end of training): waits for
+  /// every rank's file, then publishes `dir` as save_checkpoint does (metadata last, renamed into
+  /// place). Throws on every rank if any rank's write failed. Once.
+  void finish();
+  const std::string& dir() const { return dir_; }
+  /// Waits for the thread; a write never finished leaves `dir`.tmp, which newest_checkpoint skips.
+  ~CheckpointWrite();
+  CheckpointWrite(const CheckpointWrite&) = delete;
+  CheckpointWrite& operator=(const CheckpointWrite&) = delete;
+
+ private:
+  friend std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string&, const CheckpointState&);
+  CheckpointWrite(std::string dir, const CheckpointState& state);
+  struct Writing;
+  std::string dir_;
+  Communicator* comm_;
+  Communicator* replicate_;
+  std::unique_ptr<Writing> writing_;  // on the ranks that write (HSDP: the first replica's)
+  bool finished_ = false;
+};
+
+/// Collective. save_checkpoint in two halves: copies this rank's rows of every tensor (and the
+/// replicated tensors and `extra`) to host memory now, so the state may change as soon as it
+/// returns, and writes them on a thread; CheckpointWrite::finish() publishes the checkpoint.
+/// Host memory: a copy of this rank's sharded state until its file is written.
+std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string& dir, const CheckpointState& state);
 /// Collective. Fills every tensor of `state` in place from `dir`, saved on any world size, and
 /// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
 /// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file

@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <stdexcept>
+#include <thread>
 
 #include "io/checkpoint_format.h"
 #include "io/files.h"
@@ -233,9 +235,30 @@ std::string checkpoint_name(int64_t step) {
 
 namespace {
 
-// The save protocol among the ranks of one replica (all ranks without HSDP).
-void save_shards(const std::string& dir, const CheckpointState& state, Communicator& comm) {
-  c10::NoGradGuard no_grad;
+// What a save publishes besides the rows: each sharded tensor's name, dtype and shape, the
+// replicated values on the host, the caller's entries (a copy: the caller may change them).
+struct SaveManifest {
+  struct Entry {
+    std::string name;
+    c10::ScalarType dtype;
+    std::vector<int64_t> full_shape;
+  };
+  std::vector<Entry> sharded;
+  std::vector<std::pair<std::string, at::Tensor>> replicated;
+  std::map<std::string, std::string> extra;
+};
+
+SaveManifest manifest_of(const CheckpointState& state) {
+  SaveManifest m;
+  for (const auto& t : state.sharded()) m.sharded.push_back({t.name, t.local.scalar_type(), t.full_shape});
+  for (const auto& [name, value] : state.replicated()) m.replicated.emplace_back(name, on_host(value).clone());
+  m.extra = state.extra;
+  return m;
+}
+
+// The save protocol among the ranks of one replica (all ranks without HSDP), in three steps.
+// 1. Rank 0 makes DIR.tmp (collective).
+void prepare_save(const std::string& dir, Communicator& comm) {
   const std::string tmp = dir + ".tmp", parent = io::parent_of(dir);
   on_every_rank(comm, "saving " + dir, [&] {
     if (comm.rank() != 0) return;
@@ -244,18 +267,29 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
     io::remove_tree(tmp);  // an interrupted earlier save
     io::make_directories(tmp);
   });
+}
+
+// 2. This rank's file: the host rows of each sharded tensor in turn (`rows(i)`); their checksums.
+// Local: no collective (an asynchronous save runs it on its own thread).
+std::vector<int64_t> write_rows(const std::string& dir, int rank, int world, size_t count,
+                                const std::function<at::Tensor(size_t)>& rows) {
   std::vector<int64_t> crcs;
-  on_every_rank(comm, "saving " + dir, [&] {
-    io::OutputFile out(tmp + "/" + io::shard_file_name(comm.rank(), comm.world_size()));
-    for (const auto& t : state.sharded()) {
-      const at::Tensor host = on_host(t.local);
-      out.write(host.data_ptr(), host.nbytes());
-      crcs.push_back(io::crc32(host.data_ptr(), host.nbytes()));
-    }
-    out.close();
-  });
-  // Every rank's block checksums reach rank 0, which writes the metadata last and publishes.
-  const int64_t n = static_cast<int64_t>(crcs.size());
+  io::OutputFile out(dir + ".tmp/" + io::shard_file_name(rank, world));
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor host = rows(i);
+    out.write(host.data_ptr(), host.nbytes());
+    crcs.push_back(io::crc32(host.data_ptr(), host.nbytes()));
+  }
+  out.close();
+  return crcs;
+}
+
+// 3. Every rank's block checksums reach rank 0, which writes the metadata last and publishes
+// (collective).
+void publish_save(const std::string& dir, const SaveManifest& manifest, const std::vector<int64_t>& crcs,
+                  Communicator& comm) {
+  const std::string tmp = dir + ".tmp", parent = io::parent_of(dir);
+  const int64_t n = static_cast<int64_t>(manifest.sharded.size());
   at::Tensor local = at::tensor(crcs, at::kLong).to(comm.device());
   at::Tensor all = at::empty({comm.world_size() * n}, local.options());
   if (n > 0) comm.all_gather(all, local);
@@ -267,17 +301,15 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
     meta.library_version = std::string("fsdp.cpp ") + version();
     meta.world = static_cast<uint32_t>(comm.world_size());
     for (int64_t i = 0; i < n; ++i) {
-      const auto& t = state.sharded()[i];
-      io::TensorMeta m{t.name, static_cast<uint8_t>(t.local.scalar_type()), t.full_shape, {}, {}};
+      const auto& t = manifest.sharded[i];
+      io::TensorMeta m{t.name, static_cast<uint8_t>(t.dtype), t.full_shape, {}, {}};
       for (int r = 0; r < comm.world_size(); ++r) m.block_crcs.push_back(static_cast<uint32_t>(gathered[r * n + i]));
       meta.sharded.push_back(std::move(m));
     }
-    for (const auto& [name, value] : state.replicated()) {
-      const at::Tensor host = on_host(value);
+    for (const auto& [name, host] : manifest.replicated)
       meta.replicated.push_back({name, static_cast<uint8_t>(host.scalar_type()), host.sizes().vec(), {},
                                  std::string(static_cast<const char*>(host.data_ptr()), host.nbytes())});
-    }
-    meta.extra = state.extra;
+    meta.extra = manifest.extra;
     const std::string bytes = io::encode(meta);
     io::OutputFile out(tmp + "/metadata.bin");
     out.write(bytes.data(), bytes.size());
@@ -289,15 +321,92 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
   });
 }
 
+void save_shards(const std::string& dir, const CheckpointState& state, Communicator& comm) {
+  c10::NoGradGuard no_grad;
+  prepare_save(dir, comm);
+  std::vector<int64_t> crcs;
+  on_every_rank(comm, "saving " + dir, [&] {  // one tensor on the host at a time
+    crcs = write_rows(dir, comm.rank(), comm.world_size(), state.sharded().size(),
+                      [&](size_t i) { return on_host(state.sharded()[i].local); });
+  });
+  publish_save(dir, manifest_of(state), crcs, comm);
+}
+
+// HSDP: the replicas hold the same state; the first one writes it, the others learn its outcome.
+template <class F>
+void on_first_replica(const CheckpointState& state, const std::string& dir, F&& work) {
+  Communicator* replicate = state.sharded().front().replicate;
+  if (!replicate) return work();
+  on_every_rank(*replicate, "saving " + dir, [&] {
+    if (replicate->rank() == 0) work();
+  });
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& dir, const CheckpointState& state) {
   Communicator& comm = communicator_of(state);
-  Communicator* replicate = state.sharded().front().replicate;
-  if (!replicate) return save_shards(dir, state, comm);
-  // HSDP: the replicas hold the same state; the first one writes it, the others learn its outcome.
-  on_every_rank(*replicate, "saving " + dir, [&] {
-    if (replicate->rank() == 0) save_shards(dir, state, comm);
+  on_first_replica(state, dir, [&] { save_shards(dir, state, comm); });
+}
+
+struct CheckpointWrite::Writing {
+  SaveManifest manifest;
+  std::vector<at::Tensor> rows;  // this rank's rows of each sharded tensor, on the host
+  std::vector<int64_t> crcs;
+  std::exception_ptr error;
+  std::thread thread;
+};
+
+std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string& dir, const CheckpointState& state) {
+  Communicator& comm = communicator_of(state);
+  std::unique_ptr<CheckpointWrite> write(new CheckpointWrite(dir, state));
+  on_first_replica(state, dir, [&] {
+    c10::NoGradGuard no_grad;
+    prepare_save(dir, comm);
+    auto w = std::make_unique<CheckpointWrite::Writing>();
+    on_every_rank(comm, "saving " + dir, [&] {
+      w->manifest = manifest_of(state);
+      for (const auto& t : state.sharded()) {
+        at::Tensor host = on_host(t.local);
+        // A CPU shard's host rows are the shard itself, which the next step changes: copy them.
+        w->rows.push_back(host.data_ptr() == t.local.data_ptr() ? host.clone() : host);
+      }
+    });
+    CheckpointWrite::Writing* raw = w.get();
+    const int rank = comm.rank(), world = comm.world_size();
+    raw->thread = std::thread([raw, dir, rank, world] {
+      try {
+        raw->crcs = write_rows(dir, rank, world, raw->rows.size(), [raw](size_t i) { return raw->rows[i]; });
+      } catch (...) {
+        raw->error = std::current_exception();
+      }
+      raw->rows.clear();  // the host copy goes as soon as it is on disk
+    });
+    write->writing_ = std::move(w);
+  });
+  return write;
+}
+
+CheckpointWrite::CheckpointWrite(std::string dir, const CheckpointState& state)
+    : dir_(std::move(dir)), comm_(&communicator_of(state)), replicate_(state.sharded().front().replicate) {}
+
+CheckpointWrite::~CheckpointWrite() {
+  if (writing_ && writing_->thread.joinable()) writing_->thread.join();  // unpublished: DIR.tmp stays
+}
+
+void CheckpointWrite::finish() {
+  if (finished_) throw std::logic_error("CheckpointWrite::finish: '" + dir_ + "' was already finished");
+  finished_ = true;
+  const auto publish = [&] {
+    on_every_rank(*comm_, "saving " + dir_, [&] {
+      writing_->thread.join();
+      if (writing_->error) std::rethrow_exception(writing_->error);
+    });
+    publish_save(dir_, writing_->manifest, writing_->crcs, *comm_);
+  };
+  if (!replicate_) return publish();
+  on_every_rank(*replicate_, "saving " + dir_, [&] {
+    if (replicate_->rank() == 0) publish();
   });
 }
 

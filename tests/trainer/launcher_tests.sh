@@ -7,9 +7,11 @@
 #   launcher_tests.sh BUILD_DIR resume [cpu|gpu]
 #                                             checkpoints: 20 steps straight = 10 + save + resume + 10,
 #                                             bit for bit on the same ranks; the 3-rank checkpoint
-#                                             resumed on 1, 2 and 4 ranks follows the same losses
-#   launcher_tests.sh BUILD_DIR killed-save   a rank killed while saving every step: the newest
-#                                             complete checkpoint resumes
+#                                             resumed on 1, 2 and 4 ranks follows the same losses; the
+#                                             straight run's --async-save checkpoint of step 10 holds
+#                                             the bits the stopped run saved there
+#   launcher_tests.sh BUILD_DIR killed-save   a rank killed while saving every step (and with
+#                                             --async-save): the newest complete checkpoint resumes
 #   launcher_tests.sh BUILD_DIR signal-save   SIGTERM to fsdp-run: every rank saves at the step
 #                                             boundary and exits 0; the run resumes from there
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
@@ -89,10 +91,16 @@ resume)
   global=12  # sequences per step on any number of ranks
   common=(--model tiny --steps 20 --seq 32)
   "$run" "${launch[@]}" -n "$n" "$train" "${common[@]}" --batch $((global / n)) --save-dir "$work/straight" \
-    --log "$work/straight.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "straight run"; }
+    --save-every 5 --async-save --log "$work/straight.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "straight run"; }
+  grep -q "saved .*step-000015 (written in the background" "$work/out" || { cat "$work/out"; fail "no background save"; }
   "$run" "${launch[@]}" -n "$n" "$train" "${common[@]}" --batch $((global / n)) --stop-at-step 10 \
     --save-dir "$work/half" --log "$work/half.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "first half"; }
   [ -f "$work/half/step-000010/metadata.bin" ] || fail "no checkpoint at step 10"
+  if [ "$kind" = cpu ]; then  # copied at step 10, written while steps 11-15 changed the state
+    for f in "$work"/half/step-000010/shard-*; do
+      cmp "$f" "$work/straight/step-000010/$(basename "$f")" || fail "the background save of step 10 differs"
+    done
+  fi
   for w in $n $worlds; do
     "$run" "${launch[@]}" -n "$w" "$train" "${common[@]}" --batch $((global / w)) --resume "$work/half" \
       --save-dir "$work/resumed-$w" --log "$work/resumed-$w.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume on $w"; }
@@ -227,20 +235,23 @@ PY
   echo "data: ok"
   ;;
 killed-save)
-  "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --seq 32 --save-every 1 --save-dir "$work/ck" \
-    --log "$work/log.jsonl" >"$work/out" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do grep -q "step   15/" "$work/out" && break; sleep 0.1; done
-  rank1=$(pgrep -f -- "--save-dir $work/ck" | while read -r p; do
-    grep -qz '^OMPI_COMM_WORLD_RANK=1$' "/proc/$p/environ" 2>/dev/null && echo "$p"; done | head -1)
-  [ -n "$rank1" ] || fail "rank 1 not found"
-  kill -9 "$rank1"
-  wait "$pid"
-  echo "killed rank 1 (pid $rank1) with SIGKILL; left: $(ls "$work/ck" | tr '\n' ' ')"
-  newest=$(ls "$work/ck" | grep -v tmp | sort | tail -1)
-  "$run" -n 2 --cpu "$train" --model tiny --steps $(( 10#${newest#step-} + 2 )) --seq 32 --resume "$work/ck" \
-    --log "$work/resumed.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume after the kill"; }
-  grep "resumed from" "$work/out"
+  for async in "" --async-save; do
+    ck="$work/ck$async"
+    "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --seq 32 --save-every 1 $async --save-dir "$ck" \
+      --log "$work/log$async.jsonl" >"$work/out" 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do grep -q "step   15/" "$work/out" && break; sleep 0.1; done
+    rank1=$(pgrep -f -- "--save-dir $ck" | while read -r p; do
+      grep -qz '^OMPI_COMM_WORLD_RANK=1$' "/proc/$p/environ" 2>/dev/null && echo "$p"; done | head -1)
+    [ -n "$rank1" ] || fail "rank 1 not found"
+    kill -9 "$rank1"
+    wait "$pid"
+    echo "killed rank 1 (pid $rank1) with SIGKILL${async:+ (}$async${async:+)}; left: $(ls "$ck" | tr '\n' ' ')"
+    newest=$(ls "$ck" | grep -v tmp | sort | tail -1)
+    "$run" -n 2 --cpu "$train" --model tiny --steps $(( 10#${newest#step-} + 2 )) --seq 32 --resume "$ck" \
+      --log "$work/resumed$async.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume after the kill"; }
+    grep "resumed from" "$work/out"
+  done
   echo "killed save: ok"
   ;;
 signal-save)

@@ -211,6 +211,12 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         text(a.save_dir)}},
       {"--save-every",
        {Topic::Checkpoints, "steps between checkpoints, 0 = only at the end or when stopped", number(a.save_every)}},
+      {"--async-save",
+       {Topic::Checkpoints,
+        "write --save-every's checkpoints in the background: each is copied to host memory (a copy of "
+        "the rank's sharded state) and published at the next save; the last and a stopping one are whole "
+        "before exit",
+        set_true(a.async_save), false}},
       {"--keep-last",
        {Topic::Checkpoints,
         "after each save, remove this run's checkpoints in --save-dir but the newest N (those it "
@@ -388,6 +394,8 @@ void check_ranges(const TrainArgs& a) {
   });
   require(a.save_every >= 0, "--save-every must be 0 (off) or positive");
   require(a.keep_last >= 0, "--keep-last must be 0 (keep all) or positive");
+  require(!a.async_save || (!a.save_dir.empty() && a.save_every > 0),
+          "--async-save needs --save-dir and --save-every (the checkpoints it writes in the background)");
   require(a.keep_last == 0 || !a.save_dir.empty(), "--keep-last needs --save-dir (whose checkpoints it keeps)");
   require(a.stop_at_step >= 0 && a.stop_at_step <= a.steps, "--stop-at-step must be between 1 and --steps");
   require(a.stop_at_step == 0 || !a.save_dir.empty(), "--stop-at-step needs --save-dir (where to save)");

@@ -51,6 +51,7 @@ struct TrainArgs {
   int profile_steps = 2;
   std::string save_dir, resume;  // checkpoints: where to save, where to resume from
   int save_every = 0;            // steps between saves, 0 = only at the end or when stopped
+  bool async_save = false;       // --save-every's checkpoints written while training goes on
   int keep_last = 0;             // this run's newest checkpoints kept in --save-dir; 0 = all
   int stop_at_step = 0;          // save and stop after this step, 0 = run all --steps
   int grad_accum = 1;                 // micro-batches of --batch rows per optimizer step

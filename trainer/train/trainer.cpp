@@ -323,7 +323,8 @@ int Trainer::train() {
         exit_code_ = 1;
         break;
       }
-      save(done);
+      // The last save and a stopping one are made whole before the run ends.
+      save(done, args_.async_save && !stop && done != args_.steps);
     }
     if (stop) {
       if (lead_)
@@ -453,7 +454,7 @@ bool Trainer::state_is_finite(int done, const char* action) {
   return false;
 }
 
-void Trainer::save(int steps_done) {
+void Trainer::save(int steps_done, bool in_background) {
   checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
                        {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_},
                        {"flags", given_flags_json(args_)}};
@@ -463,9 +464,32 @@ void Trainer::save(int steps_done) {
   if (!args_.overwrite_checkpoints && io::exists(dir + "/metadata.bin") && run_of(checkpoint_extra(dir)) != run_id_)
     throw std::runtime_error("'" + dir + "' was written by another run; not replaced. Its run id is in its "
                              "metadata: resume that run there, save this one elsewhere, or pass --overwrite-checkpoints");
+  finish_pending_save();  // checkpoints are published in step order
   const auto begin = std::chrono::steady_clock::now();
+  if (in_background) {
+    pending_save_ = start_checkpoint_save(dir, checkpoint_);
+    pending_since_ = std::chrono::steady_clock::now();
+    if (lead_)
+      std::printf("fsdp-train: saving %s in the background (copied to host memory in %.2f s)\n", dir.c_str(),
+                  seconds_since(begin));
+    return;
+  }
   save_checkpoint(dir, checkpoint_);
   if (lead_) std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(), seconds_since(begin));
+  after_saved();
+}
+
+void Trainer::finish_pending_save() {
+  if (!pending_save_) return;
+  const std::unique_ptr<CheckpointWrite> write = std::move(pending_save_);
+  write->finish();
+  if (lead_)
+    std::printf("fsdp-train: saved %s (written in the background, published %.2f s after its copy)\n",
+                write->dir().c_str(), seconds_since(pending_since_));
+  after_saved();
+}
+
+void Trainer::after_saved() {
   // --overwrite-checkpoints: the other runs' checkpoints go once this run has one of its own.
   if (lead_ && args_.overwrite_checkpoints && !replaced_other_runs_) {
     const auto others = other_runs(saved_checkpoints(args_.save_dir), run_id_);
@@ -475,8 +499,8 @@ void Trainer::save(int steps_done) {
                   others.size(), args_.save_dir.c_str());
   }
   replaced_other_runs_ = true;
-  // --keep-last: the run's older checkpoints go once the new one is complete (save_checkpoint
-  // returns after rank 0 wrote its metadata, last).
+  // --keep-last: the run's older checkpoints go once the new one is complete (published
+  // after rank 0 wrote its metadata, last).
   if (lead_ && args_.keep_last > 0) {
     const auto older = older_than_newest(saved_checkpoints(args_.save_dir), run_id_, args_.keep_last);
     for (const auto& c : older) io::remove_tree(c.path);
@@ -487,6 +511,7 @@ void Trainer::save(int steps_done) {
 }
 
 int Trainer::finish() {
+  finish_pending_save();  // a run that stopped early (diverged, a plan refused) keeps its last save
   if (!log_error_.empty() && exit_code_ == 0) {  // the last step's line: saved, but the run failed
     std::fprintf(stderr, "fsdp-train: error: %s\n", log_error_.c_str());
     exit_code_ = 1;

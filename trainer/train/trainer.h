@@ -55,7 +55,11 @@ class Trainer {
   void report(int step, const StepOutcome& outcome, double lr, bool stop);  // the line, the log, evaluation
   bool goes_on_after_nonfinite(int done, const StepOutcome& outcome);       // false: diverged
   bool state_is_finite(int done, const char* action);
-  void save(int steps_done);
+  // A checkpoint of the state after `steps_done` steps; with `in_background` (--async-save) only
+  // copied to host memory here, its files written while training goes on.
+  void save(int steps_done, bool in_background);
+  void finish_pending_save();          // publishes a background save (collective)
+  void after_saved();  // --overwrite-checkpoints, --keep-last, once a save is published
   int finish();  // export, profile, snapshot, logs closed
 
   const TrainArgs& args_;
@@ -68,6 +72,8 @@ class Trainer {
   ShardOptions shard_;
   std::unique_ptr<FusedAdamW> optimizer_;
   CheckpointState checkpoint_;
+  std::unique_ptr<CheckpointWrite> pending_save_;  // --async-save: written, not yet published
+  std::chrono::steady_clock::time_point pending_since_;
   std::string resume_from_;  // the checkpoint --resume takes ("" for a fresh run)
   std::string run_id_;       // the lineage's: drawn by a fresh run, kept by its resumes
   std::unique_ptr<io::LockedFile> save_dir_lock_;  // rank 0, held for the run
