@@ -72,6 +72,7 @@ class CheckpointWrite {
   /// every rank's file, then publishes `dir` as save_checkpoint does (metadata last, renamed into
   /// place). Throws on every rank if any rank's write failed. Once.
   void finish();
+  /// The checkpoint directory it publishes.
   const std::string& dir() const { return dir_; }
   /// Waits for the thread; a write never finished leaves `dir`.tmp, which newest_checkpoint skips.
   ~CheckpointWrite();
