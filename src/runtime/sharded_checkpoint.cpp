@@ -332,10 +332,10 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
   publish_save(dir, manifest_of(state), crcs, comm);
 }
 
-// HSDP: the replicas hold the same state; the first one writes it, the others learn its outcome.
+// HSDP: the replicas hold the same state; the first one writes it, the others learn its outcome
+// (`replicate`: the replicas' communicator, null without HSDP).
 template <class F>
-void on_first_replica(const CheckpointState& state, const std::string& dir, F&& work) {
-  Communicator* replicate = state.sharded().front().replicate;
+void on_first_replica(Communicator* replicate, const std::string& dir, F&& work) {
   if (!replicate) return work();
   on_every_rank(*replicate, "saving " + dir, [&] {
     if (replicate->rank() == 0) work();
@@ -346,7 +346,7 @@ void on_first_replica(const CheckpointState& state, const std::string& dir, F&& 
 
 void save_checkpoint(const std::string& dir, const CheckpointState& state) {
   Communicator& comm = communicator_of(state);
-  on_first_replica(state, dir, [&] { save_shards(dir, state, comm); });
+  on_first_replica(state.sharded().front().replicate, dir, [&] { save_shards(dir, state, comm); });
 }
 
 struct CheckpointWrite::Writing {
@@ -360,7 +360,7 @@ struct CheckpointWrite::Writing {
 std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string& dir, const CheckpointState& state) {
   Communicator& comm = communicator_of(state);
   std::unique_ptr<CheckpointWrite> write(new CheckpointWrite(dir, state));
-  on_first_replica(state, dir, [&] {
+  on_first_replica(write->replicate_, dir, [&] {
     c10::NoGradGuard no_grad;
     prepare_save(dir, comm);
     auto w = std::make_unique<CheckpointWrite::Writing>();
@@ -397,16 +397,12 @@ CheckpointWrite::~CheckpointWrite() {
 void CheckpointWrite::finish() {
   if (finished_) throw std::logic_error("CheckpointWrite::finish: '" + dir_ + "' was already finished");
   finished_ = true;
-  const auto publish = [&] {
+  on_first_replica(replicate_, dir_, [&] {
     on_every_rank(*comm_, "saving " + dir_, [&] {
       writing_->thread.join();
       if (writing_->error) std::rethrow_exception(writing_->error);
     });
     publish_save(dir_, writing_->manifest, writing_->crcs, *comm_);
-  };
-  if (!replicate_) return publish();
-  on_every_rank(*replicate_, "saving " + dir_, [&] {
-    if (replicate_->rank() == 0) publish();
   });
 }
 

@@ -79,6 +79,13 @@ TEST(Hsdp, CheckpointsMoveBetweenHsdpAndPlainFsdp) {
   load_checkpoint(dir + "/hsdp", plain_state);
   expect_identical_run({{}, {}, full_state_dict(*plain)}, {{}, {}, want});
   save_checkpoint(dir + "/plain", plain_state);
+  // The same written in the background (start_checkpoint_save): one replica writes, all publish.
+  start_checkpoint_save(dir + "/hsdp-async", model_state(*saved))->finish();
+  auto from_async = seeded_llama(tiny_llama(), 17);
+  shard_blocks_and_root(from_async);
+  CheckpointState async_state = model_state(*from_async);
+  load_checkpoint(dir + "/hsdp-async", async_state);
+  expect_identical_run({{}, {}, full_state_dict(*from_async)}, {{}, {}, want});
 
   auto back = seeded_llama(tiny_llama(), 13);
   shard_blocks_and_root(back, hsdp);

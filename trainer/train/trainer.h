@@ -58,8 +58,8 @@ class Trainer {
   // A checkpoint of the state after `steps_done` steps; with `in_background` (--async-save) only
   // copied to host memory here, its files written while training goes on.
   void save(int steps_done, bool in_background);
-  void finish_pending_save();          // publishes a background save (collective)
-  void after_saved();  // --overwrite-checkpoints, --keep-last, once a save is published
+  void finish_pending_save();  // publishes a background save (collective)
+  void after_saved();          // --overwrite-checkpoints, --keep-last, once a save is published
   int finish();  // export, profile, snapshot, logs closed
 
   const TrainArgs& args_;
