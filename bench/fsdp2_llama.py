@@ -236,6 +236,8 @@ def main():
                    help="create AdamW before fully_shard, without any fix (the FSDP2 pitfall)")
     p.add_argument("--profile", help="profiler trace of the last --profile-steps steps to PATH-rankR.json")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--memory-snapshot", help="rank 0's CUDA allocator history over the last --profile-steps steps, "
+                                             "with Python stacks, to PATH (bench/snapshot_holes.py reads it)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
     p.add_argument("--float8", choices=["tensorwise", "rowwise"],
@@ -259,6 +261,7 @@ def main():
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
+    assert on_gpu or not args.memory_snapshot, "--memory-snapshot records the CUDA allocator: run on a GPU"
     for name, ompi in (("RANK", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
                        ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")):  # under mpirun rather than torchrun
         if ompi in os.environ:
@@ -351,6 +354,8 @@ def main():
 
     def train_step():
         nonlocal profiler, step
+        if args.memory_snapshot and rank == 0 and step == max(0, args.steps - args.profile_steps):
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if args.profile and step == max(0, args.steps - args.profile_steps):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if on_gpu:
@@ -406,6 +411,8 @@ def main():
         profiler.export_chrome_trace(f"{args.profile}-rank{rank}.json")
     if sampler:
         sampler.close()
+    if args.memory_snapshot and rank == 0:
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
     dist.destroy_process_group()
 
 

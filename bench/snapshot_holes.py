@@ -13,7 +13,8 @@ smaller than a later large request cannot serve it, so the segment grows;
 long-lived blocks allocated mid-step are the usual cause. --explain K lists, for the K
 largest ranges, the blocks that used the range in the peak's step and were freed before the
 peak (their sizes in allocation order): the temporaries whose space the live blocks around them
-strand.
+strand. --origins K sums the blocks live at the peak by where they were allocated (the innermost
+Python frame outside torch, recorded with stacks="python") and lists the K largest sums.
 """
 import argparse
 import gzip
@@ -114,6 +115,24 @@ def temporaries(trace, marks, peak, start, size):
     return [s for s, freed in out if freed]
 
 
+def origin(event):
+    """file:line function of the innermost recorded frame outside torch's own code."""
+    for frame in event.get("frames", []):
+        if "/torch/" not in frame["filename"]:
+            return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
+    return "no frame outside torch"
+
+
+def origins(live, trace):
+    """[(bytes, blocks, origin)] of the live blocks, largest sum first."""
+    sums = {}
+    for size, event in live.values():
+        where = "allocated before recording" if event is None else origin(trace[event])
+        total, count = sums.get(where, (0, 0))
+        sums[where] = (total + size, count + 1)
+    return sorted(((b, n, w) for w, (b, n) in sums.items()), reverse=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("snapshot")
@@ -121,6 +140,7 @@ def main():
     p.add_argument("--min-mib", type=float, default=8, help="list free ranges at least this large")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--explain", type=int, default=0, help="the freed blocks inside the K largest ranges")
+    p.add_argument("--origins", type=int, default=0, help="the K largest sums of live blocks by where allocated")
     args = p.parse_args()
     snapshot = load(args.snapshot)
     allocated, live, peak, trace, marks = live_at_peak(snapshot, args.step)
@@ -141,6 +161,8 @@ def main():
         sizes = temporaries(trace, marks, peak, start, size)
         print(f"  the {size / MIB:.0f} MiB range at +{(start - seg['address']) / MIB:,.0f} MiB held, in the peak's step: "
               + (", ".join(f"{s / MIB:.1f}" for s in sizes) + " MiB" if sizes else "nothing freed before the peak"))
+    for total, count, where in origins(live, trace)[:args.origins]:
+        print(f"  live at the peak: {total / MIB:8.0f} MiB in {count} blocks from {where}")
 
 
 if __name__ == "__main__":
