@@ -351,12 +351,13 @@ def main():
     sampler = MemorySampler(f"{args.memory_log}-rank{rank}.jsonl", device) if args.memory_log else None
     profiler = None
     step = 0
+    first_profiled = max(0, args.steps - args.profile_steps)  # the profile's and the snapshot's first step
 
     def train_step():
         nonlocal profiler, step
-        if args.memory_snapshot and rank == 0 and step == max(0, args.steps - args.profile_steps):
+        if args.memory_snapshot and rank == 0 and step == first_profiled:
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-        if args.profile and step == max(0, args.steps - args.profile_steps):
+        if args.profile and step == first_profiled:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if on_gpu:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
