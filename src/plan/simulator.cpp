@@ -132,8 +132,10 @@ class Replay {
     if (!cost(g).encloses_later) reduce_and_reshard(g, position + 1 < static_cast<int>(backward_order_.size()));
   }
 
-  // A pass before the last without communication adds the gradients into the unsynced sums.
+  // The runtime's order (GroupState::hand_off_gradients): the parameters are freed first, then a
+  // pass before the last without communication adds the gradients into the unsynced sums.
   void reduce_and_reshard(int g, bool beside_compute) {
+    reshard(g);
     if (!model_.reduce_every_micro_batch && pass_ + 1 < model_.micro_batches) {
       const Phase during{"backward of ", g};
       if (live(kUnsynced, g) == 0) allocate(kUnsynced, g, cost(g).memory.unsynced_grad_bytes, during);
@@ -142,7 +144,6 @@ class Replay {
       compute(cost(g).handoff_ms, cost(g).handoff_cpu_ms, 0.0);
       reduce_scatter(g, beside_compute);
     }
-    reshard(g);
   }
 
   bool small(int g) const { return bucket_limit_ > 0 && cost(g).memory.param_bytes < bucket_limit_; }

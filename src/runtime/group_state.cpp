@@ -212,11 +212,10 @@ void GroupState::post_backward() {
     trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
   Trace::get().end(compute_span_, compute_stream());
-  hand_off_gradients();
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
   // last use in backward has run: they stay unsharded until the end.
+  hand_off_gradients(/*reshard_first=*/!has_frozen_params_);
   if (has_frozen_params_) return;
-  reshard();
   if (step_in_backward_ && gradient_sync_) {
     // Its reduce-scatter now (not in a bucket), then its step (RootState::step_in_backward).
     root().flush_reduce_scatters();
@@ -242,7 +241,11 @@ void GroupState::step_committed_gradients() {
 
 // The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
 // the cost model times apart from the backward (GroupCost::handoff_ms).
-void GroupState::hand_off_gradients() {
+void GroupState::hand_off_gradients(bool reshard_first) {
+  if (reshard_first) {
+    group_.take_gradients();
+    reshard();
+  }
   const int span = Trace::get().begin("hand-off " + group_.label(), Trace::Track::Compute, compute_stream());
   if (gradient_sync_)
     group_.prepare_reduce_scatter();
@@ -255,7 +258,7 @@ void GroupState::hand_off_gradients() {
 
 void GroupState::finish_backward() {
   trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
-  if (backward_started_ && !reduced_) hand_off_gradients();
+  if (backward_started_ && !reduced_) hand_off_gradients(/*reshard_first=*/true);
   reshard();
   backward_started_ = false;
   reduced_ = false;

@@ -86,7 +86,8 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   void start_backward(bool recompute);
   void post_backward();
   // This backward's gradients leave the unsharded parameters: reduce-scatter, or held unsynced.
-  void hand_off_gradients();
+  // `reshard_first`: the group reshards before the hand-off allocates (ParamGroup::take_gradients).
+  void hand_off_gradients(bool reshard_first);
   void trace(const char* event, const char* detail) const;
   std::optional<c10::Stream> compute_stream() const;
   void start_step(uint64_t step, bool is_root);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace fsdp {
 namespace {
@@ -147,6 +148,14 @@ void ParamGroup::wait_for_unshard() {
   gathered_ = nullptr;
   gather_buffers_.clear();  // later compute work is ordered after the gather
   state_ = State::Unsharded;
+}
+
+void ParamGroup::take_gradients() {
+  if (state_ != State::Unsharded) return;
+  for (auto& p : params_) {
+    TORCH_INTERNAL_ASSERT(!p.taken_grad.defined(), "fsdp: '", p.name, "' has a gradient taken and not handed off");
+    p.taken_grad = std::exchange(p.param.mutable_grad(), at::Tensor());
+  }
 }
 
 std::shared_ptr<c10::Event> ParamGroup::reshard() {

@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "shard/flat_copy.h"
 #include "shard/param_group.h"
@@ -28,7 +29,7 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 }  // namespace
 
 void ParamGroup::prepare_reduce_scatter() {
-  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: reduce-scatter needs unsharded parameters");
+  take_gradients();
   TORCH_INTERNAL_ASSERT(reduced_.empty() && reduce_input_.empty(), "fsdp: the previous reduce-scatter was not committed");
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
@@ -40,7 +41,7 @@ void ParamGroup::prepare_reduce_scatter() {
   std::vector<at::Tensor> grads;
   bool summed = false;
   for (auto& p : params_) {
-    at::Tensor grad = p.param.grad();
+    at::Tensor grad = std::exchange(p.taken_grad, at::Tensor());
     if (p.unsynced_grad.defined()) {
       summed = true;
       if (grad.defined()) p.unsynced_grad.add_(grad);
@@ -48,7 +49,6 @@ void ParamGroup::prepare_reduce_scatter() {
       p.unsynced_grad = at::Tensor();
     }
     grads.push_back(std::move(grad));
-    p.param.mutable_grad() = at::Tensor();
   }
   all_local_grads_ = std::all_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
@@ -132,16 +132,15 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
 }
 
 void ParamGroup::hold_unsynced_gradients() {
-  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: unsynced gradients need unsharded parameters");
+  take_gradients();
   c10::NoGradGuard no_grad;
   for (auto& p : params_) {
-    at::Tensor grad = p.param.grad();
+    const at::Tensor grad = std::exchange(p.taken_grad, at::Tensor());
     if (!grad.defined()) continue;
     if (p.unsynced_grad.defined())
       p.unsynced_grad.add_(grad);
     else
       p.unsynced_grad = grad.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true);
-    p.param.mutable_grad() = at::Tensor();
   }
 }
 

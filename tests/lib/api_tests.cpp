@@ -6,6 +6,8 @@
 
 #include "helpers.h"
 #include "runtime/group_state.h"
+#include "fsdp/memory_stats.h"
+#include "shard/trace.h"
 
 namespace fsdp::testing {
 namespace {
@@ -81,6 +83,39 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
       ASSERT_TRUE(p.param.grad().defined()) << p.name;
       EXPECT_EQ(p.param.grad().sizes(), p.shard.sizes()) << p.name << " gradient is sharded";
     }
+  }
+}
+
+// Each group frees its gathered parameters before its gradients' hand-off allocates the
+// reduce-scatter input (FSDP2's order; the root's embedding and head once stayed gathered beside
+// its input at the end of backward): at the hand-off's start exactly the group's unsharded bytes
+// less are allocated than at its backward's end. Allocations are counted exactly (host memory
+// counted; on GPUs the caching allocator's count); without prefetch no all-gather comes between.
+TEST(Api, EachGroupFreesItsParametersBeforeItsGradientsAreHandedOff) {
+  count_host_allocations();
+  const RuntimeOptions defaults = runtime_options();
+  RuntimeOptions o = defaults;
+  o.prefetch_depth = 0;
+  set_runtime_options(o);
+  auto m = seeded_llama(tiny_llama());
+  shard_blocks_and_root(m);
+  Trace::get().start(device(), /*with_memory=*/true);
+  next_token_backward(m);
+  const Trace::Recording recording = Trace::get().finish();
+  set_runtime_options(defaults);
+  const auto span = [&](const std::string& name) {
+    for (const auto& s : recording.spans)
+      if (s.name == name) return s;
+    ADD_FAILURE() << "no span '" << name << "'";
+    return Trace::FinishedSpan{};
+  };
+  const auto allocated = [&](int mark) { return mark < 0 ? int64_t{-1} : recording.marks.at(mark).allocated; };
+  for (torch::nn::Module* module : std::vector<torch::nn::Module*>{m.ptr().get(), m->blocks[0].ptr().get(), m->blocks[1].ptr().get()}) {
+    const ParamGroup& group = state_of(*module)->group();
+    const auto backward = span("backward " + group.label()), hand_off = span("hand-off " + group.label());
+    EXPECT_EQ(allocated(hand_off.start_mark),
+              allocated(backward.end_mark) - static_cast<int64_t>(group.unsharded_size_bytes()))
+        << group.label();
   }
 }
 

@@ -65,10 +65,10 @@ TEST(Simulator, StepTimeAndPeakOfAHandWorkedSchedule) {
 
 // Gradient accumulation, two passes of the schedule above with 10 bytes of sharded gradients a
 // group: the first pass as before (8.5 ms) but for the sharded gradients, kept from each
-// reduce-scatter on; A's reduce-scatter is now its peak: 1000 + A's parameters 100 + both inputs
-// 50 + 50 (B's not yet seen done by the host) + both results 10 + 10 = 1220. The second pass
-// starts with both groups' sharded gradients (1020) and adds a 10-byte reduce-scatter output per
-// group until its end: at A's reduce-scatter 1220 + 20 = 1240. One optimizer step: 2 x 8.5 + 1.
+// reduce-scatter on; its peak is in A's backward as above with B's result beside it: 1210 (A
+// reshards before its own input comes). The second pass starts with both groups' sharded
+// gradients (1020) and adds a 10-byte reduce-scatter output per group until its end: in A's
+// backward 1210 + 20 = 1230. One optimizer step: 2 x 8.5 + 1.
 TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld) {
   CostModel m = two_groups();
   for (auto& g : m.groups) g.memory.sharded_grad_bytes = 10;
@@ -77,8 +77,8 @@ TEST(Simulator, GradientAccumulationRepeatsThePassesWithTheShardedGradientsHeld)
   s.runtime.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
   EXPECT_DOUBLE_EQ(p.step_ms, 18);
-  EXPECT_EQ(p.peak_bytes, 1240);
-  EXPECT_EQ(p.peak_during, "reduce-scatter of A");
+  EXPECT_EQ(p.peak_bytes, 1230);
+  EXPECT_EQ(p.peak_during, "backward of A");
   EXPECT_EQ(p.timeline.back().second, 1020);  // the fixed bytes and the sharded gradients
   m.micro_batches = 0;
   EXPECT_THROW(simulate(m, s), std::invalid_argument);
@@ -232,10 +232,10 @@ TEST(Simulator, KeepingAGroupUnshardedSkipsItsSecondAllGather) {
 //   forward:  gather R (1100), gather B (1150), B saves 30 (1180), B reshards (1130), R's head
 //             saves 20 (1150);
 //   backward: R's head first: its activations go, its gradients come (1230); B gathered (1280),
-//             its activations go and gradients come (1300), its reduce-scatter input comes
-//             (1400), its gradients go and its shard comes (1355), it reshards (1305); R last: input
-//             200 (1505: the peak, B's reduce-scatter still in flight), its gradients go (1405), its
-//             shard comes (1415).
+//             its activations go and gradients come (1300), it reshards (1250), its reduce-scatter
+//             input comes (1350), its gradients go and its shard comes (1305); R last: it reshards
+//             (1205), input 200 (1405: the peak, B's reduce-scatter still in flight), its gradients
+//             go (1305), its shard comes (1315).
 // At the end only the fixed bytes and the shards remain: 1015. Time: B 0-1, head 1-2, head's
 // backward 2-3, B's backward 3-5.
 TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
@@ -256,7 +256,7 @@ TEST(Simulator, RootComputesAfterTheBlocksAndReducesLast) {
   Schedule s = default_schedule(2);
   s.runtime.prefetch_depth = 0;
   const Prediction p = simulate(m, s);
-  EXPECT_EQ(p.peak_bytes, 1505);
+  EXPECT_EQ(p.peak_bytes, 1405);
   EXPECT_EQ(p.peak_during, "reduce-scatter of R");
   EXPECT_EQ(p.timeline.back().second, 1015);
   EXPECT_DOUBLE_EQ(p.step_ms, 5);
@@ -295,19 +295,19 @@ Schedule buckets_of(size_t groups, int64_t bucket_bytes, int max_wait = 0) {
 // Backward D, C, B, A: D's all-gather takes C and A, 5-5.5; bwd D 5.5-7.5 and C 7.5-9.5 leave
 // their gradients in the bucket; AG B 9.5-10, bwd B 10-12, whose 100 bytes send the bucket: D, C
 // and B in one reduce-scatter, 1.1 ms less two latencies, 12-12.7; bwd A 12-14, RS A 14-14.3,
-// +1: 15.3 ms. The peak is at B's reduce-scatter: B's parameters 100 and input 50, A's
-// parameters 10 (gathered early), D's and C's inputs 5 + 5: 170 bytes.
-// Apart: 0.3 ms more per all-gather and 16.1 ms (worked as above), and a peak of 160 (A's
-// parameters not there yet).
+// +1: 15.3 ms. The peak, 120 bytes, is at B's all-gather: in forward B's parameters 100 beside
+// C's and D's 10 + 10 (gathered early), and again in backward beside A's 10 and D's and C's inputs
+// 5 + 5 (each group reshards before its input comes). Apart: 0.3 ms more per all-gather and
+// 16.1 ms (worked as above), and a peak of 110 in backward (A's parameters not there yet).
 TEST(Simulator, BucketsGatherSmallGroupsPastLargeOnesAndSaveLatencies) {
   const CostModel m = latency_bound({10, 100, 10, 10});
   const Prediction bucketed = simulate(m, buckets_of(4, 50));
   EXPECT_DOUBLE_EQ(bucketed.step_ms, 15.3);
-  EXPECT_EQ(bucketed.peak_bytes, 170);
-  EXPECT_EQ(bucketed.peak_during, "reduce-scatter of B");
+  EXPECT_EQ(bucketed.peak_bytes, 120);
+  EXPECT_EQ(bucketed.peak_during, "all-gather of B");
   const Prediction apart = simulate(m, buckets_of(4, 0));
   EXPECT_DOUBLE_EQ(apart.step_ms, 16.1);
-  EXPECT_EQ(apart.peak_bytes, 160);
+  EXPECT_EQ(apart.peak_bytes, 110);
   CostModel no_latency = m;
   no_latency.allgather_latency_ms = no_latency.reduce_scatter_latency_ms = 0;
   EXPECT_GT(simulate(no_latency, buckets_of(4, 50)).step_ms, bucketed.step_ms);
