@@ -88,9 +88,10 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
 
 // Each group frees its gathered parameters before its gradients' hand-off allocates the
 // reduce-scatter input (FSDP2's order; the root's embedding and head once stayed gathered beside
-// its input at the end of backward): at the hand-off's start exactly the group's unsharded bytes
-// less are allocated than at its backward's end. Allocations are counted exactly (host memory
-// counted; on GPUs the caching allocator's count); without prefetch no all-gather comes between.
+// its input at the end of backward): at the hand-off's start the group's unsharded bytes less are
+// allocated than at its backward's end: exactly on CPU (host memory counted), on GPUs as the
+// caching allocator counts them, its block rounded up to 512 bytes. Without prefetch no
+// all-gather comes between.
 TEST(Api, EachGroupFreesItsParametersBeforeItsGradientsAreHandedOff) {
   count_host_allocations();
   const RuntimeOptions defaults = runtime_options();
@@ -113,9 +114,10 @@ TEST(Api, EachGroupFreesItsParametersBeforeItsGradientsAreHandedOff) {
   for (torch::nn::Module* module : std::vector<torch::nn::Module*>{m.ptr().get(), m->blocks[0].ptr().get(), m->blocks[1].ptr().get()}) {
     const ParamGroup& group = state_of(*module)->group();
     const auto backward = span("backward " + group.label()), hand_off = span("hand-off " + group.label());
-    EXPECT_EQ(allocated(hand_off.start_mark),
-              allocated(backward.end_mark) - static_cast<int64_t>(group.unsharded_size_bytes()))
-        << group.label();
+    const int64_t freed = allocated(backward.end_mark) - allocated(hand_off.start_mark);
+    const auto unsharded = static_cast<int64_t>(group.unsharded_size_bytes());
+    EXPECT_GE(freed, unsharded) << group.label();
+    EXPECT_LT(freed, unsharded + (device().is_cuda() ? 512 : 1)) << group.label();
   }
 }
 
