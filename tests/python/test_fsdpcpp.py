@@ -21,12 +21,23 @@ gpu_only = pytest.mark.skipif(not GPU, reason="GPU cases: FSDPCPP_TEST_GPU=1 (ct
 cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
 
 
+# torch's exit race (pytorch#190489, PR #179291 abandoned): a gloo worker thread that drops the last
+# reference to a Python tensor while the interpreter finalises aborts the process (destroying the
+# process group at exit does not join gloo's threads). Seen about once in ten CI runs, each time in
+# a different case; such a run is made once more, and a second failure fails the test.
+GLOO_EXIT_ABORT = ("terminate called without an active exception", "ProcessGroupGloo7runLoop")
+
+
 def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120, env=None):
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s), **(env or {}))
     command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
                os.path.join(HERE, "cases.py"), *map(str, args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
+    if not expect_failure and done.returncode != 0 and all(sign in output for sign in GLOO_EXIT_ABORT):
+        print("torch's gloo exit race aborted a rank; running once more")
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        output = done.stdout + done.stderr
     if expect_failure:
         assert done.returncode != 0, f"expected a failure:\n{output}"
     else:
