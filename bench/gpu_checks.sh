@@ -8,7 +8,8 @@
 #   python: the Python package's GPU cases (python_gpu_tests_*, three parts side by side), then
 #           the benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget).
 #   package: tests/tools/package_install.sh: a wheel from a fresh clone, installed into an empty
-#           prefix, its fsdp-train on one GPU (not part of `all`: it builds everything once more).
+#           prefix, its fsdp-train on one GPU; then the same built without MPI (not part of `all`:
+#           it builds everything twice more).
 # Each run's step time, memory and losses must lie in bench/gpu_expected.json's ranges.
 # Logs and JSON to OUT_DIR.
 #   bash bench/gpu_checks.sh OUT_DIR COMMIT [all|native|python|package]
@@ -24,7 +25,9 @@ cat "$out/env.txt"
 if [[ $part == package ]]; then
   bash tests/tools/package_install.sh python3 /tmp/fsdp-package > "$out/package-install.log" 2>&1
   status=$?
-  tail -3 "$out/package-install.log"
+  FSDP_PACKAGE_WITHOUT_MPI=1 bash tests/tools/package_install.sh python3 /tmp/fsdp-package-no-mpi \
+    > "$out/package-install-no-mpi.log" 2>&1 || status=1
+  tail -3 "$out/package-install.log" "$out/package-install-no-mpi.log"
   exit $status
 fi
 build_with_log "$out/build-$part.log" || exit 1

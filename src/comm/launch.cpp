@@ -11,7 +11,9 @@
 #include <mutex>
 #include <stdexcept>
 
+#ifdef FSDP_WITH_MPI
 #include "comm/mpi_communicator.h"
+#endif
 #ifdef FSDP_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -89,9 +91,15 @@ ncclUniqueId exchange_nccl_id(const LaunchEnv& env, std::chrono::milliseconds ti
     }
     return id;
   }
+#ifdef FSDP_WITH_MPI
   ensure_mpi_initialized();
   MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
   return id;
+#else
+  throw std::invalid_argument(
+      "fsdp: this build has no MPI, so under mpirun its ranks meet through a store: set MASTER_ADDR and "
+      "MASTER_PORT (rank 0's host and a free port), or launch with torchrun or fsdp-run");
+#endif
 }
 #endif
 
@@ -99,6 +107,12 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
                                                 const InitOptions& options) {
   auto timeout = timeout_from(options);
   if (backend == Backend::Mpi) {
+#ifndef FSDP_WITH_MPI
+    throw std::invalid_argument(
+        "fsdp: this build has no MPI backend (configured without MPI: -DFSDP_WITH_MPI=OFF, or CMake found "
+        "none), and CPU ranks need it. Install OpenMPI's development files (Debian: libopenmpi-dev) and "
+        "build again, or run on GPUs (NCCL)");
+#else
     if (env.launcher == LaunchEnv::Launcher::Torchrun || env.launcher == LaunchEnv::Launcher::Pmi)
       throw std::invalid_argument(
           "fsdp: the CPU (MPI) backend needs processes started by mpirun (OpenMPI's, or srun); " +
@@ -114,6 +128,7 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
                                   std::to_string(env.rank) + " of " +
                                   std::to_string(env.world_size));
     return comm;
+#endif
   }
 #ifdef FSDP_WITH_NCCL
   if (!cuda_usable())
@@ -305,10 +320,12 @@ std::string error_text(const std::exception& e) {
 void abort_job(const std::string& message) {
   std::fprintf(stderr, "%s\n", message.c_str());
   std::fflush(stderr);
+#ifdef FSDP_WITH_MPI
   int finalized = 0, processes = 1;
   if (mpi_is_initialized() && (MPI_Finalized(&finalized), !finalized) &&
       (MPI_Comm_size(MPI_COMM_WORLD, &processes), processes > 1))
     MPI_Abort(MPI_COMM_WORLD, 1);  // mpirun stops the others
+#endif
   std::exit(1);
 }
 

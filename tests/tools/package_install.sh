@@ -3,7 +3,9 @@
 # with `pip wheel --no-build-isolation` (the python with torch, scripts/setup.sh's), installed into
 # an empty prefix; then the installed `fsdp-train` and `fsdp-run` commands (--version, a 2-rank
 # run of the tiny model) and `import fsdpcpp` from there. Builds the library once more (about 8
-# minutes on 2 cores): run by bench/gpu_checks.sh's python part, not by CI.
+# minutes on 2 cores): run by bench/gpu_checks.sh's package part, not by CI.
+# FSDP_PACKAGE_WITHOUT_MPI=1: the wheel is built without MPI (`-C cmake.define.FSDP_WITH_MPI=OFF`,
+# as on a GPU machine without MPI's development files) and its run is on a GPU.
 #   bash tests/tools/package_install.sh [PYTHON] [WORK]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,7 +22,9 @@ else
   mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -
 fi
 # Build only what the wheel needs; the clone has no build/ of its own.
-(cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps -w "$work/wheel" .) \
+without_mpi=${FSDP_PACKAGE_WITHOUT_MPI:-0}
+settings=() && [ "$without_mpi" = 1 ] && settings=(-C cmake.define.FSDP_WITH_MPI=OFF)
+(cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps "${settings[@]}" -w "$work/wheel" .) \
   > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "pip wheel"; }
 wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
 "$python" -m pip install -q --no-deps --prefix "$work/prefix" "$wheel" > "$work/install.log" 2>&1 ||
@@ -38,9 +42,14 @@ for program in fsdp-train fsdp-run; do
 done
 gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
 launch=(-n 2 --cpu) && [ "$gpus" -ge 1 ] && launch=(--gpu -n 1)
+[ "$without_mpi" = 1 ] && [ "$gpus" -lt 1 ] && fail "a wheel without MPI runs on GPUs only, and torch sees none"
+if [ "$without_mpi" = 1 ]; then  # the CPU backend refuses, naming the fix
+  CUDA_VISIBLE_DEVICES= fsdp-train --model tiny --steps 1 > "$work/cpu.log" 2>&1 && fail "a CPU run without MPI"
+  grep -q "this build has no MPI backend" "$work/cpu.log" || { cat "$work/cpu.log"; fail "the CPU run's error"; }
+fi
 fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
   { cat "$work/train.log"; fail "fsdp-run fsdp-train from the wheel"; }
 grep -q '"step": *3' "$work/train.jsonl" || fail "the installed fsdp-train did not log step 3"
 (cd "$work" && "$python" -c 'import fsdpcpp, sys; assert fsdpcpp.__file__.startswith(sys.argv[1]), fsdpcpp.__file__' "$site") ||
   fail "import fsdpcpp from the installed package"
-echo "package_install: ok ($(basename "$wheel"), $(du -h "$wheel" | cut -f1))"
+echo "package_install: ok ($(basename "$wheel"), $(du -h "$wheel" | cut -f1)$([ "$without_mpi" = 1 ] && echo ', without MPI'))"
