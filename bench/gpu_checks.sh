@@ -27,7 +27,7 @@ if [[ $part == package ]]; then
   status=$?
   FSDP_PACKAGE_WITHOUT_MPI=1 bash tests/tools/package_install.sh python3 /tmp/fsdp-package-no-mpi \
     > "$out/package-install-no-mpi.log" 2>&1 || status=1
-  tail -3 "$out/package-install.log" "$out/package-install-no-mpi.log"
+  tail -n 3 "$out/package-install.log" "$out/package-install-no-mpi.log"
   exit $status
 fi
 build_with_log "$out/build-$part.log" || exit 1
