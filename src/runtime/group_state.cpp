@@ -242,15 +242,13 @@ void GroupState::step_committed_gradients() {
 // The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
 // the cost model times apart from the backward (GroupCost::handoff_ms).
 void GroupState::hand_off_gradients(bool reshard_first) {
-  if (reshard_first) {
-    group_.take_gradients();
-    reshard();
-  }
+  std::vector<at::Tensor> grads = group_.take_gradients();
+  if (reshard_first) reshard();
   const int span = Trace::get().begin("hand-off " + group_.label(), Trace::Track::Compute, compute_stream());
   if (gradient_sync_)
-    group_.prepare_reduce_scatter();
+    group_.prepare_reduce_scatter(std::move(grads));
   else
-    group_.hold_unsynced_gradients();
+    group_.hold_unsynced_gradients(std::move(grads));
   Trace::get().end(span, compute_stream());
   if (gradient_sync_) root().reduce_scatter(group_);
   reduced_ = true;

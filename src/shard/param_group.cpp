@@ -150,12 +150,11 @@ void ParamGroup::wait_for_unshard() {
   state_ = State::Unsharded;
 }
 
-void ParamGroup::take_gradients() {
-  if (state_ != State::Unsharded) return;
-  for (auto& p : params_) {
-    TORCH_INTERNAL_ASSERT(!p.taken_grad.defined(), "fsdp: '", p.name, "' has a gradient taken and not handed off");
-    p.taken_grad = std::exchange(p.param.mutable_grad(), at::Tensor());
-  }
+std::vector<at::Tensor> ParamGroup::take_gradients() {
+  TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: gradients are taken off unsharded parameters");
+  std::vector<at::Tensor> grads;
+  for (auto& p : params_) grads.push_back(std::exchange(p.param.mutable_grad(), at::Tensor()));
+  return grads;
 }
 
 std::shared_ptr<c10::Event> ParamGroup::reshard() {

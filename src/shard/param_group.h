@@ -41,7 +41,6 @@ struct ShardedParam {
   at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
   at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
   at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
-  at::Tensor taken_grad;    // its full gradient, taken off `param` (take_gradients) until handed off
   at::Tensor unsynced_grad; // full-shape gradients summed without reduce-scatter (reduce dtype)
 };
 
@@ -67,19 +66,19 @@ class ParamGroup {
   // Returns the event marking the memory's last use on the compute stream
   // (null on CPU, or when nothing on the compute stream used it).
   std::shared_ptr<c10::Event> reshard();
-  // Takes the full gradients off the unsharded parameters and holds them for the hand-off below,
-  // so that the group can reshard first: its parameters' memory is then free before the
-  // reduce-scatter input is allocated (FSDP2's order; the root's embedding and head otherwise
-  // stay gathered beside its input). A no-op while sharded.
-  void take_gradients();
-  // Copies the taken gradients (taking them first if the group is unsharded) parameter-major into
-  // a reduce-scatter input on the compute stream and frees them.
-  void prepare_reduce_scatter();
-  // Gradient accumulation without communication: adds the taken gradients into full-shape
+  // Takes the full gradients off the unsharded parameters (one per parameter, undefined where it
+  // has none) for the hand-off below, so that the group can reshard first: its parameters'
+  // memory is then free before the reduce-scatter input is allocated (FSDP2's order; the root's
+  // embedding and head otherwise stay gathered beside its input).
+  std::vector<at::Tensor> take_gradients();
+  // Copies taken gradients parameter-major into a reduce-scatter input on the compute stream and
+  // frees them.
+  void prepare_reduce_scatter(std::vector<at::Tensor> grads);
+  // Gradient accumulation without communication: adds taken gradients into full-shape
   // sums in the reduce dtype (fp32 sums stay exact where bf16 ones would round at every
   // micro-batch) and frees them; the next prepare_reduce_scatter sends the sums. Memory: the
   // whole group's parameters in the reduce dtype, until then.
-  void hold_unsynced_gradients();
+  void hold_unsynced_gradients(std::vector<at::Tensor> grads);
   // Collective. Averages the prepared inputs of `groups` over the world in
   // one coalesced reduce-scatter on the reduce-scatter stream (HSDP: then
   // over the replicas, on the all-reduce stream). The returned work keeps the

@@ -28,8 +28,8 @@ at::Tensor alias_without_view(const at::Tensor& view) {
 
 }  // namespace
 
-void ParamGroup::prepare_reduce_scatter() {
-  take_gradients();
+void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
+  TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
   TORCH_INTERNAL_ASSERT(reduced_.empty() && reduce_input_.empty(), "fsdp: the previous reduce-scatter was not committed");
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
@@ -38,17 +38,16 @@ void ParamGroup::prepare_reduce_scatter() {
   // once. The input lives until its reduce-scatter is done (reduce_scatter_together's work holds
   // it). Gradients held unsynced over earlier backward passes are sums in the reduce dtype: this
   // backward's are added to them.
-  std::vector<at::Tensor> grads;
   bool summed = false;
-  for (auto& p : params_) {
-    at::Tensor grad = std::exchange(p.taken_grad, at::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ShardedParam& p = params_[i];
+    at::Tensor& grad = grads[i];
     if (p.unsynced_grad.defined()) {
       summed = true;
       if (grad.defined()) p.unsynced_grad.add_(grad);
       grad = std::move(p.unsynced_grad);
       p.unsynced_grad = at::Tensor();
     }
-    grads.push_back(std::move(grad));
   }
   all_local_grads_ = std::all_of(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(device_);
@@ -131,11 +130,12 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
   return {output};
 }
 
-void ParamGroup::hold_unsynced_gradients() {
-  take_gradients();
+void ParamGroup::hold_unsynced_gradients(std::vector<at::Tensor> grads) {
+  TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
   c10::NoGradGuard no_grad;
-  for (auto& p : params_) {
-    const at::Tensor grad = std::exchange(p.taken_grad, at::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ShardedParam& p = params_[i];
+    at::Tensor grad = std::move(grads[i]);
     if (!grad.defined()) continue;
     if (p.unsynced_grad.defined())
       p.unsynced_grad.add_(grad);
