@@ -50,7 +50,7 @@ TEST(Api, ParametersBecomeTheirShardsInPlace) {
 TEST(Api, DeferredModelInitialisesAsTheWholeModelOnAnyRankCount) {
   auto c = tiny_llama();
   c.seed = 5;
-  model::Llama deferred(c, model::Placement{device(), /*deferred=*/true});
+  TestLlama deferred(c, TestPlacement{device(), /*deferred=*/true});
   for (const auto& p : deferred->parameters()) EXPECT_EQ(p.storage().nbytes(), sizeof(float));
   expect_error([&] { deferred->reset_parameters(); }, "must be sharded before it is filled");
   shard_blocks_and_root(deferred);
@@ -212,7 +212,7 @@ TEST(Api, KeepLowPrecisionGradsLeavesTheShardedGradientsInTheReduceDtype) {
 // reduce-scatter's output (float32 throughout; bf16 kept) and cast copies of it (reduced in bf16,
 // kept in float32). Every dimension divides by each rank count tested, so nothing is padded.
 TEST(Api, ShardedGradientBytesAreCountedAsAllocated) {
-  model::LlamaConfig c = tiny_llama();
+  TestLlamaConfig c = tiny_llama();
   c.vocab = 48, c.dim = 24, c.ffn = 48;  // rows of 48, 24 and 96 (QKV: 24 + 2 x 12)
   struct Case {
     std::optional<at::ScalarType> dtype;  // param and reduce

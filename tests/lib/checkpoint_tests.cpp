@@ -119,7 +119,7 @@ TEST(Checkpoint, AFailedLoadLeavesTheStateAsItWas) {
     state.add_replicated("counter", torch::tensor({7.5f}, on_device()));
     save_checkpoint(dir, state);
   }
-  const auto expect_unchanged_by_a_failed_load = [&](model::LlamaConfig config, const char* what) {
+  const auto expect_unchanged_by_a_failed_load = [&](TestLlamaConfig config, const char* what) {
     auto m = seeded_llama(config, /*seed=*/5);
     shard_blocks_and_root(m);
     CheckpointState state = model_state(*m);

@@ -8,16 +8,16 @@
 namespace fsdp::testing {
 namespace {
 
-model::LlamaConfig float8_llama(bool all_gather, Float8Recipe recipe = Float8Recipe::Tensorwise) {
+TestLlamaConfig float8_llama(bool all_gather, Float8Recipe recipe = Float8Recipe::Tensorwise) {
   auto c = tiny_llama();
   c.float8 = recipe;
   c.float8_all_gather = all_gather;
   return c;
 }
 
-int64_t qkv_rows(const model::LlamaConfig& c) { return (c.n_heads + 2 * c.n_kv_heads) * (c.dim / c.n_heads); }
+int64_t qkv_rows(const TestLlamaConfig& c) { return (c.n_heads + 2 * c.n_kv_heads) * (c.dim / c.n_heads); }
 
-std::vector<torch::Tensor> projection_weights(model::Llama& llama) {
+std::vector<torch::Tensor> projection_weights(TestLlama& llama) {
   std::vector<torch::Tensor> out;
   for (auto& b : llama->blocks)
     for (const auto& w : {b->attn->wqkv->weight, b->attn->wo->weight, b->mlp->w_gate_up->weight, b->mlp->w_down->weight})
@@ -38,7 +38,7 @@ TEST(Float8AllGather, TrainsIdenticallyToCastingAfterTheGather) {
       torch::NoGradGuard no_grad;
       for (auto& w : projection_weights(llama)) w[w.size(0) - 1].mul_(8);
     }
-    auto s = llama_setup(llama, [](model::Llama& m) { shard_blocks_and_root(m); });
+    auto s = llama_setup(llama, [](TestLlama& m) { shard_blocks_and_root(m); });
     s.steps = 4;
     s.before_step = [llama](int step) mutable {
       torch::NoGradGuard no_grad;
@@ -60,7 +60,7 @@ TEST(Float8AllGather, CountsOneBytePerGatheredElement) {
   bf16.mixed_precision.reduce_dtype = torch::kFloat;
   auto block_memory = [&](bool all_gather) {
     auto llama = seeded_llama(float8_llama(all_gather));
-    auto s = llama_setup(llama, [bf16](model::Llama& m) { shard_blocks_and_root(m, bf16); });
+    auto s = llama_setup(llama, [bf16](TestLlama& m) { shard_blocks_and_root(m, bf16); });
     s.steps = 1;
     train(s);
     for (const auto& shape : group_shapes(*llama))

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "fsdp/fsdp.h"
-#include "model/llama.h"
-#include "train/data.h"
+#include "fsdp/planning.h"
+#include "test_llama.h"
 
 namespace fsdp::testing {
 
@@ -28,12 +28,7 @@ inline at::TensorOptions on_device(at::ScalarType dtype = at::kFloat) {
   return at::TensorOptions().dtype(dtype).device(device());
 }
 
-inline model::LlamaConfig tiny_llama() {
-  model::LlamaConfig c;
-  c.vocab = 64, c.dim = 32, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2, c.ffn = 48;
-  c.max_seq = 32;
-  return c;
-}
+inline TestLlamaConfig tiny_llama() { return TestLlamaConfig{}; }
 
 // A model with the awkward cases: a layer whose inputs need no gradient, a
 // frozen layer, a 1-row weight and bias (fewer rows than ranks), a 0-dim
@@ -246,14 +241,13 @@ inline TrainResult train(const TrainSetup& s) {
 
 constexpr int64_t kLlamaSeq = 16;
 
-inline TrainSetup llama_setup(model::Llama llama, std::function<void(model::Llama&)> shard = {}) {
+inline TrainSetup llama_setup(TestLlama llama, std::function<void(TestLlama&)> shard = {}) {
   TrainSetup s;
   s.module = llama.ptr();
-  auto data = std::shared_ptr<train::TokenSource>(train::synthetic_tokens(llama->config.vocab, 99));
-  s.loss = [llama, data](int64_t, int64_t first, int64_t count) mutable {
+  s.loss = [llama](int64_t, int64_t first, int64_t count) mutable {
     const int64_t seq = kLlamaSeq;
     // The same batch every step, so the loss must fall steadily.
-    auto tokens = data->rows(0, first, count, seq).to(device());
+    auto tokens = token_rows(llama->config.vocab, 99, 0, first, count, seq).to(device());
     auto logits = fsdp::forward(llama, tokens.narrow(1, 0, seq));
     return torch::nn::functional::cross_entropy(
         logits.reshape({-1, llama->config.vocab}).to(torch::kFloat),
@@ -268,14 +262,43 @@ inline TrainSetup llama_setup(model::Llama llama, std::function<void(model::Llam
   return s;
 }
 
-inline model::Llama seeded_llama(model::LlamaConfig c, uint64_t seed = 5) {
+inline TestLlama seeded_llama(TestLlamaConfig c, uint64_t seed = 5) {
   c.seed = seed;
-  return model::Llama(c, model::Placement{device()});
+  return TestLlama(c, TestPlacement{device()});
+}
+
+// A schedule (fsdp/plan/cost_model.h) on a TestLlama, as a front end applies the planner's: group
+// 0 the root, group i + 1 block i. The model recomputes the blocks the schedule marks.
+inline void recompute_as_scheduled(TestLlama& m, const plan::Schedule& schedule) {
+  ASSERT_EQ(schedule.recompute.size(), m->blocks.size() + 1);
+  ASSERT_FALSE(schedule.recompute[0]) << "the root is not recomputed";
+  m->config.recompute_blocks = false;
+  m->config.recomputed_blocks.clear();
+  for (size_t i = 1; i < schedule.recompute.size(); ++i)
+    if (schedule.recompute[i]) m->config.recomputed_blocks.push_back(static_cast<int64_t>(i - 1));
+}
+
+// On a sharded model that has run a step: all of the schedule.
+inline void apply_schedule(TestLlama& m, const plan::Schedule& schedule) {
+  recompute_as_scheduled(m, schedule);
+  set_schedule(*m, schedule);
+}
+
+// Shards each block with the schedule's reshard choice, then the root, and sets the rest.
+inline void shard_with_schedule(TestLlama& m, const plan::Schedule& schedule) {
+  recompute_as_scheduled(m, schedule);
+  for (size_t i = 0; i < m->blocks.size(); ++i) {
+    ShardOptions options;
+    options.reshard_after_forward = schedule.reshard_after_forward.at(i + 1);
+    fully_shard(m->blocks[i], options);
+  }
+  fully_shard(m);
+  set_runtime_choices(*m, schedule);
 }
 
 // One forward and backward of `m` on random tokens [2, 9]: the float32 cross-entropy of
 // predicting the last 8 from the first 8 (the logits through fsdp::forward, not the fused loss).
-inline void next_token_backward(model::Llama& m) {
+inline void next_token_backward(TestLlama& m) {
   const int64_t vocab = m->config.vocab;
   auto tokens = torch::randint(0, vocab, {2, 9}, on_device(torch::kLong));
   torch::nn::functional::cross_entropy(fsdp::forward(m, tokens.narrow(1, 0, 8)).reshape({-1, vocab}).to(torch::kFloat),
@@ -283,7 +306,7 @@ inline void next_token_backward(model::Llama& m) {
       .backward();
 }
 
-inline void shard_blocks_and_root(model::Llama& m, const ShardOptions& o = {}) {
+inline void shard_blocks_and_root(TestLlama& m, const ShardOptions& o = {}) {
   for (auto& b : m->blocks) fully_shard(b, o);
   fully_shard(m, o);
 }

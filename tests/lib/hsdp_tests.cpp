@@ -22,7 +22,7 @@ ShardOptions on_mesh(const Mesh& mesh) {
 }
 
 TrainSetup hsdp_setup(const ShardOptions& o, uint64_t seed = 5) {
-  return llama_setup(seeded_llama(tiny_llama(), seed), [o](model::Llama& m) { shard_blocks_and_root(m, o); });
+  return llama_setup(seeded_llama(tiny_llama(), seed), [o](TestLlama& m) { shard_blocks_and_root(m, o); });
 }
 
 // Clipping included: the gradient norm must sum each shard once, not once per replica.

@@ -2,6 +2,8 @@
 // same global batch.
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -9,13 +11,11 @@
 
 #include "helpers.h"
 #include "fsdp/memory_stats.h"
-#include "train/fused_adamw.h"
-#include "train/llama_schedule.h"
 
 namespace fsdp::testing {
 namespace {
 
-TrainResult reference(const model::LlamaConfig& c, double clip = 0, bool sgd = false) {
+TrainResult reference(const TestLlamaConfig& c, double clip = 0, bool sgd = false) {
   auto s = llama_setup(seeded_llama(c));
   s.clip = clip;
   s.sgd = sgd;
@@ -24,7 +24,7 @@ TrainResult reference(const model::LlamaConfig& c, double clip = 0, bool sgd = f
 
 TEST(Parity, BlocksAndRootMatchSingleProcess) {
   auto want = reference(tiny_llama());
-  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); }));
+  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); }));
   expect_same_run(got, want);
   EXPECT_LT(got.losses.back(), got.losses.front());  // it trains
 }
@@ -34,7 +34,7 @@ TEST(Parity, BlocksAndRootMatchSingleProcess) {
 TEST(Parity, TolerancesCatchASmallError) {
   for (bool sgd : {true, false}) {
     auto want = reference(tiny_llama(), 0, sgd);
-    auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+    auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
     s.sgd = sgd;
     s.lr_scale = 1.01;
     EXPECT_THAT(run_differences(train(s), want), ::testing::Not(::testing::IsEmpty())) << (sgd ? "SGD" : "AdamW");
@@ -43,7 +43,7 @@ TEST(Parity, TolerancesCatchASmallError) {
 
 TEST(Parity, SgdMatchesSingleProcessClosely) {
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
   s.sgd = true;
   auto got = train(s);
   expect_same_run(got, want);
@@ -54,7 +54,7 @@ TEST(Parity, SgdMatchesSingleProcessClosely) {
 // sharded gradients of the first.
 TEST(Parity, GradientAccumulationMatchesOneBigBatch) {
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
   s.sgd = true;
   s.micro_batches = 2;
   expect_same_run(train(s), want);
@@ -71,7 +71,7 @@ TEST(Parity, GradientAccumulationWithoutSyncMatchesOneBigBatch) {
     reference.sgd = sgd;
     reference.rows_per_rank = 3;
     const auto want = train(reference);
-    auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+    auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
     s.sgd = sgd;
     s.rows_per_rank = 3;
     s.micro_batches = 3;
@@ -82,7 +82,7 @@ TEST(Parity, GradientAccumulationWithoutSyncMatchesOneBigBatch) {
 
 TEST(Parity, NestedGroupsMatchSingleProcess) {
   auto want = reference(tiny_llama());
-  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
+  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) {
     for (auto& b : m->blocks) {
       fully_shard(b->attn);
       fully_shard(b->mlp);
@@ -96,12 +96,12 @@ TEST(Parity, NestedGroupsMatchSingleProcess) {
 
 TEST(Parity, RootOnlyMatchesSingleProcess) {
   auto want = reference(tiny_llama());
-  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { fully_shard(m); }));
+  auto got = train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { fully_shard(m); }));
   expect_same_run(got, want);
 }
 
 TEST(Parity, OptimizerCreatedBeforeShardingTrainsIdentically) {
-  auto shard = [](model::Llama& m) { shard_blocks_and_root(m); };
+  auto shard = [](TestLlama& m) { shard_blocks_and_root(m); };
   auto after = train(llama_setup(seeded_llama(tiny_llama()), shard));
   auto before_setup = llama_setup(seeded_llama(tiny_llama()), shard);
   before_setup.optimizer_before_shard = true;
@@ -111,10 +111,10 @@ TEST(Parity, OptimizerCreatedBeforeShardingTrainsIdentically) {
 }
 
 TEST(Parity, ReshardAfterForwardOffGivesIdenticalNumbers) {
-  auto on = train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); }));
+  auto on = train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); }));
   ShardOptions keep;
   keep.reshard_after_forward = false;
-  auto off = train(llama_setup(seeded_llama(tiny_llama()), [keep](model::Llama& m) { shard_blocks_and_root(m, keep); }));
+  auto off = train(llama_setup(seeded_llama(tiny_llama()), [keep](TestLlama& m) { shard_blocks_and_root(m, keep); }));
   expect_identical_run(off, on);
 }
 
@@ -122,14 +122,14 @@ TEST(Parity, TiedEmbeddingAndHeadInOneGroup) {
   auto c = tiny_llama();
   c.tie_embeddings = true;
   auto want = reference(c);
-  auto got = train(llama_setup(seeded_llama(c), [](model::Llama& m) { shard_blocks_and_root(m); }));
+  auto got = train(llama_setup(seeded_llama(c), [](TestLlama& m) { shard_blocks_and_root(m); }));
   expect_same_run(got, want);
 }
 
 TEST(Parity, GradientClippingMatchesSingleProcessNorm) {
   const double clip = 0.05;  // small enough to clip every step
   auto want = reference(tiny_llama(), clip);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
   s.clip = clip;
   auto got = train(s);
   ASSERT_EQ(got.grad_norms.size(), want.grad_norms.size());
@@ -183,7 +183,7 @@ TEST(Parity, Bf16MixedPrecisionTracksFp32) {
     bf16.mixed_precision.reduce_dtype = torch::kFloat;
     bf16.cpu_offload = offload;
     auto llama = seeded_llama(tiny_llama());
-    auto got = train(llama_setup(llama, [bf16](model::Llama& m) { shard_blocks_and_root(m, bf16); }));
+    auto got = train(llama_setup(llama, [bf16](TestLlama& m) { shard_blocks_and_root(m, bf16); }));
     // bf16 rounds the gathered parameters and every activation to 8 significant bits (u = 2^-8);
     // a token's loss goes through D such roundings, independent errors adding to sqrt(D) * u
     // relative (about 2.5% for the tiny model's D = 44), and the mean over the batch's tokens only
@@ -210,7 +210,7 @@ TEST(Parity, CpuOffloadMatchesSingleProcess) {
   auto setup = [clip](bool offload) {
     ShardOptions o;
     o.cpu_offload = offload;
-    auto s = llama_setup(seeded_llama(tiny_llama()), [o](model::Llama& m) { shard_blocks_and_root(m, o); });
+    auto s = llama_setup(seeded_llama(tiny_llama()), [o](TestLlama& m) { shard_blocks_and_root(m, o); });
     s.clip = clip;
     s.micro_batches = 2;
     return s;
@@ -290,7 +290,7 @@ TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
   auto c = tiny_llama();
   c.recompute_blocks = true;
-  auto s = llama_setup(seeded_llama(c), [](model::Llama& m) { shard_blocks_and_root(m); });
+  auto s = llama_setup(seeded_llama(c), [](TestLlama& m) { shard_blocks_and_root(m); });
   s.sgd = true;
   expect_same_run(train(s), want);
   // With the order recorded, further steps follow it and are prefetched.
@@ -307,13 +307,13 @@ TEST(Parity, ActivationCheckpointingMatchesSingleProcess) {
 TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   const RuntimeOptions defaults = runtime_options();
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [&defaults](model::Llama& m) {
+  auto s = llama_setup(seeded_llama(tiny_llama()), [&defaults](TestLlama& m) {
     plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
     schedule.recompute[1] = true;
     schedule.reshard_after_forward[2] = false;
     schedule.runtime.prefetch_depth = 2;
     schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
-    train::shard_with_schedule(m, schedule, {});
+    shard_with_schedule(m, schedule);
     EXPECT_EQ(m->config.recomputed_blocks, std::vector<int64_t>{0});
     EXPECT_EQ(runtime_options(*state_of(*m)).prefetch_depth, 2);
     EXPECT_EQ(runtime_options().prefetch_depth, defaults.prefetch_depth);  // the root's, not the default
@@ -321,11 +321,6 @@ TEST(Parity, AppliedScheduleMatchesSingleProcess) {
   s.sgd = true;
   expect_same_run(train(s), want);
   set_runtime_options(defaults);
-  model::Llama unsharded(tiny_llama());
-  plan::Schedule root_recomputed = plan::default_schedule(unsharded->blocks.size() + 1);
-  root_recomputed.recompute[0] = true;
-  EXPECT_THROW(train::shard_with_schedule(unsharded, root_recomputed, {}), std::invalid_argument);
-  EXPECT_THROW(train::shard_with_schedule(unsharded, plan::default_schedule(1), {}), std::invalid_argument);
 }
 
 // A recomputed block kept unsharded from forward to backward is gathered once a step: its
@@ -335,11 +330,11 @@ TEST(Parity, CheckpointedBlockKeptUnshardedIsGatheredOncePerStep) {
   auto want = reference(tiny_llama(), 0, /*sgd=*/true);
   auto run = [&](bool reshard_blocks, long* gathers) {
     const long before = runtime_stats().all_gathers;
-    auto s = llama_setup(seeded_llama(tiny_llama()), [reshard_blocks](model::Llama& m) {
+    auto s = llama_setup(seeded_llama(tiny_llama()), [reshard_blocks](TestLlama& m) {
       plan::Schedule schedule = plan::default_schedule(m->blocks.size() + 1);
       std::fill(schedule.recompute.begin() + 1, schedule.recompute.end(), true);
       std::fill(schedule.reshard_after_forward.begin() + 1, schedule.reshard_after_forward.end(), reshard_blocks);
-      train::shard_with_schedule(m, schedule, {});
+      shard_with_schedule(m, schedule);
     });
     s.sgd = true;
     expect_same_run(train(s), want);
@@ -361,7 +356,7 @@ TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {
   const RuntimeOptions defaults = runtime_options();
   auto run = [](RuntimeOptions o) {
     set_runtime_options(o);
-    return train(llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); }));
+    return train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); }));
   };
   const long prefetches = runtime_stats().prefetches;
   auto base = run(defaults);
@@ -388,7 +383,7 @@ TEST(Parity, BucketingSmallGroupsIssuesFewerCollectives) {
     o.bucket_mb = bucket_mb;
     o.reduce_bucket_max_wait = max_wait;
     set_runtime_options(o);
-    TrainSetup setup = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) {
+    TrainSetup setup = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) {
       for (auto& b : m->blocks) {
         fully_shard(b->attn_norm);
         fully_shard(b->mlp_norm);
@@ -427,9 +422,30 @@ struct StepCase {
   int pending;
 };
 
+// torch's AdamW with one optimizer per parameter, so that any group's parameters step alone.
+class PerParameterAdamW {
+ public:
+  explicit PerParameterAdamW(const std::vector<at::Tensor>& params) : params_(params) {
+    for (const auto& p : params)
+      by_param_[p.unsafeGetTensorImpl()] = std::make_unique<torch::optim::AdamW>(
+          std::vector<at::Tensor>{p}, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  }
+  void step(const std::vector<at::Tensor>& params) {
+    for (const auto& p : params) by_param_.at(p.unsafeGetTensorImpl())->step();
+  }
+  void step() { step(params_); }
+  void zero_grad() {
+    for (const auto& p : params_) p.mutable_grad() = at::Tensor();
+  }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::map<const void*, std::unique_ptr<torch::optim::AdamW>> by_param_;
+};
+
 // The optimizer stepped group by group in backward (set_step_in_backward) computes what one step
-// after backward does: AdamW's update of a parameter reads only its gradient and state, and the
-// fused kernel is elementwise, so the runs are bit-identical, offloaded or not. After each
+// after backward does: AdamW's update of a parameter reads only its gradient and state, and is
+// elementwise, so the runs are bit-identical, offloaded or not. After each
 // backward no gradient is left (only one group's existed at a time), and clipping is refused. On
 // CPU ranks (host memory counted exactly) a backward with the step in it leaves less allocated,
 // by exactly the storage of the gradients the other run's backward leaves.
@@ -451,14 +467,13 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
     std::set<std::thread::id> step_threads;
     std::thread::id backward_thread;
     auto run = [&](bool in_backward) {
-      model::Llama llama = seeded_llama(tiny_llama());
+      TestLlama llama = seeded_llama(tiny_llama());
       ShardOptions blocks, root;
       blocks.cpu_offload = c.offload_blocks;
       root.cpu_offload = c.offload_root;
       for (auto& b : llama->blocks) fully_shard(b, blocks);
       fully_shard(llama, root);
-      train::FusedAdamW adam(llama->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      adam.init_state();
+      PerParameterAdamW adam(llama->parameters());
       if (in_backward)
         set_step_in_backward(llama, [&](const std::vector<at::Tensor>& params) {
           if (++stepping > 1) overlapped = true;
@@ -467,10 +482,10 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
             step_threads.insert(std::this_thread::get_id());
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a window for a second step to overlap
-          adam.step_params(params);
+          adam.step(params);
           --stepping;
         });
-      const auto tokens = train::synthetic_tokens(llama->config.vocab, 5)->rows(0, world()->rank() * 2, 2, 16);
+      const auto tokens = token_rows(llama->config.vocab, 5, 0, world()->rank() * 2, 2, 16);
       TrainResult result;
       for (int step = 0; step < 4; ++step) {
         adam.zero_grad();
@@ -520,7 +535,7 @@ TEST(Parity, AFailedStepInBackwardNamesTheModule) {
     RuntimeOptions options = defaults;
     options.max_pending_host_steps = pending;
     set_runtime_options(options);
-    model::Llama llama = seeded_llama(tiny_llama());
+    TestLlama llama = seeded_llama(tiny_llama());
     ShardOptions offloaded;
     offloaded.cpu_offload = true;
     shard_blocks_and_root(llama, offloaded);
@@ -528,7 +543,7 @@ TEST(Parity, AFailedStepInBackwardNamesTheModule) {
     set_step_in_backward(llama, [&calls](const std::vector<at::Tensor>&) {
       if (++calls == 2) throw std::runtime_error("no room for the moments");
     });
-    const auto tokens = train::synthetic_tokens(llama->config.vocab, 5)->rows(0, world()->rank() * 2, 2, 16);
+    const auto tokens = token_rows(llama->config.vocab, 5, 0, world()->rank() * 2, 2, 16);
     at::Tensor loss = fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
     try {
       loss.backward();

@@ -7,15 +7,14 @@
 #include "fsdp/planning.h"
 #include "helpers.h"
 #include "fsdp/memory_stats.h"
-#include "train/llama_schedule.h"
 
 namespace fsdp::testing {
 namespace {
 
 // Activations large next to parameters, as in real training: the schedules' peaks differ by
 // several times the parameters.
-model::LlamaConfig activation_heavy_llama() {
-  model::LlamaConfig c;
+TestLlamaConfig activation_heavy_llama() {
+  TestLlamaConfig c;
   c.vocab = 256, c.dim = 64, c.n_layers = 4, c.n_heads = 4, c.n_kv_heads = 2, c.ffn = 192;
   c.max_seq = 128;
   return c;
@@ -26,23 +25,22 @@ model::LlamaConfig activation_heavy_llama() {
 // device), through fsdp::ProfilingSteps as both front ends take them.
 void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   count_host_allocations();
-  model::Llama llama = seeded_llama(activation_heavy_llama());
+  TestLlama llama = seeded_llama(activation_heavy_llama());
   shard_blocks_and_root(llama);
   torch::optim::SGD optimizer(llama->parameters(), 0.01);
-  const auto data = std::shared_ptr<train::TokenSource>(train::synthetic_tokens(llama->config.vocab, 7));
   const int64_t rows = 4, seq = 128;
   auto step = [&](const std::function<void()>& start_recording = nullptr) {
     optimizer.zero_grad();
     for (int m = 0; m < micro_batches; ++m) {
       if (!reduce_every) set_requires_gradient_sync(*llama, m == micro_batches - 1);
       if (start_recording && m == micro_batches - 1) start_recording();
-      const auto tokens = data->rows(m, world()->rank() * rows, rows, seq).to(device());
+      const auto tokens = token_rows(llama->config.vocab, 7, m, world()->rank() * rows, rows, seq).to(device());
       fsdp::forward(llama, tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq)).backward();
     }
     optimizer.step();
   };
   ProfilingSteps steps(
-      *llama, [&](const plan::Schedule& schedule) { train::apply_schedule(llama, schedule); }, micro_batches,
+      *llama, [&](const plan::Schedule& schedule) { apply_schedule(llama, schedule); }, micro_batches,
       reduce_every);
   EXPECT_THROW(steps.profile(), std::logic_error);  // nothing profiled yet
   while (!steps.done()) {
@@ -85,7 +83,7 @@ void check_predicted_peaks(int micro_batches, bool reduce_every = true) {
   bucketed.runtime.bucket_mb = plan::bucket_sizes_mb(profile).back();
   for (const auto& [name, schedule] : {std::pair{"none", none}, {"all", all}, {"planned", middle.chosen.schedule},
                                        {"bucketed", bucketed}}) {
-    train::apply_schedule(llama, schedule);
+    apply_schedule(llama, schedule);
     step();
     step();
     reset_peak_allocated(device());
@@ -112,7 +110,7 @@ TEST(Planning, ProfiledCostModelPredictsThePeakOfOtherSchedules) { check_predict
 TEST(Planning, GradientAccumulationPredictsThePeakOfOtherSchedules) {
   check_predicted_peaks(2);
   check_predicted_peaks(3, /*reduce_every=*/false);
-  model::Llama llama = seeded_llama(tiny_llama());
+  TestLlama llama = seeded_llama(tiny_llama());
   shard_blocks_and_root(llama);
   fsdp::forward(llama, torch::zeros({1, 8}, on_device(at::kLong))).sum().backward();
   start_profiled_step();
@@ -124,14 +122,14 @@ TEST(Planning, GradientAccumulationPredictsThePeakOfOtherSchedules) {
 // time); a negative one is an error that leaves no recording open.
 TEST(Planning, RecordedStepsTakeTheUntracedTimeGiven) {
   count_host_allocations();  // on CPU ranks the profile measures host memory
-  model::Llama llama = seeded_llama(tiny_llama());
+  TestLlama llama = seeded_llama(tiny_llama());
   shard_blocks_and_root(llama);
-  const auto tokens = train::synthetic_tokens(llama->config.vocab, 7)->rows(0, world()->rank() * 2, 2, 16);
+  const auto tokens = token_rows(llama->config.vocab, 7, 0, world()->rank() * 2, 2, 16);
   auto step = [&] {
     fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device())).backward();
   };
   step();  // records the forward order
-  train::apply_schedule(llama, profiling_schedule(*llama));
+  apply_schedule(llama, profiling_schedule(*llama));
   start_profiled_step();
   step();
   EXPECT_THROW(finish_profiled_step(*llama, -1.0), std::invalid_argument);
@@ -148,22 +146,22 @@ TEST(Planning, ScheduleSwitchedBetweenStepsMatchesSingleProcess) {
   auto reference_setup = llama_setup(seeded_llama(tiny_llama()));
   reference_setup.sgd = true;
   const auto want = train(reference_setup);
-  auto s = llama_setup(seeded_llama(tiny_llama()), [](model::Llama& m) { shard_blocks_and_root(m); });
+  auto s = llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) { shard_blocks_and_root(m); });
   s.sgd = true;
-  auto llama = std::static_pointer_cast<model::LlamaImpl>(s.module);
+  auto llama = std::static_pointer_cast<TestLlamaImpl>(s.module);
   s.before_step = [llama](int step) mutable {
     if (step != 2) return;
-    model::Llama m(llama);
+    TestLlama m(llama);
     plan::Schedule schedule = profiling_schedule(*m);
     schedule.recompute = {false, true, false};
     schedule.reshard_after_forward = {false, true, false};
     schedule.runtime.prefetch_depth = 2;
     schedule.runtime.max_inflight_allgathers = schedule.runtime.max_inflight_reduce_scatters = 1;
     schedule.runtime.bucket_mb = 1, schedule.runtime.reduce_bucket_max_wait = 1;  // every group is small
-    train::apply_schedule(m, schedule);
+    apply_schedule(m, schedule);
   };
   expect_same_run(train(s), want);
-  EXPECT_EQ(model::Llama(llama)->config.recomputed_blocks, std::vector<int64_t>{0});
+  EXPECT_EQ(TestLlama(llama)->config.recomputed_blocks, std::vector<int64_t>{0});
   // The root's options, not the process-wide default (another root keeps its own schedule).
   const RuntimeOptions root_options = runtime_options(*state_of(*llama));
   EXPECT_EQ(root_options.prefetch_depth, 2);

@@ -9,26 +9,25 @@ namespace fsdp::testing {
 namespace {
 
 // Another shape than tiny_llama's (three blocks: its own execution order), the same vocabulary.
-model::LlamaConfig three_block_llama() {
-  model::LlamaConfig c = tiny_llama();
+TestLlamaConfig three_block_llama() {
+  TestLlamaConfig c = tiny_llama();
   c.n_layers = 3;
   c.ffn = 40;
   return c;
 }
 
-model::Llama frozen_teacher() {
-  model::Llama teacher = seeded_llama(three_block_llama(), 7);
+TestLlama frozen_teacher() {
+  TestLlama teacher = seeded_llama(three_block_llama(), 7);
   for (auto& p : teacher->parameters()) p.requires_grad_(false);
   return teacher;
 }
 
 // The distillation step: the student's loss on the next tokens plus its logits' squared distance
 // to a frozen teacher's, the teacher run forward-only between the student's forward and backward.
-TrainSetup distillation_setup(model::Llama student, model::Llama teacher, bool sharded) {
+TrainSetup distillation_setup(TestLlama student, TestLlama teacher, bool sharded) {
   TrainSetup s = llama_setup(student);
-  auto data = std::shared_ptr<train::TokenSource>(train::synthetic_tokens(student->config.vocab, 99));
-  s.loss = [student, teacher, data](int64_t, int64_t first, int64_t count) mutable {
-    auto tokens = data->rows(0, first, count, kLlamaSeq).to(device());
+  s.loss = [student, teacher](int64_t, int64_t first, int64_t count) mutable {
+    auto tokens = token_rows(student->config.vocab, 99, 0, first, count, kLlamaSeq).to(device());
     auto inputs = tokens.narrow(1, 0, kLlamaSeq);
     auto logits = fsdp::forward(student, inputs).to(torch::kFloat);
     at::Tensor target;
@@ -53,10 +52,10 @@ TrainSetup distillation_setup(model::Llama student, model::Llama teacher, bool s
 
 TEST(Roots, DistillationWithAFrozenTeacherMatchesSingleProcess) {
   const TrainResult want = train(distillation_setup(seeded_llama(tiny_llama()), frozen_teacher(), false));
-  model::Llama teacher = frozen_teacher();
+  TestLlama teacher = frozen_teacher();
   expect_same_run(train(distillation_setup(seeded_llama(tiny_llama()), teacher, true)), want);
   // Forward-only, the teacher kept its weights exactly.
-  model::Llama fresh = frozen_teacher();
+  TestLlama fresh = frozen_teacher();
   const auto kept = full_state_dict(*teacher);
   const auto initial = fresh->named_parameters();
   for (const auto& [name, value] : kept)
@@ -64,9 +63,9 @@ TEST(Roots, DistillationWithAFrozenTeacherMatchesSingleProcess) {
 }
 
 TEST(Roots, TwoRootsSteppingAlternatelyEachMatchTheirReference) {
-  auto setup = [](model::Llama m, bool sharded) {
-    return llama_setup(m, sharded ? std::function<void(model::Llama&)>(
-                                        [](model::Llama& l) { shard_blocks_and_root(l); })
+  auto setup = [](TestLlama m, bool sharded) {
+    return llama_setup(m, sharded ? std::function<void(TestLlama&)>(
+                                        [](TestLlama& l) { shard_blocks_and_root(l); })
                                   : nullptr);
   };
   const TrainResult want_a = train(setup(seeded_llama(tiny_llama()), false));
@@ -89,8 +88,8 @@ TEST(Roots, RootsOnDifferentCommunicatorsTrainTogether) {
   auto setup_a = [&](bool sharded) {
     TrainSetup s = llama_setup(seeded_llama(tiny_llama(), 10 + color));
     if (sharded)
-      s.shard = [m = std::static_pointer_cast<model::LlamaImpl>(s.module), half]() mutable {
-        model::Llama llama(m);
+      s.shard = [m = std::static_pointer_cast<TestLlamaImpl>(s.module), half]() mutable {
+        TestLlama llama(m);
         ShardOptions on_half;
         on_half.comm = half;
         shard_blocks_and_root(llama, on_half);
@@ -100,7 +99,7 @@ TEST(Roots, RootsOnDifferentCommunicatorsTrainTogether) {
   };
   auto setup_b = [](bool sharded) {
     return llama_setup(seeded_llama(three_block_llama(), 6),
-                       sharded ? std::function<void(model::Llama&)>([](model::Llama& l) { shard_blocks_and_root(l); })
+                       sharded ? std::function<void(TestLlama&)>([](TestLlama& l) { shard_blocks_and_root(l); })
                                : nullptr);
   };
   const TrainResult want_a = train(setup_a(false)), want_b = train(setup_b(false));
@@ -115,7 +114,7 @@ TEST(Roots, RootsOnDifferentCommunicatorsTrainTogether) {
 TEST(Roots, EmaKeptAsShardsMatchesSingleProcess) {
   constexpr double kDecay = 0.8;
   auto run = [&](bool sharded) {
-    model::Llama student = seeded_llama(tiny_llama()), ema = seeded_llama(tiny_llama());
+    TestLlama student = seeded_llama(tiny_llama()), ema = seeded_llama(tiny_llama());
     TrainSetup s = llama_setup(student);
     if (sharded)
       s.shard = [student, ema]() mutable {
@@ -141,7 +140,7 @@ TEST(Roots, EmaKeptAsShardsMatchesSingleProcess) {
   // The EMA is a weighted mean of the student's weights over the steps: within the same bound.
   EXPECT_THAT(run_differences(got, want), ::testing::IsEmpty());
 
-  model::Llama student = seeded_llama(tiny_llama()), scratch = seeded_llama(tiny_llama(), 9);
+  TestLlama student = seeded_llama(tiny_llama()), scratch = seeded_llama(tiny_llama(), 9);
   shard_blocks_and_root(student);
   shard_blocks_and_root(scratch);
   const auto before = scratch->named_parameters().values()[0].clone();
@@ -152,7 +151,7 @@ TEST(Roots, EmaKeptAsShardsMatchesSingleProcess) {
 }
 
 TEST(Roots, EmaOfAnotherLayoutIsAnError) {
-  model::Llama student = seeded_llama(tiny_llama()), unsharded = seeded_llama(tiny_llama());
+  TestLlama student = seeded_llama(tiny_llama()), unsharded = seeded_llama(tiny_llama());
   shard_blocks_and_root(student);
   try {
     ema_update_(*unsharded, *student, 0.9);
@@ -167,9 +166,9 @@ TEST(Roots, EmaOfAnotherLayoutIsAnError) {
 // and leaves memory where it was: the sharded baseline.
 TEST(Roots, ForwardOnlyReturnsToTheShardedBaseline) {
   count_host_allocations();
-  model::Llama llama = seeded_llama(tiny_llama());
+  TestLlama llama = seeded_llama(tiny_llama());
   shard_blocks_and_root(llama);
-  const auto tokens = train::synthetic_tokens(llama->config.vocab, 3)->rows(0, 0, 2, kLlamaSeq).to(device());
+  const auto tokens = token_rows(llama->config.vocab, 3, 0, 0, 2, kLlamaSeq).to(device());
   const auto inputs = tokens.narrow(1, 0, kLlamaSeq);
   fsdp::forward(llama, inputs).sum().backward();  // a training step first: records orders, makes gradients
   for (auto& p : llama->parameters()) p.mutable_grad() = at::Tensor();
@@ -198,7 +197,7 @@ TEST(Roots, RuntimeOptionsOfOneRootLeaveTheOthersOnTheDefault) {
   RuntimeOptions no_prefetch = runtime_options();
   no_prefetch.prefetch_depth = 0;
   set_runtime_options(own, no_prefetch);
-  auto prefetches_of_a_step = [&](model::Llama& m) {
+  auto prefetches_of_a_step = [&](TestLlama& m) {
     const long before = runtime_stats().prefetches;
     next_token_backward(m);
     return runtime_stats().prefetches - before;

@@ -3,7 +3,7 @@
 
   layering.py REPO
 
-- The library (include/fsdp/, src/) never includes the trainer (trainer/).
+- The library (include/fsdp/, src/) and its tests (tests/lib/) never include the trainer (trainer/).
 - The trainer includes the library only through its public headers ("fsdp/..."), the I/O
   layer's file helpers ("io/files.h") and the CUDA kernels' shared helpers ("kernels/..."),
   besides its own "model/..." and "train/...".
@@ -40,6 +40,11 @@ def main():
                 continue
             problems.append(f"{os.path.relpath(path, repo)} includes \"{inc}\": the trainer uses the library "
                             "through include/fsdp/ (and io/files.h, kernels/) only")
+    for path in sources(f"{repo}/tests/lib"):
+        for inc in includes(path):
+            if inc.split("/")[0] in trainer_folders:
+                problems.append(f"{os.path.relpath(path, repo)} includes \"{inc}\": the library's tests use the "
+                                "library alone (their model: tests/lib/test_llama.h)")
     edges = {}
     for root, folder_of in ((f"{repo}/src", lambda p: os.path.relpath(p, f"{repo}/src").split("/")[0]),
                             (f"{repo}/include/fsdp", lambda p: "fsdp")):

@@ -10,6 +10,7 @@
 
 #include "train/data.h"
 #include "train/fused_adamw.h"
+#include "train/llama_schedule.h"
 #include "train/lineage.h"
 #include "train/lr_schedule.h"
 #include "train/step_log.h"
@@ -74,6 +75,17 @@ TEST(StepLog, PrintsEveryNthStepWithTheTimeLeftAndLogsEveryStep) {
   EXPECT_EQ(fsdp::train::eta_text(1000, 45), "45s");
   EXPECT_EQ(fsdp::train::eta_text(1000, 192), "3m12s");
   EXPECT_EQ(fsdp::train::eta_text(1000, 7500), "2h05m");
+}
+
+// A schedule that is not the Llama's groups (the root and each block), or recomputes the root, is
+// refused before anything is sharded.
+TEST(LlamaSchedule, ScheduleOfOtherGroupsOrARecomputedRootIsRefused) {
+  fsdp::model::LlamaConfig config;
+  fsdp::model::Llama llama(config);
+  fsdp::plan::Schedule root_recomputed = fsdp::plan::default_schedule(llama->blocks.size() + 1);
+  root_recomputed.recompute[0] = true;
+  EXPECT_THROW(fsdp::train::shard_with_schedule(llama, root_recomputed, {}), std::invalid_argument);
+  EXPECT_THROW(fsdp::train::shard_with_schedule(llama, fsdp::plan::default_schedule(1), {}), std::invalid_argument);
 }
 
 TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
