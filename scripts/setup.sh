@@ -69,6 +69,8 @@ fi
 # fsdp-train --tensorboard writes through TensorBoard's own writer (torch.utils.tensorboard).
 "$PYTHON" -c 'import tensorboard' 2>/dev/null || pip_install tensorboard \
   || log "no tensorboard; fsdp-train --tensorboard and its test will fail"
+# fsdp-train --wandb logs through wandb itself (its test logs offline).
+"$PYTHON" -c 'import wandb' 2>/dev/null || pip_install wandb || log "no wandb; fsdp-train --wandb and its test will fail"
 # pip install . (docs/python.md) builds through scikit-build-core, without build isolation.
 "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core \
   || log "no scikit-build-core; pip install . of the Python package will fail"

@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   // ending the rank without a word.
   fsdp::train::install_stop_handlers();
   std::signal(SIGXFSZ, SIG_IGN);
-  // A --tensorboard writer that died must not end the run: its pipe's writes fail instead.
+  // A --tensorboard or --wandb writer that died must not end the run: its pipe's writes fail instead.
   std::signal(SIGPIPE, SIG_IGN);
   fsdp::train::TrainArgs args;
   try {

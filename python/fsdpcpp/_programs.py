@@ -26,7 +26,7 @@ def _run(name):
                  "(pip install . from the repository builds them)")
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(_library_dirs() + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
-    env.setdefault("FSDP_PYTHON", sys.executable)  # fsdp-train --tensorboard's writer: this python has fsdpcpp
+    env.setdefault("FSDP_PYTHON", sys.executable)  # fsdp-train's --tensorboard and --wandb writers: this python has fsdpcpp
     os.execve(program, [name] + sys.argv[1:], env)
 
 

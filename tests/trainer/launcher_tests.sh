@@ -28,8 +28,9 @@
 #                                             every schedule is refused
 #                                             with the smallest that fits (exit 2); the profile's cost
 #                                             model written (--cost-model) and projected (--project)
-#   launcher_tests.sh BUILD_DIR tensorboard   --tensorboard: TensorBoard's reader finds the logged steps;
-#                                             a python without the writer is refused (exit 2)
+#   launcher_tests.sh BUILD_DIR metrics       --tensorboard and --wandb (offline): TensorBoard's reader and
+#                                             W&B's run file hold the logged steps; a python without the
+#                                             writers is refused (exit 2)
 #   launcher_tests.sh BUILD_DIR diverge [cpu|gpu]  --lr 1e8: the first non-finite step stops the run (exit 1),
 #                                             nothing saved or exported after it; --max-skipped-steps
 #                                             skips such steps without touching the state, then stops
@@ -328,28 +329,58 @@ signal)
   fi
   echo "SIG$sig: fsdp-run exited $code, $ranks process(es) under it all gone: ok"
   ;;
-tensorboard)
-  # --tensorboard: TensorBoard's own reader finds each step's loss and learning rate as logged.
-  "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 4 --log "$work/log.jsonl" --tensorboard "$work/tb" \
-    >"$work/out" 2>&1 || { cat "$work/out"; fail "the run with --tensorboard failed"; }
-  grep -qF "TensorBoard in $work/tb" "$work/out" || { cat "$work/out"; fail "no TensorBoard line"; }
-  "$build/python" - "$work/log.jsonl" "$work/tb" <<'PY' || fail "the event files do not hold the logged steps"
-import json, sys
+metrics)
+  # --tensorboard and --wandb in one run: TensorBoard's own reader finds each step's loss and learning
+  # rate as logged; so does the offline W&B run's file, with the run's id as its name and the flags
+  # given as its config.
+  WANDB_MODE=offline WANDB_DIR="$work" WANDB_SILENT=true "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 4 \
+    --log "$work/log.jsonl" --tensorboard "$work/tb" --wandb fsdp-test >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the run with --tensorboard and --wandb failed"; }
+  grep -qF "TensorBoard in $work/tb, W&B project fsdp-test" "$work/out" || { cat "$work/out"; fail "no metrics line"; }
+  "$build/python" - "$work/log.jsonl" "$work" <<'PY' || fail "the metrics files do not hold the logged steps"
+import glob, json, struct, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
 logged = [json.loads(line) for line in open(sys.argv[1])]
-events = EventAccumulator(sys.argv[2]).Reload()
-for tag, key in (("train/loss", "loss"), ("train/lr", "lr")):
-    got = [(e.step, e.value) for e in events.Scalars(tag)]
-    want = [(r["step"], r[key]) for r in logged]
-    assert len(got) == 4 and all(a == c and abs(b - d) <= 1e-6 * abs(d) for (a, b), (c, d) in zip(got, want)), (tag, got, want)
+want = {key: [(r["step"], r[key]) for r in logged] for key in ("loss", "lr")}
+def same(got, want):
+    return len(got) == 4 and all(a == c and abs(b - d) <= 1e-6 * abs(d) for (a, b), (c, d) in zip(got, want))
+events = EventAccumulator(sys.argv[2] + "/tb").Reload()
+for key in want:
+    got = [(e.step, e.value) for e in events.Scalars("train/" + key)]
+    assert same(got, want[key]), ("tensorboard", key, got, want[key])
 assert "perf/tflops_per_gpu" in events.Tags()["scalars"], events.Tags()
+# W&B's run file: a 7-byte header, then LevelDB-log records in 32 KiB blocks (a 4-byte checksum, a
+# 2-byte length and a 1-byte type before each piece; type 1 a whole record, 4 a split one's last).
+path, = glob.glob(sys.argv[2] + "/wandb/offline-run-*/run-*.wandb")
+data, records, piece, pos = open(path, "rb").read(), [], b"", 7
+while pos + 7 <= len(data):
+    if 32768 - pos % 32768 < 7:
+        pos += 32768 - pos % 32768
+        continue
+    length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+    piece, pos = piece + data[pos + 7:pos + 7 + length], pos + 7 + length
+    if kind in (1, 4):
+        records.append(wandb_internal_pb2.Record.FromString(piece))
+        piece = b""
+history = [(r.history.step.num, {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
+           for r in records if r.HasField("history")]
+for key in want:
+    got = [(step, items["train/" + key]) for step, items in history]
+    assert same(got, want[key]), ("wandb", key, got, want[key])
+run, = [r.run for r in records if r.HasField("run")]
+config = {u.key: json.loads(u.value_json) for u in run.config.update}
+assert run.project == "fsdp-test" and run.display_name, (run.project, run.display_name)  # named by the run's id
+assert config.get("model") == "tiny" and config.get("steps") == "4", config  # the flags as given
 PY
-  # A python without the writer is refused before the run starts.
-  FSDP_PYTHON=/bin/false "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 2 --tensorboard "$work/tb2" \
-    >"$work/out" 2>&1
-  code=$?
-  [ "$code" = 2 ] && grep -qF -- "--tensorboard: " "$work/out" || { cat "$work/out"; fail "exit $code, no refusal"; }
-  echo "TensorBoard events hold the logged steps; a python without the writer refused: ok"
+  # A python without the writers is refused before the run starts.
+  for flag in --tensorboard --wandb; do
+    FSDP_PYTHON=/bin/false "$run" -n 2 --cpu "$train" --model tiny --seq 32 --steps 2 "$flag" "$work/other" \
+      >"$work/out" 2>&1
+    code=$?
+    [ "$code" = 2 ] && grep -qF -- "$flag: " "$work/out" || { cat "$work/out"; fail "$flag: exit $code, no refusal"; }
+  done
+  echo "TensorBoard events and the W&B run hold the logged steps; a python without the writers refused: ok"
   ;;
 budget)
   common=(-n 2 --cpu "$train" --model tiny --seq 32)

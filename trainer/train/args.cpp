@@ -27,7 +27,7 @@
 #include "train/data.h"
 #include "train/lineage.h"
 #include "train/memory.h"
-#include "train/tensorboard_bridge.h"
+#include "train/metrics_bridge.h"
 
 namespace fsdp::train {
 namespace {
@@ -178,6 +178,12 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "rank 0 also writes each step's loss, lr, grad norm, tokens/s, TFLOP/s a GPU and memory as "
         "TensorBoard scalars in DIR (python -m fsdpcpp.tensorboard, TensorBoard's own writer)",
         text(a.tensorboard)}},
+      {"--wandb",
+       {Topic::Logs,
+        "rank 0 also logs the same scalars as a Weights & Biases run in PROJECT, named by the run's id, "
+        "its config the flags given (python -m fsdpcpp.wandb, wandb itself; W&B's environment applies: "
+        "WANDB_MODE=offline, WANDB_DIR, WANDB_ENTITY)",
+        text(a.wandb)}},
       {"--log-every",
        {Topic::Logs,
         "steps between progress lines (also the first, the last and any skipped or evaluated "
@@ -887,7 +893,8 @@ model::LlamaConfig model_config(const TrainArgs& a) {
 std::string model_name(const TrainArgs& a) { return model::has_hf_config(a.init_from) ? a.init_from : a.model; }
 
 void check_train_args_on_this_machine(const TrainArgs& a) {
-  if (!a.tensorboard.empty()) check_tensorboard_writer();
+  if (!a.tensorboard.empty()) check_metrics_writer(kTensorboardWriter);
+  if (!a.wandb.empty()) check_metrics_writer(kWandbWriter);
   if (!a.init_from.empty()) {
     require(io::exists(a.init_from), "--init-from: '" + a.init_from + "' does not exist");
     if (model::has_hf_config(a.init_from)) {

@@ -42,6 +42,7 @@ struct TrainArgs {
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)
   int log_every = 1;  // steps between progress lines (the log keeps every step)
   std::string tensorboard;  // rank 0 also writes the step lines as TensorBoard scalars here
+  std::string wandb;        // and as a W&B run in this project
   double timeout_s = 0;
   RuntimeOptions runtime;
   std::string save_init;  // file for the initial full weights (rank 0)

@@ -33,14 +33,17 @@ std::string eta_text(double step_ms, int steps_left) {
   return text;
 }
 
-StepLog::StepLog(const std::string& path, int print_every, const std::string& tensorboard) : print_every_(print_every) {
+StepLog::StepLog(const std::string& path, int print_every) : print_every_(print_every) {
   const std::string dir = io::parent_of(path);
   if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>-<run>/
   file_ = io::LockedFile::open(path);
   if (!file_)
     throw UsageError("--log: '" + path + "' is being written by another run (it holds the file's lock): give this "
                      "run a --log of its own");
-  if (!tensorboard.empty()) tensorboard_ = std::make_unique<TensorboardBridge>(tensorboard);
+}
+
+void StepLog::add_writer(const MetricsWriter& writer, const std::vector<std::string>& args, const std::string& where) {
+  writers_.emplace_back(std::make_unique<MetricsBridge>(writer, args), where);
 }
 
 void StepLog::write(const StepRecord& r) {
@@ -104,9 +107,19 @@ void StepLog::write(const StepRecord& r) {
   }
   const std::string text = line.dump();
   file_->write(text + "\n");
-  if (tensorboard_) tensorboard_->send(text);
+  for (auto& [bridge, where] : writers_) bridge->send(text);
 }
 
-std::string StepLog::close_tensorboard() { return tensorboard_ ? tensorboard_->close() : ""; }
+std::string StepLog::close_writers() {
+  std::string wrote;
+  for (auto& [bridge, where] : writers_) {
+    const std::string error = bridge->close();
+    if (error.empty())
+      wrote += ", " + std::string(bridge->writer().where) + where;
+    else
+      std::fprintf(stderr, "fsdp-train: warning: %s\n", error.c_str());
+  }
+  return wrote;
+}
 
 }  // namespace fsdp::train

@@ -7,12 +7,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "fsdp/runtime_options.h"
 #include "io/files.h"
 #include "train/evaluate.h"
 #include "train/memory.h"
-#include "train/tensorboard_bridge.h"
+#include "train/metrics_bridge.h"
 
 namespace fsdp::train {
 
@@ -46,19 +48,21 @@ std::string eta_text(double step_ms, int steps_left);
 class StepLog {
  public:
   // `print_every`: steps between progress lines (--log-every); the log gets every step.
-  // `tensorboard`: a directory the lines also go to as TensorBoard scalars (--tensorboard), or "".
-  StepLog(const std::string& path, int print_every = 1, const std::string& tensorboard = "");
+  StepLog(const std::string& path, int print_every = 1);
+  // Hands each later line to `writer` too (--tensorboard, --wandb), started with `args`; `where`
+  // names what it writes to (a directory, a project).
+  void add_writer(const MetricsWriter& writer, const std::vector<std::string>& args, const std::string& where);
   // Appends the step's JSON line; prints its progress line every print_every steps, and for the
   // run's first and last steps and any skipped or evaluated one.
   void write(const StepRecord& record);
   const std::string& path() const { return file_->path(); }
-  // Waits for the TensorBoard writer to finish its files: "" when it did (or there is none), else
-  // what went wrong.
-  std::string close_tensorboard();
+  // Waits for the writers to finish their files and warns on stderr of each that failed (the run's
+  // outcome stays: the log has every step). Returns where the others wrote: ", TensorBoard in DIR".
+  std::string close_writers();
 
  private:
   std::unique_ptr<io::LockedFile> file_;
-  std::unique_ptr<TensorboardBridge> tensorboard_;
+  std::vector<std::pair<std::unique_ptr<MetricsBridge>, std::string>> writers_;  // and where each writes
   int print_every_;
   bool printed_ = false;
   std::deque<double> recent_ms_;  // the last steps' times, for the time left

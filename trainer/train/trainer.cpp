@@ -230,10 +230,16 @@ void Trainer::claim_outputs() {
                            "): wait for it to end, or save elsewhere");
         save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
       }
-      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every, args_.tensorboard);
+      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every);
       const std::string flags_file = write_given_flags(args_, step_log_->path());
       if (!flags_file.empty())
         std::printf("fsdp-train: the flags given are in %s (--config reads them back)\n", flags_file.c_str());
+      if (!args_.tensorboard.empty()) step_log_->add_writer(kTensorboardWriter, {args_.tensorboard}, args_.tensorboard);
+      if (!args_.wandb.empty()) {  // the run's id names it; its config is the flags given
+        std::vector<std::string> wandb_args = {args_.wandb, "--name", run_id_};
+        if (!flags_file.empty()) wandb_args.insert(wandb_args.end(), {"--config", flags_file});
+        step_log_->add_writer(kWandbWriter, wandb_args, args_.wandb);
+      }
     } catch (const UsageError& e) {
       refusal = e.what();
     }
@@ -536,12 +542,9 @@ int Trainer::finish() {
   if (!args_.memory_snapshot.empty()) write_memory_snapshot(device_, rank_path(args_.memory_snapshot, comm_->rank(), ".pickle"));
   if (sampler_) sampler_->close();
   if (step_log_) {
-    // Metrics beside the log: a writer that failed is said, the run's outcome stays (the log has every step).
-    const std::string tensorboard_error = step_log_->close_tensorboard();
-    if (!tensorboard_error.empty()) std::fprintf(stderr, "fsdp-train: warning: %s\n", tensorboard_error.c_str());
+    const std::string wrote = step_log_->close_writers();
     std::printf("fsdp-train: %s, log in %s%s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str(),
-                args_.tensorboard.empty() || !tensorboard_error.empty() ? ""
-                                                                        : (", TensorBoard in " + args_.tensorboard).c_str());
+                wrote.c_str());
   }
   shutdown();
   return exit_code_;

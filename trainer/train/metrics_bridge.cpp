@@ -1,4 +1,4 @@
-#include "train/tensorboard_bridge.h"
+#include "train/metrics_bridge.h"
 
 #include <sys/wait.h>
 
@@ -8,6 +8,10 @@
 #include "train/args.h"
 
 namespace fsdp::train {
+
+const MetricsWriter kTensorboardWriter{"--tensorboard", "tensorboard", "torch.utils.tensorboard", "tensorboard",
+                                       "TensorBoard in "};
+const MetricsWriter kWandbWriter{"--wandb", "wandb", "wandb", "wandb", "W&B project "};
 
 namespace {
 
@@ -31,32 +35,35 @@ std::string python_command(const std::string& args) {
 
 }  // namespace
 
-void check_tensorboard_writer() {
-  const std::string command = python_command("-c 'import fsdpcpp.tensorboard, torch.utils.tensorboard' 2>&1");
+void check_metrics_writer(const MetricsWriter& writer) {
+  const std::string command =
+      python_command("-c 'import fsdpcpp." + std::string(writer.module) + ", " + writer.imports + "' 2>&1");
   if (std::system(command.c_str()) != 0)
-    throw UsageError("--tensorboard: '" + command + "' failed (its message is above): pip install tensorboard "
-                     "into that python, or set FSDP_PYTHON to one that has it");
+    throw UsageError(std::string(writer.flag) + ": '" + command + "' failed (its message is above): pip install " +
+                     writer.package + " into that python, or set FSDP_PYTHON to one that has it");
 }
 
-TensorboardBridge::TensorboardBridge(const std::string& dir) : dir_(dir) {
-  const std::string command = python_command("-m fsdpcpp.tensorboard " + shell_quoted(dir));
+MetricsBridge::MetricsBridge(const MetricsWriter& writer, const std::vector<std::string>& args) : writer_(writer) {
+  std::string command_args = "-m fsdpcpp." + std::string(writer.module);
+  for (const std::string& arg : args) command_args += " " + shell_quoted(arg);
+  const std::string command = python_command(command_args);
   pipe_ = ::popen(command.c_str(), "w");
-  if (!pipe_) throw std::runtime_error("--tensorboard: cannot start '" + command + "'");
+  if (!pipe_) throw std::runtime_error(std::string(writer.flag) + ": cannot start '" + command + "'");
 }
 
-TensorboardBridge::~TensorboardBridge() { close(); }
+MetricsBridge::~MetricsBridge() { close(); }
 
-void TensorboardBridge::send(const std::string& json_line) {
+void MetricsBridge::send(const std::string& json_line) {
   if (!pipe_ || failed_) return;
   if (std::fputs((json_line + "\n").c_str(), pipe_) < 0 || std::fflush(pipe_) != 0) failed_ = true;
 }
 
-std::string TensorboardBridge::close() {
+std::string MetricsBridge::close() {
   if (!pipe_) return "";
   const int status = ::pclose(pipe_);
   pipe_ = nullptr;
   if (!failed_ && status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return "--tensorboard: the writer of " + dir_ + " failed (exit status " +
+  return std::string(writer_.flag) + ": its writer (python -m fsdpcpp." + writer_.module + ") failed (exit status " +
          std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
          "; its message is above); the JSONL log has every step";
 }
