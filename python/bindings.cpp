@@ -1,6 +1,7 @@
 // fsdpcpp._C: the Python package's binding of the library's module-agnostic core (fsdp/group.h)
 // and of the rest of its public API that a Python front end needs. Python finds the groups in its
 // module tree and registers the hooks (fsdpcpp/_fully_shard.py); everything else runs here, in C++.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/functional.h>
@@ -75,6 +76,19 @@ void install_crash_backtrace() {
   for (int sig : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE}) signal(sig, print_native_frames);
 }
 
+// fsdpcpp.init's backend name and timeout as the library's options.
+fsdp::InitOptions init_options(const std::string& backend, std::optional<double> timeout_s) {
+  fsdp::InitOptions options;
+  options.backend = backend == "mpi" ? fsdp::Backend::Mpi : backend == "nccl" ? fsdp::Backend::Nccl : fsdp::Backend::Auto;
+  if (timeout_s) options.timeout = std::chrono::milliseconds(static_cast<long long>(*timeout_s * 1000));
+  return options;
+}
+
+// (rank, world size, device, backend): what fsdpcpp.init keeps of the communicator.
+py::tuple described(const std::shared_ptr<fsdp::Communicator>& comm) {
+  return py::make_tuple(comm->rank(), comm->world_size(), comm->device().str(), std::string(comm->backend()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -93,15 +107,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init",
       [](const std::string& backend, std::optional<double> timeout_s) {
-        fsdp::InitOptions options;
-        options.backend = backend == "mpi" ? fsdp::Backend::Mpi
-                          : backend == "nccl" ? fsdp::Backend::Nccl
-                                              : fsdp::Backend::Auto;
-        if (timeout_s) options.timeout = std::chrono::milliseconds(static_cast<long long>(*timeout_s * 1000));
-        auto comm = fsdp::init(options);
-        return py::make_tuple(comm->rank(), comm->world_size(), comm->device().str(), std::string(comm->backend()));
+        return described(fsdp::init(init_options(backend, timeout_s)));
       },
       py::arg("backend") = "auto", py::arg("timeout_s") = py::none());
+  // A torch.distributed process group (torch's Gloo on CPU ranks) as the world's communicator.
+  m.def(
+      "init_from_process_group",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::optional<double> timeout_s) {
+        return described(fsdp::init_from_process_group(group, init_options("auto", timeout_s)));
+      },
+      py::arg("group"), py::arg("timeout_s") = py::none());
   m.def("initialized", [] {
     try {
       fsdp::default_communicator();

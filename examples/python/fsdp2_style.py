@@ -30,7 +30,7 @@ parser.add_argument("--compile", action="store_true", help="torch.compile each l
 parser.add_argument("--save", help="a DCP checkpoint into this directory after step --save-at")
 parser.add_argument("--save-at", type=int, default=0)
 parser.add_argument("--resume", help="continue from a DCP checkpoint (written by either runtime)")
-parser.add_argument("--log", help="rank 0 writes each step's loss and gradient norm here (JSON lines)")
+parser.add_argument("--jsonl", help="rank 0 writes each step's loss and gradient norm here (JSON lines)")
 args = parser.parse_args()
 
 if args.runtime == "fsdpcpp":
@@ -76,7 +76,7 @@ if args.resume:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     first = int(state["step"])
 
-log = open(args.log, "a") if args.log and rank == 0 else None
+log = open(args.jsonl, "a") if args.jsonl and rank == 0 else None
 for step in range(first, args.steps):
     # Learnable rows: each repeats a random pattern of 8 tokens, this rank's own.
     pattern = torch.randint(0, 256, (8, 8), generator=torch.Generator().manual_seed(step * world + rank))

@@ -19,7 +19,13 @@
 #include <optional>
 #include <string>
 
+#include <c10/util/intrusive_ptr.h>
+
 #include "fsdp/communicator.h"
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
 
 namespace fsdp {
 
@@ -62,6 +68,13 @@ struct InitOptions {
 /// Creates the world communicator from the launch environment and makes it the
 /// default one fully_shard uses. With NCCL it also selects cuda:LOCAL_RANK.
 std::shared_ptr<Communicator> init(const InitOptions& options = {});
+/// Makes the default communicator, as init() does, over a torch.distributed process group the
+/// program already made, for CPU tensors: torch's Gloo, built into libtorch. How CPU ranks meet
+/// without mpirun (under torchrun: the Python front end's `fsdpcpp.init(backend="gloo")`). Takes
+/// options' timeout and group name; its collectives are Gloo's, slower than MPI's, and it cannot
+/// be split into a mesh's groups (HSDP).
+std::shared_ptr<Communicator> init_from_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                      const InitOptions& options = {});
 /// The communicator made by init(); throws if init() was not called.
 std::shared_ptr<Communicator> default_communicator();
 /// Forgets the default communicator (it is destroyed once nothing else holds it).

@@ -64,8 +64,27 @@ def _ensure_process_group() -> None:
         host = bytes(address[2:2 + int(address[1])].tolist()).decode()
         store = dist.TCPStore(host, int(address[0]), world_size(), is_master=False)
     backend = "cpu:gloo,cuda:nccl" if device().type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank(), world_size=world_size())
-    # Ended before the interpreter's own shutdown, which would stop gloo's threads mid-call.
+    _make_process_group(backend, store=store, rank=rank(), world_size=world_size())
+
+
+def gloo_world():
+    """A gloo process group over every rank, for fsdp.cpp's collectives alone: how CPU ranks meet
+    without mpirun (fsdpcpp.init's "gloo" backend). Its own group, not the default one, so that the
+    script's collectives (DCP's, say) and fsdp.cpp's never wait on each other's order. The default
+    group is made first from torchrun's variables (or for this process alone, without any) where
+    the script made none."""
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+            _make_process_group("gloo")
+        else:
+            _make_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.new_group(backend="gloo")
+
+
+def _make_process_group(backend: str, **how) -> None:
+    """dist.init_process_group, ended at exit before the interpreter's own shutdown (which would
+    stop gloo's threads mid-call) unless this rank dies of an exception."""
+    dist.init_process_group(backend, **how)
     atexit.register(_destroy_process_group)
     previous_hook = sys.excepthook
 

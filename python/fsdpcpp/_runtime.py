@@ -1,5 +1,6 @@
 """The process's communicator and the runtime's process-wide settings."""
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -31,7 +32,10 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     SLURM_LOCALID), a PMI launcher's (PMI_RANK, PMI_SIZE, with MASTER_ADDR and MASTER_PORT), or
     none (one process); an environment that says there are several ranks but gives no way to join
     them raises ValueError rather than run as one process alone. backend "auto" takes NCCL
-    where CUDA is available (and selects cuda:LOCAL_RANK), else MPI. Works beside a process group
+    where CUDA is available (and selects cuda:LOCAL_RANK), else MPI, or under torchrun without
+    mpirun torch's gloo ("gloo": collectives through torch.distributed's default process group,
+    made here from torchrun's variables where the script made none; no MPI needed, slower than
+    MPI's, no HSDP mesh). Works beside a process group
     the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
     communicator). On GPUs it turns on the caching allocator's expandable segments unless
     PYTORCH_CUDA_ALLOC_CONF is set; on CPU ranks it counts host allocations from here on (for
@@ -41,10 +45,17 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     global _info
     if _info is not None:
         return
-    if backend not in ("auto", "mpi", "nccl"):
-        raise ValueError(f"fsdpcpp.init: backend must be 'auto', 'mpi' or 'nccl', not {backend!r}")
-    _move_off_the_process_groups_port()
-    rank_, world, device_, backend_name = _C.init(backend, timeout_s)
+    if backend not in ("auto", "mpi", "nccl", "gloo"):
+        raise ValueError(f"fsdpcpp.init: backend must be 'auto', 'mpi', 'nccl' or 'gloo', not {backend!r}")
+    if backend == "gloo" or (backend == "auto" and _torchrun_on_cpu()):
+        from ._dtensor import gloo_world
+        rank_, world, device_, backend_name = _C.init_from_process_group(gloo_world(), timeout_s)
+        # The communicator lets its process group go before torch.distributed's own end at exit
+        # (atexit runs this first) and long before the interpreter's.
+        atexit.register(_C.shutdown)
+    else:
+        _move_off_the_process_groups_port()
+        rank_, world, device_, backend_name = _C.init(backend, timeout_s)
     _info = (rank_, world, torch.device(device_), backend_name)
     if _info[2].type == "cpu":
         _C.count_host_allocations()  # what the planner's profile measures on CPU ranks (allocated_bytes)
@@ -56,6 +67,11 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
             # near allocated). A PYTORCH_CUDA_ALLOC_CONF of the user's, even empty, wins.
             # (torch 2.11 names the setter here; torch.cuda.memory's old name warns.)
             torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+
+
+def _torchrun_on_cpu() -> bool:
+    """Ranks torchrun started (its variables, not mpirun's) on a machine without CUDA."""
+    return "RANK" in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and not torch.cuda.is_available()
 
 
 def _move_off_the_process_groups_port():

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "comm/process_group_communicator.h"
 #ifdef FSDP_WITH_MPI
 #include "comm/mpi_communicator.h"
 #endif
@@ -26,6 +27,13 @@ namespace {
 
 std::mutex g_mutex;
 std::shared_ptr<Communicator> g_default;
+
+// `comm` becomes the default communicator (init, init_from_process_group).
+std::shared_ptr<Communicator> make_default(std::shared_ptr<Communicator> comm) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_default = comm;
+  return comm;
+}
 
 int parse_int(const char* name, const char* value) {
   char* end = nullptr;
@@ -290,10 +298,12 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
   LaunchEnv env = launch_env_from_process();
   Backend backend = options.backend;
   if (backend == Backend::Auto) backend = cuda_usable() ? Backend::Nccl : Backend::Mpi;
-  auto comm = make_communicator(backend, env, options);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_default = comm;
-  return comm;
+  return make_default(make_communicator(backend, env, options));
+}
+
+std::shared_ptr<Communicator> init_from_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                      const InitOptions& options) {
+  return make_default(std::make_shared<ProcessGroupCommunicator>(group, options.group_name, timeout_from(options)));
 }
 
 std::shared_ptr<Communicator> default_communicator() {

@@ -955,7 +955,7 @@ def main():
     SEQ = args.seq
     torch.set_num_threads(1)
     if args.case != "beside_process_group":
-        fsdpcpp.init()  # CPU ranks under mpirun: MPI; GPUs (fsdp-run --gpu): NCCL, cuda:LOCAL_RANK
+        fsdpcpp.init()  # CPU ranks: MPI under mpirun, gloo under torchrun; GPUs (fsdp-run --gpu): NCCL
         if fsdpcpp.device().type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             probe = torch.empty(1 << 20, device=fsdpcpp.device())
             segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == fsdpcpp.device().index]

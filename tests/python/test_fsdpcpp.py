@@ -28,10 +28,17 @@ cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
 GLOO_EXIT_ABORT = ("terminate called without an active exception", "ProcessGroupGloo7runLoop")
 
 
-def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120, env=None):
+def launch(ranks, launcher="fsdp-run"):
+    """The command that starts `ranks` processes of a python script: fsdp-run (mpirun on CPU ranks),
+    or torchrun (CPU ranks then meet through torch's gloo: no MPI)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable]
+
+
+def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120, env=None, launcher="fsdp-run"):
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s), **(env or {}))
-    command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
-               os.path.join(HERE, "cases.py"), *map(str, args)]
+    command = [*launch(ranks, launcher), os.path.join(HERE, "cases.py"), *map(str, args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
     if not expect_failure and done.returncode != 0 and all(sign in output for sign in GLOO_EXIT_ABORT):
@@ -145,27 +152,28 @@ def test_a_list_group_whose_module_a_forward_skips():
     run(2, "group_member_skipped")
 
 
-def run_fsdp2_style(ranks, runtime, tmp_path, name, *options):
+def run_fsdp2_style(ranks, runtime, tmp_path, name, *options, launcher="fsdp-run"):
     """examples/python/fsdp2_style.py, an FSDP2 script whose only difference between runtimes is
     the import; returns rank 0's logged steps."""
     log = tmp_path / f"{name}.jsonl"
-    env = {"PYTHONPATH": os.path.join(BUILD, "py")}
-    command = [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable,
+    env = {"PYTHONPATH": os.path.join(BUILD, "py"), "FSDP_TIMEOUT_S": "120"}
+    command = [*launch(ranks, launcher),
                os.path.join(HERE, "..", "..", "examples", "python", "fsdp2_style.py"), "--runtime", runtime,
-               "--steps", "4", "--log", str(log), *map(str, options)]
+               "--steps", "4", "--jsonl", str(log), *map(str, options)]
     done = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout + done.stderr}"
     return [json.loads(line) for line in open(log)]
 
 
-def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True):
+def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True, launcher="fsdp-run"):
     """The FSDP2-style script under both runtimes, each saving a DCP checkpoint at step 2, and
     (resume) fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`."""
-    theirs = run_fsdp2_style(ranks, "fsdp2", tmp_path, "fsdp2", "--save", tmp_path / "fsdp2", "--save-at", 2, *options)
+    theirs = run_fsdp2_style(ranks, "fsdp2", tmp_path, "fsdp2", "--save", tmp_path / "fsdp2", "--save-at", 2, *options,
+                             launcher=launcher)
     ours = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "fsdpcpp", "--save", tmp_path / "fsdpcpp", "--save-at", 2,
-                           *options)
+                           *options, launcher=launcher)
     resumed = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "resumed", "--resume", tmp_path / "fsdp2",
-                              *options) if resume else []
+                              *options, launcher=launcher) if resume else []
     assert [s["step"] for s in ours] == [1, 2, 3, 4] and [s["step"] for s in resumed] == ([3, 4] if resume else [])
     for got, expected in list(zip(ours, theirs)) + list(zip(resumed, theirs[2:])):
         for key in ("loss", "grad_norm"):
@@ -177,6 +185,16 @@ def test_an_fsdp2_script_with_only_the_import_changed(tmp_path):
     # Two CPU ranks in float32 do the same arithmetic under both runtimes (sums of two terms are
     # exact in either order): a few units of float32 rounding at most.
     check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24)
+
+
+@cpu_only
+def test_cpu_ranks_under_torchrun_meet_through_torchs_gloo(tmp_path):
+    # No mpirun: fsdpcpp's collectives go through torch.distributed's gloo group (its MPI backend
+    # refuses ranks torchrun started, so a run that succeeds used gloo). The FSDP2 script with its
+    # own process group, at FSDP2's numbers, its DCP checkpoint resumed; then a case that leaves
+    # the process group to fsdpcpp.init(), at parity with the single process.
+    check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24, launcher="torchrun")
+    run(3, "parity", "--model", "plain", launcher="torchrun")
 
 
 def check_meta_init_as_on_fsdp2(ranks, tmp_path):
