@@ -70,7 +70,7 @@ fi
 "$PYTHON" -c 'import tensorboard' 2>/dev/null || pip_install tensorboard \
   || log "no tensorboard; fsdp-train --tensorboard and its test will fail"
 # fsdp-train --wandb logs through wandb itself (its test logs offline).
-"$PYTHON" -c 'import wandb' 2>/dev/null || pip_install wandb || log "no wandb; fsdp-train --wandb and its test will fail"
+"$PYTHON" -c 'import wandb' 2>/dev/null || pip_install wandb || log "no wandb; fsdp-train --wandb will be refused and its test runs TensorBoard's half alone"
 # pip install . (docs/python.md) builds through scikit-build-core, without build isolation.
 "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core \
   || log "no scikit-build-core; pip install . of the Python package will fail"
