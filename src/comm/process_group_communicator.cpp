@@ -3,18 +3,14 @@
 #include <stdexcept>
 #include <utility>
 
+#include "comm/tensor_alias.h"
+
 namespace fsdp {
-namespace {
 
-// What gloo's work holds: a tensor of its own over `t`'s memory, with no autograd view of a tensor
-// Python owns. Gloo's worker thread drops its references after the wait has returned, under the
-// process group's lock; a drop that reaches a Python object needs the GIL, which the thread
-// issuing the next collective holds while it waits: that collective would never run.
-at::Tensor for_gloo(const at::Tensor& t) {
-  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
-}
-
-}  // namespace
+// Gloo's work holds alias_without_view()s of the caller's tensors: its worker thread drops its
+// references after the wait has returned, under the process group's lock, and a drop that reaches
+// a Python object (through an autograd view of a tensor Python owns) needs the GIL, which the
+// thread issuing the next collective holds while it waits: that collective would never run.
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                    std::string group_name, std::chrono::milliseconds timeout)
@@ -38,7 +34,7 @@ void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, 
 void ProcessGroupCommunicator::do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) {
   const std::string what = describe_batch("all_gather", ops, tag);
   for (const Buffers& op : ops) {
-    at::Tensor output = for_gloo(op.output), input = for_gloo(op.input);
+    at::Tensor output = alias_without_view(op.output), input = alias_without_view(op.input);
     wait(group_->_allgather_base(output, input), what);
   }
 }
@@ -47,20 +43,20 @@ void ProcessGroupCommunicator::do_all_gather(const std::vector<Buffers>& ops, co
 void ProcessGroupCommunicator::do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) {
   const std::string what = describe_batch("reduce_scatter", ops, tag);
   for (const Buffers& b : ops) {
-    at::Tensor output = for_gloo(b.output), input = for_gloo(b.input);
+    at::Tensor output = alias_without_view(b.output), input = alias_without_view(b.input);
     wait(group_->_reduce_scatter_base(output, input), what);
     if (op == ReduceOp::Avg) output.div_(world_size());
   }
 }
 
 void ProcessGroupCommunicator::do_all_reduce(const at::Tensor& tensor, ReduceOp op) {
-  std::vector<at::Tensor> tensors{for_gloo(tensor)};
+  std::vector<at::Tensor> tensors{alias_without_view(tensor)};
   wait(group_->allreduce(tensors), "all_reduce of " + bytes_of(tensor));
   if (op == ReduceOp::Avg) tensor.div_(world_size());
 }
 
 void ProcessGroupCommunicator::do_broadcast(const at::Tensor& tensor, int root) {
-  std::vector<at::Tensor> tensors{for_gloo(tensor)};
+  std::vector<at::Tensor> tensors{alias_without_view(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   wait(group_->broadcast(tensors, options), "broadcast of " + bytes_of(tensor));

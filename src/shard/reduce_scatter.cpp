@@ -11,22 +11,12 @@
 #include <algorithm>
 #include <utility>
 
+#include "comm/tensor_alias.h"
 #include "shard/flat_copy.h"
 #include "shard/param_group.h"
 #include "shard/side_stream.h"
 
 namespace fsdp {
-namespace {
-
-// The same memory as `view` but not an autograd view of it: optimizers call
-// detach_() on gradients (zero_grad), which views refuse. The gradient keeps
-// the reduce-scatter output alive; no copy is made.
-at::Tensor alias_without_view(const at::Tensor& view) {
-  return at::empty({0}, view.options())
-      .set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
-}
-
-}  // namespace
 
 void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
