@@ -43,9 +43,11 @@ void check_metrics_writer(const MetricsWriter& writer) {
                      writer.package + " into that python, or set FSDP_PYTHON to one that has it");
 }
 
-MetricsBridge::MetricsBridge(const MetricsWriter& writer, const std::vector<std::string>& args) : writer_(writer) {
-  std::string command_args = "-m fsdpcpp." + std::string(writer.module);
-  for (const std::string& arg : args) command_args += " " + shell_quoted(arg);
+MetricsBridge::MetricsBridge(const MetricsWriter& writer, const std::string& target,
+                             const std::vector<std::string>& options)
+    : writer_(writer), target_(target) {
+  std::string command_args = "-m fsdpcpp." + std::string(writer.module) + " " + shell_quoted(target);
+  for (const std::string& option : options) command_args += " " + shell_quoted(option);
   const std::string command = python_command(command_args);
   pipe_ = ::popen(command.c_str(), "w");
   if (!pipe_) throw std::runtime_error(std::string(writer.flag) + ": cannot start '" + command + "'");

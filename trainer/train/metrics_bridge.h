@@ -27,9 +27,9 @@ void check_metrics_writer(const MetricsWriter& writer);
 
 class MetricsBridge {
  public:
-  // Starts `python -m fsdpcpp.<module> ARGS...`; throws std::runtime_error naming the command if
-  // it cannot.
-  MetricsBridge(const MetricsWriter& writer, const std::vector<std::string>& args);
+  // Starts `python -m fsdpcpp.<module> TARGET OPTIONS...`, TARGET what it writes to (a directory,
+  // a project); throws std::runtime_error naming the command if it cannot.
+  MetricsBridge(const MetricsWriter& writer, const std::string& target, const std::vector<std::string>& options = {});
   ~MetricsBridge();
   MetricsBridge(const MetricsBridge&) = delete;
   MetricsBridge& operator=(const MetricsBridge&) = delete;
@@ -38,10 +38,12 @@ class MetricsBridge {
   // Ends the input and waits for the writer: its files are complete. "" when it succeeded, else
   // what went wrong.
   std::string close();
-  const MetricsWriter& writer() const { return writer_; }
+  // How the run's last line names what it wrote to: "TensorBoard in DIR".
+  std::string wrote() const { return writer_.where + target_; }
 
  private:
   const MetricsWriter& writer_;
+  std::string target_;
   FILE* pipe_ = nullptr;
   bool failed_ = false;
 };

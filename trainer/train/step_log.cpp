@@ -42,8 +42,9 @@ StepLog::StepLog(const std::string& path, int print_every) : print_every_(print_
                      "run a --log of its own");
 }
 
-void StepLog::add_writer(const MetricsWriter& writer, const std::vector<std::string>& args, const std::string& where) {
-  writers_.emplace_back(std::make_unique<MetricsBridge>(writer, args), where);
+void StepLog::add_writer(const MetricsWriter& writer, const std::string& target,
+                         const std::vector<std::string>& options) {
+  writers_.push_back(std::make_unique<MetricsBridge>(writer, target, options));
 }
 
 void StepLog::write(const StepRecord& r) {
@@ -107,15 +108,15 @@ void StepLog::write(const StepRecord& r) {
   }
   const std::string text = line.dump();
   file_->write(text + "\n");
-  for (auto& [bridge, where] : writers_) bridge->send(text);
+  for (auto& bridge : writers_) bridge->send(text);
 }
 
 std::string StepLog::close_writers() {
   std::string wrote;
-  for (auto& [bridge, where] : writers_) {
+  for (auto& bridge : writers_) {
     const std::string error = bridge->close();
     if (error.empty())
-      wrote += ", " + std::string(bridge->writer().where) + where;
+      wrote += ", " + bridge->wrote();
     else
       std::fprintf(stderr, "fsdp-train: warning: %s\n", error.c_str());
   }

@@ -7,7 +7,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "fsdp/runtime_options.h"
@@ -49,9 +48,8 @@ class StepLog {
  public:
   // `print_every`: steps between progress lines (--log-every); the log gets every step.
   StepLog(const std::string& path, int print_every = 1);
-  // Hands each later line to `writer` too (--tensorboard, --wandb), started with `args`; `where`
-  // names what it writes to (a directory, a project).
-  void add_writer(const MetricsWriter& writer, const std::vector<std::string>& args, const std::string& where);
+  // Hands each later line to `writer` too (--tensorboard, --wandb): MetricsBridge's arguments.
+  void add_writer(const MetricsWriter& writer, const std::string& target, const std::vector<std::string>& options = {});
   // Appends the step's JSON line; prints its progress line every print_every steps, and for the
   // run's first and last steps and any skipped or evaluated one.
   void write(const StepRecord& record);
@@ -62,7 +60,7 @@ class StepLog {
 
  private:
   std::unique_ptr<io::LockedFile> file_;
-  std::vector<std::pair<std::unique_ptr<MetricsBridge>, std::string>> writers_;  // and where each writes
+  std::vector<std::unique_ptr<MetricsBridge>> writers_;
   int print_every_;
   bool printed_ = false;
   std::deque<double> recent_ms_;  // the last steps' times, for the time left

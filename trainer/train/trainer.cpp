@@ -234,11 +234,11 @@ void Trainer::claim_outputs() {
       const std::string flags_file = write_given_flags(args_, step_log_->path());
       if (!flags_file.empty())
         std::printf("fsdp-train: the flags given are in %s (--config reads them back)\n", flags_file.c_str());
-      if (!args_.tensorboard.empty()) step_log_->add_writer(kTensorboardWriter, {args_.tensorboard}, args_.tensorboard);
+      if (!args_.tensorboard.empty()) step_log_->add_writer(kTensorboardWriter, args_.tensorboard);
       if (!args_.wandb.empty()) {  // the run's id names it; its config is the flags given
-        std::vector<std::string> wandb_args = {args_.wandb, "--name", run_id_};
-        if (!flags_file.empty()) wandb_args.insert(wandb_args.end(), {"--config", flags_file});
-        step_log_->add_writer(kWandbWriter, wandb_args, args_.wandb);
+        std::vector<std::string> options = {"--name", run_id_};
+        if (!flags_file.empty()) options.insert(options.end(), {"--config", flags_file});
+        step_log_->add_writer(kWandbWriter, args_.wandb, options);
       }
     } catch (const UsageError& e) {
       refusal = e.what();
