@@ -33,9 +33,9 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
     none (one process); an environment that says there are several ranks but gives no way to join
     them raises ValueError rather than run as one process alone. backend "auto" takes NCCL
     where CUDA is available (and selects cuda:LOCAL_RANK), else MPI, or under torchrun without
-    mpirun torch's gloo ("gloo": collectives through torch.distributed's default process group,
-    made here from torchrun's variables where the script made none; no MPI needed, slower than
-    MPI's, no HSDP mesh). Works beside a process group
+    mpirun torch's gloo ("gloo": collectives through a gloo group of torch.distributed's, made
+    beside the default group, which is made here from torchrun's variables where the script made
+    none; no MPI needed, slower than MPI's, no HSDP mesh). Works beside a process group
     the script made with torch.distributed.init_process_group (fsdp.cpp makes its own
     communicator). On GPUs it turns on the caching allocator's expandable segments unless
     PYTORCH_CUDA_ALLOC_CONF is set; on CPU ranks it counts host allocations from here on (for
