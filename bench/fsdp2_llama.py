@@ -12,6 +12,9 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
     torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
         [--compile]   torch.compile each block before fully_shard (torchtitan's recipe)
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
+        [--fsdp1]     FSDP1 (FullyShardedDataParallel, one unit a block, use_orig_params, its
+                      MixedPrecision and clip_grad_norm_) instead of FSDP2; needs --init
+        [--no-limit-all-gathers]   with --fsdp1: limit_all_gathers=False (FSDP1's rate limiter off)
         [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
                       (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
         [--float8 tensorwise|rowwise]   torchao's float8 training on the blocks' linears (not the
@@ -38,7 +41,8 @@ import torch.jit._pickle
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 PRESETS = {
@@ -240,6 +244,9 @@ def main():
                                              "with Python stacks, to PATH (bench/snapshot_holes.py reads it)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
+    p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of FSDP2")
+    p.add_argument("--no-limit-all-gathers", action="store_true",
+                   help="with --fsdp1: limit_all_gathers=False (the CPU may issue every all-gather ahead)")
     p.add_argument("--float8", choices=["tensorwise", "rowwise"],
                    help="torchao float8 linears in the blocks (tensorwise: float8 all-gather, precomputed scales)")
     p.add_argument("--attention", choices=["aten", "flash"], default="aten",
@@ -256,7 +263,10 @@ def main():
     if args.runtime == "fsdpcpp":  # the migration: these names from fsdpcpp instead of torch.distributed.fsdp
         import fsdpcpp
         from fsdpcpp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        assert not args.ddp, "--ddp is not a sharding runtime"
+        assert not (args.ddp or args.fsdp1), "--ddp and --fsdp1 are other runtimes than fsdpcpp"
+    assert not args.no_limit_all_gathers or args.fsdp1, "--no-limit-all-gathers is FSDP1's: add --fsdp1"
+    assert not args.fsdp1 or (args.init and not (args.ddp or args.compile or args.float8 or args.cpu_offload)), \
+        "--fsdp1: from --init weights, eager, bf16, no offload"
     assert not args.memory_budget or args.runtime == "fsdpcpp", "--memory-budget plans fsdpcpp's schedule: add --runtime fsdpcpp"
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
 
@@ -329,6 +339,11 @@ def main():
     opt = make_optimizer() if args.optimizer_before_shard else None
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+    elif args.fsdp1:  # as FSDP1's users wrap a transformer: one unit a block, the rest in the root
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            device_id=device, limit_all_gathers=not args.no_limit_all_gathers)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=on_gpu) if args.cpu_offload else None
@@ -377,8 +392,11 @@ def main():
             loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
+            if args.fsdp1:  # torch's would see only this rank's shards
+                grad_norm = model.clip_grad_norm_(args.clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                grad_norm = grad_norm if args.ddp else grad_norm.full_tensor()
             opt.step()
             if precompute_float8_scales:
                 precompute_float8_scales(model)

@@ -39,6 +39,9 @@ import trace_overlap
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+# fsdp-train turns expandable segments on unless the environment says otherwise (issue #48: what
+# keeps reserved near allocated, the allocator's segments or the runtime's stream order).
+FIXED_SEGMENTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 SLOW_NCCL = {"NCCL_MAX_NCHANNELS": "1", "NCCL_MIN_NCHANNELS": "1", "NCCL_PROTO": "Simple"}
 CONFIGS = {
     # name: (preset, seq, batch per GPU, extra flags for both systems, extra environment)
@@ -48,6 +51,10 @@ CONFIGS = {
     # "1b" compares each system's default allocator settings).
     "1b-es": ("1b", 2048, 4, [], EXPANDABLE),
     "1b-ac-es": ("1b", 2048, 4, ["--recompute"], EXPANDABLE),
+    "1b-noes": ("1b", 2048, 4, [], FIXED_SEGMENTS),
+    "1b-ac-noes": ("1b", 2048, 4, ["--recompute"], FIXED_SEGMENTS),
+    # No cap on reduce-scatters in flight (the compute stream never waits for the oldest).
+    "1b-rs-nolimit": ("1b", 2048, 4, ["--max-inflight-reduce-scatters", "0"], {}),
     "1b-depth0": ("1b", 2048, 4, ["--prefetch-depth", "0"], {}),
     "1b-depth2": ("1b", 2048, 4, ["--prefetch-depth", "2"], {}),
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
@@ -74,6 +81,11 @@ CONFIGS = {
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--recompute"], {}),
     "8b-ac-nolimit": ("8b", 2048, 2, ["--recompute", "--max-inflight-allgathers", "0"], {}),
+    "8b-ac-noes": ("8b", 2048, 2, ["--recompute"], FIXED_SEGMENTS),
+    # Reserved over allocated with recomputation, bf16 and float8 (issue #48's target of 1.05).
+    "3b-ac": ("3b", 2048, 2, ["--recompute"], {}),
+    "3b-ac-fp8": ("3b", 2048, 2, ["--recompute", "--fp8", "tensorwise"], {}),
+    "8b-ac-fp8": ("8b", 2048, 2, ["--recompute", "--fp8", "tensorwise"], {}),
     # transformers' own Llama of the 1B's shapes under FSDP2 and fsdpcpp (issue #46); with
     # --recompute, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
     "1b-hf": ("1b", 2048, 4, [], {}),
@@ -84,6 +96,9 @@ PYTORCH_SYSTEMS = {
     "pytorch-fsdp2": ("fsdp2", []),
     "pytorch-fsdp2-compile": ("fsdp2c", ["--compile"]),
     "pytorch-ddp": ("ddp", ["--ddp"]),
+    # FSDP1 with its rate limiter on (its default) and off: the cap fairscale #1052 asked for.
+    "pytorch-fsdp1": ("fsdp1", ["--fsdp1"]),
+    "pytorch-fsdp1-nolimit": ("fsdp1nl", ["--fsdp1", "--no-limit-all-gathers"]),
     # The same script sharded by fsdp.cpp's Python package (issue #31): only the import changes.
     "fsdpcpp-python": ("fsdpcppy", ["--runtime", "fsdpcpp"]),
     "fsdpcpp-python-compile": ("fsdpcppyc", ["--runtime", "fsdpcpp", "--compile"]),
@@ -105,15 +120,16 @@ SAVED_INITS = set()
 # system makes its own initial weights, of the same distribution, so their losses are not compared.
 OWN_INIT_PRESETS = {"3b", "8b"}
 EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
+FSDP1 = ["pytorch-fsdp1", "pytorch-fsdp1-nolimit"]
 # The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
 REFERENCES = {
-    "1b": EAGER_AND_COMPILED + PYTHON_FRONT_END, "1b-ac": EAGER_AND_COMPILED + PYTHON_FRONT_END,
+    "1b": EAGER_AND_COMPILED + FSDP1 + PYTHON_FRONT_END, "1b-ac": EAGER_AND_COMPILED + FSDP1 + PYTHON_FRONT_END,
     "1b-es": ["pytorch-fsdp2", "fsdpcpp-python"], "1b-ac-es": ["pytorch-fsdp2", "fsdpcpp-python"],
     "1b-lowlr": ["pytorch-fsdp2"],
     "small": EAGER_AND_COMPILED + ["pytorch-ddp"] + PYTHON_FRONT_END, "8b": EAGER_AND_COMPILED + PYTHON_FRONT_END,
     "3b": EAGER_AND_COMPILED + ["fsdpcpp-python", "fsdpcpp-python-compile"],  # transformers' config lacks its RoPE scaling
     "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
-    "tiny": EAGER_AND_COMPILED + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
+    "tiny": EAGER_AND_COMPILED + FSDP1 + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
     "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),
 }
 
