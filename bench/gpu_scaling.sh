@@ -17,11 +17,15 @@
 #        profiled on 2 and on 4 GPUs (--plan-only --cost-model) and the step it projects (the default
 #        schedule with --recompute) measured there; both cost models projected to 2-512 GPUs
 #        (fsdp-train --project; issue #48 item 7) and set beside the measured steps
+#   bash bench/gpu_scaling.sh projection-70b OUT COMMIT   Llama-3.1-70B's shapes with 4 of its 80 blocks
+#        (bench/llama_slice.py) profiled on 2 GPUs and its step (--recompute) measured there and
+#        projected; the cost model stretched to 80 blocks (bench/stretch_cost_model.py) and projected
+#        to 8-512 GPUs
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport or projection}; out=${2:?output folder}; commit=${3:-unknown}
+phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport, projection or projection-70b}; out=${2:?output folder}; commit=${3:-unknown}
 source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
@@ -129,5 +133,27 @@ for model in sys.argv[2:]:
                           f"peak {m.group(3)}")
 PY
     exit $status ;;
+  projection-70b)
+    slice=/tmp/llama-70b-4 shape=(--seq 2048 --batch 2)
+    rm -rf "$slice"
+    python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice" || exit 1
+    train 2 --init-from "$slice" "${shape[@]}" --steps 5 --memory-budget 70 --plan-only \
+      --cost-model "$out/cost-70b4-w2.json" --log "$out/plan-70b4-w2.jsonl" > "$out/plan-70b4-w2.log" 2>&1 ||
+      { tail -5 "$out/plan-70b4-w2.log"; exit 1; }
+    train 2 --init-from "$slice" "${shape[@]}" --steps 10 --recompute --log "$out/measured-70b4-w2.jsonl" \
+      > "$out/measured-70b4-w2.log" 2>&1 || { tail -5 "$out/measured-70b4-w2.log"; exit 1; }
+    rm -rf "$slice"
+    python3 - "$out/measured-70b4-w2.jsonl" <<'PY'
+import sys
+sys.path.insert(0, "bench")
+import step_log
+rows = step_log.read(sys.argv[1])
+print(f"70B's shapes, 4 blocks, measured on 2 GPUs: {step_log.median_step_ms(rows, 3):.1f} ms, "
+      f"peak allocated {max(r['peak_alloc_gib'] for r in rows):.2f} GiB")
+PY
+    build/fsdp-train --project "$out/cost-70b4-w2.json" --project-worlds 2 --recompute | tee "$out/projected-70b4.txt"
+    python3 bench/stretch_cost_model.py "$out/cost-70b4-w2.json" --blocks 80 --out "$out/cost-70b-w2.json" &&
+      build/fsdp-train --project "$out/cost-70b-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
+      tee "$out/projected-70b.txt" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
