@@ -21,11 +21,14 @@
 #        (bench/llama_slice.py) profiled on 2 GPUs and its step (--recompute) measured there and
 #        projected; the cost model stretched to 80 blocks (bench/stretch_cost_model.py) and projected
 #        to 8-512 GPUs
+#   bash bench/gpu_scaling.sh projection-seq OUT COMMIT SEQ   the 8B's and the 70B's (4 blocks, stretched
+#        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, every block recomputed,
+#        projected to 8-512 GPUs: torchtitan's published runs use seq 8192
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport, projection or projection-70b}; out=${2:?output folder}; commit=${3:-unknown}
+phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport, projection, projection-70b or projection-seq}; out=${2:?output folder}; commit=${3:-unknown}
 source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
@@ -155,5 +158,23 @@ PY
     python3 bench/stretch_cost_model.py "$out/cost-70b4-w2.json" --blocks 80 --out "$out/cost-70b-w2.json" &&
       build/fsdp-train --project "$out/cost-70b-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
       tee "$out/projected-70b.txt" ;;
+  projection-seq)
+    seq=${4:?the sequence length} slice=/tmp/llama-70b-4
+    rm -rf "$slice"
+    python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice" || exit 1
+    for model in 8b 70b4; do
+      source=(--model 8b); [ $model = 70b4 ] && source=(--init-from "$slice")
+      name=$model-s$seq-w2
+      train 2 "${source[@]}" --seq "$seq" --batch 2 --recompute --steps 5 --memory-budget 120 --plan-only \
+        --cost-model "$out/cost-$name.json" --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1 ||
+        { tail -5 "$out/plan-$name.log"; exit 1; }
+    done
+    rm -rf "$slice"
+    python3 bench/stretch_cost_model.py "$out/cost-70b4-s$seq-w2.json" --blocks 80 --out "$out/cost-70b-s$seq-w2.json" ||
+      exit 1
+    for model in 8b 70b; do
+      build/fsdp-train --project "$out/cost-$model-s$seq-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
+        tee "$out/projected-$model-s$seq.txt"
+    done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
