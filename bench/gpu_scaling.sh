@@ -22,8 +22,8 @@
 #        projected; the cost model stretched to 80 blocks (bench/stretch_cost_model.py) and projected
 #        to 8-512 GPUs
 #   bash bench/gpu_scaling.sh projection-seq OUT COMMIT SEQ   the 8B's and the 70B's (4 blocks, stretched
-#        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, every block recomputed,
-#        projected to 8-512 GPUs: torchtitan's published runs use seq 8192
+#        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, projected to 8-512
+#        GPUs with every block recomputed: torchtitan's published runs use seq 8192
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
@@ -165,7 +165,9 @@ PY
     for model in 8b 70b4; do
       source=(--model 8b); [ $model = 70b4 ] && source=(--init-from "$slice")
       name=$model-s$seq-w2
-      train 2 "${source[@]}" --seq "$seq" --batch 2 --recompute --steps 5 --memory-budget 120 --plan-only \
+      # The profiled steps recompute every block (--memory-budget refuses --recompute): the projection
+      # below asks for that schedule.
+      train 2 "${source[@]}" --seq "$seq" --batch 2 --steps 5 --memory-budget 120 --plan-only \
         --cost-model "$out/cost-$name.json" --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1 ||
         { tail -5 "$out/plan-$name.log"; exit 1; }
     done
