@@ -15,6 +15,10 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
         [--fsdp1]     FSDP1 (FullyShardedDataParallel, one unit a block, use_orig_params, its
                       MixedPrecision and clip_grad_norm_) instead of FSDP2; needs --init
         [--no-limit-all-gathers]   with --fsdp1: limit_all_gathers=False (FSDP1's rate limiter off)
+        [--accelerate]  FSDP2 applied by accelerate's Accelerator.prepare(model, optimizer) (its
+                      plugin's transformer wrap of each block, fsdp_version=2): with
+                      --optimizer-before-shard, accelerate's fix (the optimizer's parameters
+                      switched to the sharded ones); needs --init
         [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
                       (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
         [--float8 tensorwise|rowwise]   torchao's float8 training on the blocks' linears (not the
@@ -41,7 +45,8 @@ import torch.jit._pickle
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel, MixedPrecision,
+                                    MixedPrecisionPolicy, fully_shard)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
@@ -245,6 +250,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile each block before fully_shard")
     p.add_argument("--ddp", action="store_true", help="DDP with bf16 autocast instead of FSDP2")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 (FullyShardedDataParallel) instead of FSDP2")
+    p.add_argument("--accelerate", action="store_true",
+                   help="FSDP2 through accelerate's Accelerator.prepare(model, optimizer)")
     p.add_argument("--no-limit-all-gathers", action="store_true",
                    help="with --fsdp1: limit_all_gathers=False (the CPU may issue every all-gather ahead)")
     p.add_argument("--float8", choices=["tensorwise", "rowwise"],
@@ -267,6 +274,9 @@ def main():
     assert not args.no_limit_all_gathers or args.fsdp1, "--no-limit-all-gathers is FSDP1's: add --fsdp1"
     assert not args.fsdp1 or (args.init and not (args.ddp or args.compile or args.float8 or args.cpu_offload)), \
         "--fsdp1: from --init weights, eager, bf16, no offload"
+    assert not args.accelerate or (args.init and args.runtime == "fsdp2" and not (
+        args.ddp or args.fsdp1 or args.compile or args.float8 or args.cpu_offload)), \
+        "--accelerate: FSDP2 (eager, bf16, no offload) from --init weights"
     assert not args.memory_budget or args.runtime == "fsdpcpp", "--memory-budget plans fsdpcpp's schedule: add --runtime fsdpcpp"
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
 
@@ -339,6 +349,19 @@ def main():
     opt = make_optimizer() if args.optimizer_before_shard else None
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+    elif args.accelerate:  # as accelerate's users shard: its plugin wraps, prepare() shards and fixes the optimizer
+        from accelerate import Accelerator, FullyShardedDataParallelPlugin
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+            reshard_after_forward=True, cpu_ram_efficient_loading=False,
+            mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        accelerator = Accelerator(fsdp_plugin=plugin)
+        if opt:
+            model, opt = accelerator.prepare(model, opt)
+        else:
+            model = accelerator.prepare(model)
+        assert isinstance(model, FSDPModule), \
+            "--accelerate: accelerate returned the model unsharded (it shards with FSDP on GPUs only)"
     elif args.fsdp1:  # as FSDP1's users wrap a transformer: one unit a block, the rest in the root
         model = FullyShardedDataParallel(
             model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,

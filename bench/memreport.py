@@ -12,8 +12,10 @@ Checks that fsdp.cpp trains the same with the optimizer made before or after
 sharding (bit-identical on CPU; on GPUs within the tolerance, since atomics in
 some backward kernels make no two GPU runs bit-identical: the report prints
 that run-to-run spread, between the limit-on and limit-off runs, which do the
-same arithmetic) and that its losses agree with FSDP2's (optimizer after)
-within the tolerance; exits non-zero otherwise.
+same arithmetic), that its losses agree with FSDP2's (optimizer after) within
+the tolerance, and that FSDP2 applied by accelerate's prepare(model, optimizer)
+to an optimizer made before sharding (accelerate's fix) agrees too; exits
+non-zero otherwise.
 """
 import argparse
 import datetime
@@ -34,9 +36,13 @@ SCENARIOS = [
     ("fsdpcpp-opt-before", "fsdp.cpp", ["--optimizer-before-shard"], "fsdp.cpp, optimizer before sharding"),
     ("fsdp2-opt-after", "fsdp2", [], "FSDP2, optimizer after fully_shard"),
     ("fsdp2-opt-before", "fsdp2", ["--optimizer-before-shard"], "FSDP2, optimizer before fully_shard (no fix)"),
+    ("accelerate-opt-before", "fsdp2", ["--optimizer-before-shard", "--accelerate"],
+     "FSDP2 through accelerate, optimizer before (accelerate's fix)"),
     ("fsdpcpp-limit-off", "fsdp.cpp", ["--max-inflight-allgathers", "0"], "fsdp.cpp, all-gather limit off"),
     ("fsdpcpp-ac", "fsdp.cpp", ["--recompute"], "fsdp.cpp, activation checkpointing"),
 ]
+# accelerate shards with FSDP on GPUs only (on CPU ranks its prepare() returns the model as it was).
+GPU_ONLY = {"accelerate-opt-before"}
 
 
 def run(cmd, log_path):
@@ -74,6 +80,8 @@ def main():
 
     results = {}
     for name, system, flags, label in SCENARIOS:
+        if args.cpu and name in GPU_ONLY:
+            continue
         memlog = os.path.join(args.out, name)
         steplog = os.path.join(args.out, f"{name}-steps.jsonl")
         if system == "fsdp.cpp":
@@ -133,6 +141,8 @@ def report(results, args, gpus):
     fsdp2 = results["fsdp2-opt-after"]["losses"]
     spread = lambda a, b: max(abs(x - y) for x, y in zip(a, b))
     gap, order_gap = spread(after, fsdp2), spread(after, before)
+    accelerate = results.get("accelerate-opt-before")
+    accelerate_gap = spread(fsdp2, accelerate["losses"]) if accelerate else 0.0
     same_order = after == before if args.cpu else order_gap <= LOSS_TOLERANCE
     noise = spread(after, results["fsdpcpp-limit-off"]["losses"])
     device = "CPU (2 ranks)" if args.cpu else f"{gpus}x {torch.cuda.get_device_name(0)}"
@@ -152,12 +162,15 @@ def report(results, args, gpus):
               f"largest loss difference {noise:.4f}",
               f"- fsdp.cpp vs FSDP2 (optimizer after): largest loss difference {gap:.4f} "
               f"(tolerance {LOSS_TOLERANCE}): {'agree' if gap <= LOSS_TOLERANCE else 'DISAGREE'}"]
+    if accelerate:
+        lines.append(f"- accelerate's fix (optimizer before) vs FSDP2 (optimizer after): largest loss difference "
+                     f"{accelerate_gap:.4f}: {'agree' if accelerate_gap <= LOSS_TOLERANCE else 'DISAGREE'}")
     text = "\n".join(lines) + "\n"
     open(os.path.join(args.out, "report.md"), "w").write(text)
     json.dump({k: {kk: vv for kk, vv in v.items() if kk != "samples"} for k, v in results.items()},
               open(os.path.join(args.out, "report.json"), "w"), indent=1)
     print(text, flush=True)
-    return same_order and gap <= LOSS_TOLERANCE
+    return same_order and gap <= LOSS_TOLERANCE and accelerate_gap <= LOSS_TOLERANCE
 
 
 if __name__ == "__main__":
