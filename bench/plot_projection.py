@@ -4,14 +4,15 @@ model, sequence length and shape (FSDP, HSDP a replica a host), with torchtitan'
 FSDP runs beside them and the card's memory as a line; a point whose peak is above the card's
 memory has no speed. For docs/planner.md.
 
-    python3 bench/plot_projection.py bench/results/RECORD/summary.jsonl docs/images/RECORD-projection.png
+    python3 bench/plot_projection.py bench/results/2026-11-28-h200x2-7d65f26/summary.jsonl /tmp/projection.png
 """
 import argparse
 import collections
 import json
 
-# pytorch/torchtitan docs/performance.md: Llama 3.1 8B, FSDP, seq 8192, local batch 2, selective
-# activation checkpointing, eager; H100s (96 GB, 500 W), 8 a host, 400 Gb/s a GPU. (GPUs, tokens/s/GPU)
+# torchtitan's published performance page (pytorch/torchtitan): Llama 3.1 8B, FSDP, seq 8192, local
+# batch 2, selective activation checkpointing, eager; H100s (96 GB, 500 W), 8 a host, 400 Gb/s a GPU.
+# (GPUs, tokens/s/GPU)
 TORCHTITAN_8B = [(8, 5762), (128, 5605)]
 H200_GIB = 143771 / 1024
 
