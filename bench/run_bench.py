@@ -67,6 +67,11 @@ CONFIGS = {
     "1b-slow-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], SLOW_NCCL),
     "1b-slow-depth4": ("1b", 2048, 4, ["--prefetch-depth", "4"], SLOW_NCCL),
     "1b-slow-depth4-nolimit": ("1b", 2048, 4, ["--prefetch-depth", "4", "--max-inflight-allgathers", "0"], SLOW_NCCL),
+    # Where else running ahead could hurt (issue #48): many small groups (the small model's 24
+    # blocks of 3.2 M parameters), and CPU offload (each all-gather waits on a host-to-device copy).
+    "small-nolimit": ("small", 512, 2, ["--max-inflight-allgathers", "0"], {}),
+    "1b-offload": ("1b", 2048, 4, ["--cpu-offload"], {}),
+    "1b-offload-nolimit": ("1b", 2048, 4, ["--cpu-offload", "--max-inflight-allgathers", "0"], {}),
     # The loss-agreement check at a learning rate where 1B training is not chaotic:
     # at 3e-4 the loss climbs back after step 4 with gradient norms of 25-40 and
     # two runs of one system end up to 0.09 apart by step 15.
