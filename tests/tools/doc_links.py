@@ -11,10 +11,13 @@ files outside bench/results/), each path to a file (one with an extension) or to
 a record or another file stays true when they move. Paths with a placeholder (`<`, `*`, `N`,
 `...`, `$`, a segment in capitals such as NAME) are patterns, not files, and are skipped. Commit
 hashes stay in docs/results.md (the history): another page that names one in its prose (outside
-its command blocks and record names) fails. Prints `doc_links: ok`.
+its command blocks and record names) fails. bench/results/README.md indexes every record folder
+(one row each, no row without its folder) and its Size line says what git tracks there. Prints
+`doc_links: ok`.
 """
 import os
 import re
+import subprocess
 import sys
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -43,6 +46,24 @@ def code_paths(repo, tops):
                             yield f"{os.path.relpath(path, repo)}:{number}", found
 
 
+def records_index(repo):
+    """What bench/results/README.md gets wrong about the records beside it."""
+    index = open(f"{repo}/bench/results/README.md").read()
+    rows = set(re.findall(r"^\| `([^`/]+)/` \|", index, re.M))
+    folders = {n for n in os.listdir(f"{repo}/bench/results") if os.path.isdir(f"{repo}/bench/results/{n}")}
+    wrong = [f"bench/results/README.md: record {n} has no row" for n in sorted(folders - rows)]
+    wrong += [f"bench/results/README.md: row {n}: no such folder" for n in sorted(rows - folders)]
+    tracked = subprocess.run(["git", "-C", repo, "ls-files", "-z"], capture_output=True, text=True).stdout
+    files = [f for f in tracked.split("\0") if f]
+    records = [f for f in files if f.startswith("bench/results/")]
+    size = sum(os.path.getsize(f"{repo}/{f}") for f in records if os.path.exists(f"{repo}/{f}"))
+    said = f"Size: {size / 2**20:.1f} MiB in {len(records)} files (`du -cb` of the tracked files), " \
+           f"{round(100 * len(records) / len(files))}% of the files git tracks."
+    if files and said not in " ".join(index.split()):
+        wrong.append(f"bench/results/README.md: the Size line should read '{said}'")
+    return wrong
+
+
 def main():
     repo = os.path.abspath(sys.argv[1])
     tops = {n for n in os.listdir(repo) if os.path.isdir(f"{repo}/{n}") and not n.startswith(".")} - {"build"}
@@ -68,6 +89,7 @@ def main():
             checked += 1
             if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
                 wrong.append(f"{page}: `{path}`: missing")
+    wrong += records_index(repo)
     for where, path in code_paths(repo, tops):
         checked += 1
         if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
