@@ -1,0 +1,104 @@
+"""Is a checkpoint's save and load bound by the disk? (issue #50 item 4)
+
+fsdp-train saves a model's state once (weights, AdamW's moments: `--save-every 1`), then the same
+bytes are written by `dd` from as many processes as there are ranks, each file synced
+(`conv=fdatasync`, as the checkpoint's files are), and read back by as many `cat`s; the resume is
+timed too. Where the kernel lets it (root), the page cache is dropped before each read, so both
+reads come from the disk. Prints a table; one JSON line to --out.
+
+    python3 bench/checkpoint_speed.py --out /tmp/ckspeed --model small --seq 64 --batch 1   # CPU ranks
+    python3 bench/checkpoint_speed.py --out /tmp/ckspeed --gpu --model 8b                    # GPUs
+"""
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+
+
+def timed(commands):
+    """Runs the commands side by side; their wall time in seconds."""
+    start = time.perf_counter()
+    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands]
+    if any(p.wait() != 0 for p in running):
+        raise SystemExit(f"checkpoint_speed: failed: {commands}")
+    return time.perf_counter() - start
+
+
+def drop_page_cache():
+    """True where the page cache could be dropped (then reads come from the disk)."""
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def train(args, *flags):
+    cmd = [f"{args.build}/fsdp-run", "--gpu" if args.gpu else "--cpu", "-n", str(args.ranks),
+           f"{args.build}/fsdp-train", "--model", args.model, "--seq", str(args.seq), "--batch", str(args.batch),
+           "--param-dtype", "bf16", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"checkpoint_speed: {' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
+def seconds(pattern, output):
+    m = re.search(pattern, output)
+    if not m:
+        raise SystemExit(f"checkpoint_speed: no '{pattern}' in fsdp-train's output:\n{output[-2000:]}")
+    return float(m.group(1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="a new folder on the disk to measure")
+    p.add_argument("--build", default="build")
+    p.add_argument("--gpu", action="store_true", help="GPU ranks (default CPU ranks)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    args = p.parse_args()
+    if os.path.exists(args.out):
+        p.error(f"--out {args.out} exists: give a new folder (it is filled and emptied)")
+    os.makedirs(args.out)
+    saved = train(args, "--steps", "1", "--save-every", "1", "--save-dir", f"{args.out}/run")
+    save_s = seconds(r"saved \S+ in ([\d.]+) s", saved)
+    step = f"{args.out}/run/step-000001"
+    files = sorted(f"{step}/{n}" for n in os.listdir(step))
+    size = sum(os.path.getsize(f) for f in files)
+    cold = drop_page_cache()
+    resumed = train(args, "--steps", "2", "--resume", step, "--save-dir", f"{args.out}/resumed")
+    load_s = seconds(r"resumed from \S+ .* in ([\d.]+) s", resumed)
+    shutil.rmtree(f"{args.out}/resumed")
+    drop_page_cache()
+    read_s = timed([["cat", f] for f in files])  # the shard files side by side, as the ranks read them
+    blocks = math.ceil(size / args.ranks / (64 << 20))
+    write_s = timed([["dd", "if=/dev/zero", f"of={args.out}/dd-{r}", "bs=64M", f"count={blocks}", "conv=fdatasync"]
+                     for r in range(args.ranks)])
+    written = args.ranks * blocks * (64 << 20)
+    shutil.rmtree(args.out + "/run")
+    for r in range(args.ranks):
+        os.remove(f"{args.out}/dd-{r}")
+    row = dict(model=args.model, ranks=args.ranks, gpu=args.gpu, bytes=size, save_s=save_s, disk_write_s=write_s,
+               disk_write_gb_s=written / write_s / 1e9, load_s=load_s, disk_read_s=read_s, cold_reads=cold,
+               save_gb_s=size / save_s / 1e9, load_gb_s=size / load_s / 1e9, disk_read_gb_s=size / read_s / 1e9)
+    with open(f"{args.out}/checkpoint_speed.jsonl", "w") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"checkpoint_speed: {args.model} on {args.ranks} {'GPU' if args.gpu else 'CPU'} ranks, {size / 1e9:.2f} GB "
+          f"in {len(files)} files ({'cold reads' if cold else 'the page cache could not be dropped: reads may be warm'})")
+    print(f"  save {save_s:.2f} s ({row['save_gb_s']:.2f} GB/s); the disk writes {row['disk_write_gb_s']:.2f} GB/s "
+          f"({args.ranks} writers, synced): save / disk {save_s / (size / (written / write_s)):.2f}")
+    print(f"  load {load_s:.2f} s ({row['load_gb_s']:.2f} GB/s); the disk reads {row['disk_read_gb_s']:.2f} GB/s "
+          f"({args.ranks} readers): load / disk {load_s / read_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
