@@ -24,11 +24,14 @@
 #   bash bench/gpu_scaling.sh projection-seq OUT COMMIT SEQ   the 8B's and the 70B's (4 blocks, stretched
 #        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, projected to 8-512
 #        GPUs with every block recomputed: torchtitan's published runs use seq 8192
+#   bash bench/gpu_scaling.sh holes OUT COMMIT [GPUS]   where the recomputed 8B's reserved-but-free memory
+#        sits at its peak (issue #48 item 5: reserved/allocated 1.141 on 4 GPUs), bf16 and float8:
+#        an allocator snapshot of step 5 on GPUS (default 4) GPUs through bench/snapshot_holes.py
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport, projection, projection-70b or projection-seq}; out=${2:?output folder}; commit=${3:-unknown}
+phase=${1:?phase: bench, hsdp, plan-check, checkpoint, memreport, projection, projection-70b, projection-seq or holes}; out=${2:?output folder}; commit=${3:-unknown}
 source bench/gpu_env.sh
 mkdir -p "$out"
 record_env "$out/env-$phase.txt" "$commit"
@@ -178,5 +181,18 @@ PY
       build/fsdp-train --project "$out/cost-$model-s$seq-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
         tee "$out/projected-$model-s$seq.txt"
     done ;;
+  holes)
+    status=0 gpus=${4:-4}
+    for precision in bf16 fp8; do
+      name=8b-ac-$precision-w$gpus flags=(); [ $precision = fp8 ] && flags=(--fp8 tensorwise)
+      train "$gpus" --model 8b --seq 2048 --batch 2 --recompute "${flags[@]}" --steps 6 \
+        --memory-snapshot "/tmp/snapshot-$name" --log "$out/snapshot-$name.jsonl" > "$out/snapshot-$name.log" 2>&1 ||
+        { tail -5 "$out/snapshot-$name.log"; status=1; continue; }
+      python3 bench/snapshot_holes.py "/tmp/snapshot-$name-rank0.pickle" --step 5 --explain 6 \
+        > "$out/holes-$name.txt" 2>&1 || status=1
+      head -30 "$out/holes-$name.txt"
+      rm -f /tmp/snapshot-"$name"-rank*.pickle  # the holes are kept; the history is large
+    done
+    exit $status ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
