@@ -40,6 +40,23 @@ train() {  # GPUS, then fsdp-train's flags
   local gpus=$1; shift
   build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 --reduce-dtype fp32 "$@"
 }
+# The 70B's projection (issue #48 item 7): Llama-3.1-70B's shapes with 4 of its 80 blocks, written to
+# /tmp (random weights: bench/llama_slice.py); a cost model of a model on 2 GPUs; the slice's cost
+# model carried to 80 blocks and projected to 8-512 GPUs, every block recomputed.
+slice_70b=/tmp/llama-70b-4 far_worlds=8,16,32,64,128,256,512
+write_70b_slice() {
+  rm -rf "$slice_70b"
+  python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice_70b"
+}
+cost_model_on_2() {  # NAME BUDGET_GIB, then the model's and shape's flags: OUT/cost-NAME.json
+  local name=$1 budget=$2; shift 2
+  train 2 "$@" --steps 5 --memory-budget "$budget" --plan-only --cost-model "$out/cost-$name.json" \
+    --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1 || { tail -5 "$out/plan-$name.log"; return 1; }
+}
+project_70b() {  # SLICE_NAME NAME: OUT/cost-SLICE_NAME.json stretched to OUT/cost-NAME.json, projected
+  python3 bench/stretch_cost_model.py "$out/cost-$1.json" --blocks 80 --out "$out/cost-$2.json" &&
+    build/fsdp-train --project "$out/cost-$2.json" --project-worlds "$far_worlds" --recompute | tee "$out/projected-$2.txt"
+}
 one_b=(--model 1b --seq 2048)
 case $phase in
   bench)
@@ -140,15 +157,12 @@ for model in sys.argv[2:]:
 PY
     exit $status ;;
   projection-70b)
-    slice=/tmp/llama-70b-4 shape=(--seq 2048 --batch 2)
-    rm -rf "$slice"
-    python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice" || exit 1
-    train 2 --init-from "$slice" "${shape[@]}" --steps 5 --memory-budget 70 --plan-only \
-      --cost-model "$out/cost-70b4-w2.json" --log "$out/plan-70b4-w2.jsonl" > "$out/plan-70b4-w2.log" 2>&1 ||
-      { tail -5 "$out/plan-70b4-w2.log"; exit 1; }
-    train 2 --init-from "$slice" "${shape[@]}" --steps 10 --recompute --log "$out/measured-70b4-w2.jsonl" \
+    shape=(--seq 2048 --batch 2)
+    write_70b_slice || exit 1
+    cost_model_on_2 70b4-w2 70 --init-from "$slice_70b" "${shape[@]}" || exit 1
+    train 2 --init-from "$slice_70b" "${shape[@]}" --steps 10 --recompute --log "$out/measured-70b4-w2.jsonl" \
       > "$out/measured-70b4-w2.log" 2>&1 || { tail -5 "$out/measured-70b4-w2.log"; exit 1; }
-    rm -rf "$slice"
+    rm -rf "$slice_70b"
     python3 - "$out/measured-70b4-w2.jsonl" <<'PY'
 import sys
 sys.path.insert(0, "bench")
@@ -158,29 +172,19 @@ print(f"70B's shapes, 4 blocks, measured on 2 GPUs: {step_log.median_step_ms(row
       f"peak allocated {max(r['peak_alloc_gib'] for r in rows):.2f} GiB")
 PY
     build/fsdp-train --project "$out/cost-70b4-w2.json" --project-worlds 2 --recompute | tee "$out/projected-70b4.txt"
-    python3 bench/stretch_cost_model.py "$out/cost-70b4-w2.json" --blocks 80 --out "$out/cost-70b-w2.json" &&
-      build/fsdp-train --project "$out/cost-70b-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
-      tee "$out/projected-70b.txt" ;;
+    project_70b 70b4-w2 70b-w2 ;;
   projection-seq)
-    seq=${4:?the sequence length} slice=/tmp/llama-70b-4
-    rm -rf "$slice"
-    python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice" || exit 1
-    for model in 8b 70b4; do
-      source=(--model 8b); [ $model = 70b4 ] && source=(--init-from "$slice")
-      name=$model-s$seq-w2
-      # The profiled steps recompute every block (--memory-budget refuses --recompute): the projection
-      # below asks for that schedule.
-      train 2 "${source[@]}" --seq "$seq" --batch 2 --steps 5 --memory-budget 120 --plan-only \
-        --cost-model "$out/cost-$name.json" --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1 ||
-        { tail -5 "$out/plan-$name.log"; exit 1; }
-    done
-    rm -rf "$slice"
-    python3 bench/stretch_cost_model.py "$out/cost-70b4-s$seq-w2.json" --blocks 80 --out "$out/cost-70b-s$seq-w2.json" ||
-      exit 1
-    for model in 8b 70b; do
-      build/fsdp-train --project "$out/cost-$model-s$seq-w2.json" --project-worlds 8,16,32,64,128,256,512 --recompute |
-        tee "$out/projected-$model-s$seq.txt"
-    done ;;
+    seq=${4:?the sequence length}
+    shape=(--seq "$seq" --batch 2)
+    write_70b_slice || exit 1
+    # The profiled steps recompute every block (--memory-budget refuses --recompute): the projection
+    # asks for that schedule.
+    cost_model_on_2 8b-s$seq-w2 120 --model 8b "${shape[@]}" || exit 1
+    cost_model_on_2 70b4-s$seq-w2 120 --init-from "$slice_70b" "${shape[@]}" || exit 1
+    rm -rf "$slice_70b"
+    build/fsdp-train --project "$out/cost-8b-s$seq-w2.json" --project-worlds "$far_worlds" --recompute |
+      tee "$out/projected-8b-s$seq-w2.txt"
+    project_70b 70b4-s$seq-w2 70b-s$seq-w2 ;;
   holes)
     status=0 gpus=${4:-4}
     for precision in bf16 fp8; do
