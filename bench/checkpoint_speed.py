@@ -69,20 +69,29 @@ def main():
     if os.path.exists(args.out):
         p.error(f"--out {args.out} exists: give a new folder (it is filled and emptied)")
     os.makedirs(args.out)
+    began = time.perf_counter()
+
+    def progress(what):  # a line per phase: a run stopped by a time limit still says how far it got
+        print(f"checkpoint_speed: {what} ({time.perf_counter() - began:.0f} s in)", flush=True)
+
     saved = train(args, "--steps", "1", "--save-every", "1", "--save-dir", f"{args.out}/run")
     save_s = seconds(r"saved \S+ in ([\d.]+) s", saved)
     step = f"{args.out}/run/step-000001"
     files = sorted(f"{step}/{n}" for n in os.listdir(step))
     size = sum(os.path.getsize(f) for f in files)
+    progress(f"saved {size / 1e9:.2f} GB in {save_s:.2f} s")
     cold = drop_page_cache()
     resumed = train(args, "--steps", "2", "--resume", step, "--save-dir", f"{args.out}/resumed")
     load_s = seconds(r"resumed from \S+ .* in ([\d.]+) s", resumed)
     shutil.rmtree(f"{args.out}/resumed")
+    progress(f"loaded in {load_s:.2f} s")
     drop_page_cache()
     read_s = timed([["cat", f] for f in files])  # the shard files side by side, as the ranks read them
+    progress(f"read by cat in {read_s:.2f} s")
     blocks = math.ceil(size / args.ranks / (64 << 20))
     write_s = timed([["dd", "if=/dev/zero", f"of={args.out}/dd-{r}", "bs=64M", f"count={blocks}", "conv=fdatasync"]
                      for r in range(args.ranks)])
+    progress(f"written by dd in {write_s:.2f} s")
     written = args.ranks * blocks * (64 << 20)
     shutil.rmtree(args.out + "/run")
     for r in range(args.ranks):
