@@ -39,8 +39,8 @@ std::string canonical_path(const std::string& path);
 bool is_within(const std::string& inner, const std::string& outer);
 
 // A file written through a descriptor, so that it can be fsynced before a rename publishes it.
-// close() syncs and closes, throwing naming the file; the destructor only closes (an abandoned
-// write).
+// write() starts the disk writing what it wrote; close() syncs and closes, throwing naming the
+// file; the destructor only closes (an abandoned write).
 class OutputFile {
  public:
   explicit OutputFile(const std::string& path);
@@ -53,6 +53,7 @@ class OutputFile {
  private:
   std::string path_;
   int fd_;
+  uint64_t written_ = 0;
 };
 
 // A file this process alone writes: opened for writing (created if missing) under flock's exclusive

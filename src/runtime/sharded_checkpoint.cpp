@@ -19,6 +19,7 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <future>
 #include <stdexcept>
 #include <thread>
 
@@ -162,37 +163,102 @@ struct WantedRows {
   at::Tensor rows;
 };
 
-// What a pass over a tensor's blocks does with each: check its checksum, copy its overlap, or both.
+// A saved tensor (its place in the metadata) and the rows of it wanted.
+struct WantedTensor {
+  size_t index = 0;
+  WantedRows want;
+};
+
+// One saved rank's whole block of a tensor, read so that its checksum can be checked, and the
+// rows of it that are wanted: block rows [from_row, from_row + into.size(0)) go into `into`.
+struct BlockRead {
+  const io::TensorMeta* saved = nullptr;
+  uint32_t rank = 0;
+  uint64_t offset = 0;  // in the rank's file
+  int64_t rows = 0, row_numel = 0;
+  int64_t from_row = 0;
+  at::Tensor into;
+};
+
+std::string shard_file(const std::string& dir, const io::CheckpointMeta& meta, uint32_t rank) {
+  return dir + "/" + io::shard_file_name(static_cast<int>(rank), static_cast<int>(meta.world));
+}
+
+// The blocks of each wanted tensor that overlap its wanted rows, in order; each file's size is
+// checked first.
+std::vector<BlockRead> blocks_to_read(const std::string& dir, const io::CheckpointMeta& meta, const BlockMap& blocks,
+                                      const std::vector<WantedTensor>& wanted) {
+  std::vector<BlockRead> reads;
+  for (const WantedTensor& w : wanted) {
+    const io::TensorMeta& saved = meta.sharded[w.index];
+    const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
+    const int64_t first = w.want.first, last = first + w.want.rows.size(0);
+    for (uint32_t r = 0; r < meta.world; ++r) {
+      const int64_t from = then.first_row(static_cast<int>(r)), rows = then.local_rows(static_cast<int>(r));
+      const int64_t begin = std::max(first, from), end = std::min(last, from + rows);
+      if (begin >= end) continue;
+      const std::string file = shard_file(dir, meta, r);
+      const int64_t size = io::file_size(file);
+      if (size < 0 || static_cast<uint64_t>(size) != blocks.file_size[r])
+        throw CheckpointError(file + ": " + (size < 0 ? "missing" : std::to_string(size) + " bytes, expected " +
+                                                                     std::to_string(blocks.file_size[r])) +
+                              "; the checkpoint is incomplete or damaged");
+      reads.push_back({&saved, r, blocks.offset[w.index][r], rows, then.row_numel, begin - from,
+                       w.want.rows.narrow(0, begin - first, end - begin)});
+    }
+  }
+  return reads;
+}
+
+// What a pass over the blocks does with each: check its checksum, copy its overlap, or both. A
+// load checks everything first (Check) and then copies from files unchanged since (Copy); a
+// conversion does both in one pass per tensor.
 enum class Pass { Check, Copy, CheckAndCopy };
 
-// One tensor's load: for each saved rank whose rows overlap the wanted ones, its whole block is
-// read (so that its checksum can be checked). A load checks everything first (Check) and then
-// copies from files unchanged since (Copy); a conversion does both in one pass per tensor.
-void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const io::TensorMeta& saved, size_t index,
-               const BlockMap& blocks, std::vector<FileIdentity>& identities, const WantedRows& want, Pass pass) {
-  const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
-  const int64_t first = want.first, last = first + want.rows.size(0);
-  const size_t esize = io::element_size(saved.dtype);
-  for (uint32_t r = 0; r < meta.world; ++r) {
-    const int64_t begin = std::max(first, then.first_row(static_cast<int>(r)));
-    const int64_t end = std::min(last, then.first_row(static_cast<int>(r)) + then.local_rows(static_cast<int>(r)));
-    if (begin >= end) continue;
-    const std::string file = dir + "/" + io::shard_file_name(static_cast<int>(r), static_cast<int>(meta.world));
-    const int64_t size = io::file_size(file);
-    if (size < 0 || static_cast<uint64_t>(size) != blocks.file_size[r])
-      throw CheckpointError(file + ": " + (size < 0 ? "missing" : std::to_string(size) + " bytes, expected " +
-                                                                   std::to_string(blocks.file_size[r])) +
-                            "; the checkpoint is incomplete or damaged");
-    const BlockReader reader(file, identities[r]);
-    at::Tensor block = at::empty({then.local_rows(static_cast<int>(r)), then.row_numel},
-                                 at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
-    const size_t bytes = block.numel() * esize;
-    reader.read(block.data_ptr(), bytes, blocks.offset[index][r], saved.name);
-    if (pass != Pass::Copy && io::crc32(block.data_ptr(), bytes) != saved.block_crcs[r])
-      throw CheckpointError(file + ": checksum mismatch in '" + saved.name + "': the file is damaged");
-    if (pass == Pass::Check) continue;
-    const int64_t from = then.first_row(static_cast<int>(r));
-    want.rows.narrow(0, begin - first, end - begin).copy_(block.narrow(0, begin - from, end - begin));
+// Whether a pass reads a block straight into the rows it fills: when it only copies, the block is
+// exactly those rows, and they are contiguous host memory (a resume on as many CPU ranks).
+bool reads_into_place(const BlockRead& b, Pass pass) {
+  return pass == Pass::Copy && b.from_row == 0 && b.into.size(0) == b.rows && b.into.is_cpu() && b.into.is_contiguous();
+}
+
+// Loads the wanted tensors' blocks: each read whole, its checksum checked, its overlap copied, or
+// both (`pass`). The next block is read on a thread of its own while this one is checked or
+// copied, so the disk and the checksum overlap. Blocks not read into place take turns in two
+// buffers as large as the largest block: fresh memory for each would be faulted in page by page.
+void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const BlockMap& blocks,
+               std::vector<FileIdentity>& identities, const std::vector<WantedTensor>& wanted, Pass pass) {
+  const std::vector<BlockRead> reads = blocks_to_read(dir, meta, blocks, wanted);
+  const auto bytes_of = [](const BlockRead& b) {
+    return static_cast<int64_t>(b.rows * b.row_numel * io::element_size(b.saved->dtype));
+  };
+  int64_t largest = 0;
+  for (const BlockRead& b : reads)
+    if (!reads_into_place(b, pass)) largest = std::max(largest, bytes_of(b));
+  const at::Tensor buffers[2] = {at::empty({largest}, at::kByte), at::empty({largest}, at::kByte)};
+  // Only these reads open files (one at a time: each starts after the previous one ended), so
+  // `identities` is theirs alone; read i fills buffer i % 2 once block i - 2 is done with.
+  const auto read = [&](size_t i) {
+    const BlockRead& b = reads[i];
+    const at::Tensor block = reads_into_place(b, pass)
+                                 ? b.into
+                                 : buffers[i % 2]
+                                       .narrow(0, 0, bytes_of(b))
+                                       .view(static_cast<c10::ScalarType>(b.saved->dtype))
+                                       .view({b.rows, b.row_numel});
+    const BlockReader reader(shard_file(dir, meta, b.rank), identities[b.rank]);
+    reader.read(block.data_ptr(), static_cast<size_t>(bytes_of(b)), b.offset, b.saved->name);
+    return block;
+  };
+  std::future<at::Tensor> next;
+  if (!reads.empty()) next = std::async(std::launch::async, read, 0);
+  for (size_t i = 0; i < reads.size(); ++i) {
+    const at::Tensor block = next.get();
+    if (i + 1 < reads.size()) next = std::async(std::launch::async, read, i + 1);
+    const BlockRead& b = reads[i];
+    if (pass != Pass::Copy && io::crc32(block.data_ptr(), block.nbytes()) != b.saved->block_crcs[b.rank])
+      throw CheckpointError(shard_file(dir, meta, b.rank) + ": checksum mismatch in '" + b.saved->name +
+                            "': the file is damaged");
+    if (pass != Pass::Check && !reads_into_place(b, pass)) b.into.copy_(block.narrow(0, b.from_row, b.into.size(0)));
   }
 }
 
@@ -277,8 +343,10 @@ std::vector<int64_t> write_rows(const std::string& dir, int rank, int world, siz
   io::OutputFile out(dir + ".tmp/" + io::shard_file_name(rank, world));
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor host = rows(i);
+    // The checksum on a thread of its own while the same bytes are written: both only read them.
+    auto crc = std::async(std::launch::async, [&host] { return io::crc32(host.data_ptr(), host.nbytes()); });
     out.write(host.data_ptr(), host.nbytes());
-    crcs.push_back(io::crc32(host.data_ptr(), host.nbytes()));
+    crcs.push_back(crc.get());
   }
   out.close();
   return crcs;
@@ -412,7 +480,7 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
   const std::string meta_path = dir + "/metadata.bin";
   io::CheckpointMeta meta;
   BlockMap blocks;
-  std::vector<size_t> saved_index;  // per sharded tensor of `state`: its place in the metadata
+  std::vector<WantedTensor> wanted;  // per sharded tensor of `state`: its place in the metadata, its rows
   std::vector<const io::TensorMeta*> saved_replicated;
   std::vector<FileIdentity> identities;
   // Everything is checked on every rank (names, shapes, dtypes, counts, sizes, every block's
@@ -428,7 +496,7 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
       auto it = std::find_if(meta.sharded.begin(), meta.sharded.end(), [&](const auto& t) { return t.name == want.name; });
       if (it == meta.sharded.end()) throw CheckpointError(meta_path + ": has no '" + want.name + "': a checkpoint of another model");
       require_same(meta_path, want.name, want.local, want.full_shape, *it);
-      saved_index.push_back(static_cast<size_t>(it - meta.sharded.begin()));
+      wanted.push_back({static_cast<size_t>(it - meta.sharded.begin()), rows_of(want)});
     }
     for (const auto& [name, value] : state.replicated()) {
       auto it = std::find_if(meta.replicated.begin(), meta.replicated.end(), [&](const auto& t) { return t.name == name; });
@@ -436,14 +504,10 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
       require_same(meta_path, name, value, value.sizes().vec(), *it);
       saved_replicated.push_back(&*it);
     }
-    for (size_t i = 0; i < state.sharded().size(); ++i)
-      load_rows(dir, meta, meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
-                rows_of(state.sharded()[i]), Pass::Check);
+    load_rows(dir, meta, blocks, identities, wanted, Pass::Check);
   });
   on_every_rank(comm, "loading " + dir, [&] {
-    for (size_t i = 0; i < state.sharded().size(); ++i)
-      load_rows(dir, meta, meta.sharded[saved_index[i]], saved_index[i], blocks, identities,
-                rows_of(state.sharded()[i]), Pass::Copy);
+    load_rows(dir, meta, blocks, identities, wanted, Pass::Copy);
     for (size_t i = 0; i < state.replicated().size(); ++i) {
       const at::Tensor& value = state.replicated()[i].second;
       value.copy_(at::from_blob(const_cast<char*>(saved_replicated[i]->bytes.data()), value.sizes(),
@@ -465,8 +529,7 @@ void for_each_checkpoint_tensor(const std::string& dir,
     at::Tensor full = at::empty(saved.shape, at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
     const ShardLayout layout = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
     const int64_t rows = saved.shape.empty() ? 1 : saved.shape[0];
-    load_rows(dir, meta, saved, i, blocks, identities, {0, full.reshape({rows, layout.row_numel})},
-              Pass::CheckAndCopy);
+    load_rows(dir, meta, blocks, identities, {{i, {0, full.reshape({rows, layout.row_numel})}}}, Pass::CheckAndCopy);
     visit(saved.name, full);
   }
   for (const auto& saved : meta.replicated) {
