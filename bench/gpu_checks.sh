@@ -3,9 +3,10 @@
 # `native` then `python` back to back while the machine is warm; `all` runs both). Each builds
 # (incremental on a warm machine).
 #   native: launcher_sigterm_gpu alone (it checks that no process is left on a GPU), the other GPU
-#           tests one at a time beside the CPU tests six at a time; then fsdp-train's 1B on one
-#           GPU for 30 steps (its step time) and with a memory budget (the planner's steps).
-#   python: the Python package's GPU cases (python_gpu_tests_*, three parts side by side), then
+#           tests one at a time, then the CPU tests six at a time (twelve on 60 cores or more);
+#           then fsdp-train's 1B on one GPU for 30 steps (its step time) and with a memory budget
+#           (the planner's steps).
+#   python: the Python package's GPU cases (python_gpu_tests_*, four parts side by side), then
 #           the benchmark's Llama planned from Python (fsdpcpp.plan_memory_budget).
 #   package: tests/tools/package_install.sh: a wheel from a fresh clone, installed into an empty
 #           prefix, its fsdp-train on one GPU; then the same built without MPI (not part of `all`:
@@ -40,7 +41,8 @@ if [[ $part != python ]]; then
   # package on CPU ranks) are left to it: the device call has ten minutes. So is doc_links, which
   # checks the records' index against git's list of files: a device's copy of the tree may carry
   # an older .git than its files.
-  (cd build && ctest --output-on-failure -j6 -E "gpu|bench_c|memreport_cpu|readme_commands|python_tests|doc_links") \
+  other_jobs=$(( $(nproc) / 5 > 6 ? $(nproc) / 5 : 6 ))  # 6 on 16 cores (one GPU), 12 on 64 (four)
+  (cd build && ctest --output-on-failure -j$other_jobs -E "gpu|bench_c|memreport_cpu|readme_commands|python_tests|doc_links") \
     > "$out/other-tests.log" 2>&1 || status=1
   grep -hE "Test +#|tests passed" "$out/gpu-tests-sigterm.log" "$out/gpu-tests.log"
   grep -E "tests passed|\*\*\*Failed|Total Test" "$out/other-tests.log"
@@ -50,7 +52,7 @@ if [[ $part != python ]]; then
   grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
 fi
 if [[ $part != native ]]; then
-  (cd build && ctest --output-on-failure -j3 -R python_gpu_tests) > "$out/gpu-tests-python.log" 2>&1 || status=1
+  (cd build && ctest --output-on-failure -j4 -R python_gpu_tests) > "$out/gpu-tests-python.log" 2>&1 || status=1
   grep -hE "Test +#|tests passed" "$out/gpu-tests-python.log"
   # Planned from Python: the benchmark's own Llama sharded by fsdpcpp (its float32 logits and
   # PyTorch's AdamW need more than fsdp-train's 16 GiB: the smallest schedule peaks at 15.2 GiB).
