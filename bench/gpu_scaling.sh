@@ -41,17 +41,21 @@ train() {  # GPUS, then fsdp-train's flags
   build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 --reduce-dtype fp32 "$@"
 }
 # The 70B's projection (issue #48 item 7): Llama-3.1-70B's shapes with 4 of its 80 blocks, written to
-# /tmp (random weights: bench/llama_slice.py); a cost model of a model on 2 GPUs; the slice's cost
-# model carried to 80 blocks and projected to 8-512 GPUs, every block recomputed.
+# /tmp (random weights: bench/llama_slice.py); the slice's cost model carried to 80 blocks and
+# projected to 8-512 GPUs, every block recomputed.
 slice_70b=/tmp/llama-70b-4 far_worlds=8,16,32,64,128,256,512
 write_70b_slice() {
   rm -rf "$slice_70b"
   python3 bench/llama_slice.py --model 70b --layers 4 --out "$slice_70b"
 }
-cost_model_on_2() {  # NAME BUDGET_GIB, then the model's and shape's flags: OUT/cost-NAME.json
-  local name=$1 budget=$2; shift 2
-  train 2 "$@" --steps 5 --memory-budget "$budget" --plan-only --cost-model "$out/cost-$name.json" \
-    --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1 || { tail -5 "$out/plan-$name.log"; return 1; }
+# A model's cost model profiled on GPUS GPUs: OUT/cost-NAME.json. It is written before the plan, so
+# a budget no schedule fits (an H100's, say) still leaves it: success is the file.
+cost_model() {  # GPUS NAME BUDGET_GIB, then the model's and shape's flags
+  local gpus=$1 name=$2 budget=$3; shift 3
+  rm -f "$out/cost-$name.json"
+  train "$gpus" "$@" --steps 5 --memory-budget "$budget" --plan-only --cost-model "$out/cost-$name.json" \
+    --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1
+  [ -s "$out/cost-$name.json" ] || { tail -5 "$out/plan-$name.log"; return 1; }
 }
 project_70b() {  # SLICE_NAME NAME: OUT/cost-SLICE_NAME.json stretched to OUT/cost-NAME.json, projected
   python3 bench/stretch_cost_model.py "$out/cost-$1.json" --blocks 80 --out "$out/cost-$2.json" &&
@@ -120,11 +124,9 @@ PY
   projection)
     status=0 models=${4:-8b}
     for model in ${models//,/ }; do
-      for gpus in 2 4; do  # the budget only has to fit an H100: the cost model is written before the plan
+      for gpus in 2 4; do
         name=$model-w$gpus
-        train $gpus --model "$model" --seq 2048 --batch 2 --steps 5 --memory-budget 70 --plan-only \
-          --cost-model "$out/cost-$name.json" --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1
-        [ -s "$out/cost-$name.json" ] || { tail -5 "$out/plan-$name.log"; status=1; continue; }
+        cost_model $gpus "$name" 70 --model "$model" --seq 2048 --batch 2 || { status=1; continue; }
         train $gpus --model "$model" --seq 2048 --batch 2 --steps 10 --recompute --log "$out/measured-$name.jsonl" \
           > "$out/measured-$name.log" 2>&1 || { tail -5 "$out/measured-$name.log"; status=1; }
         build/fsdp-train --project "$out/cost-$name.json" --project-worlds 2,4,8,16,32,64,128,256,512 --recompute \
@@ -159,7 +161,7 @@ PY
   projection-70b)
     shape=(--seq 2048 --batch 2)
     write_70b_slice || exit 1
-    cost_model_on_2 70b4-w2 70 --init-from "$slice_70b" "${shape[@]}" || exit 1
+    cost_model 2 70b4-w2 70 --init-from "$slice_70b" "${shape[@]}" || exit 1
     train 2 --init-from "$slice_70b" "${shape[@]}" --steps 10 --recompute --log "$out/measured-70b4-w2.jsonl" \
       > "$out/measured-70b4-w2.log" 2>&1 || { tail -5 "$out/measured-70b4-w2.log"; exit 1; }
     rm -rf "$slice_70b"
@@ -179,8 +181,8 @@ PY
     write_70b_slice || exit 1
     # The profiled steps recompute every block (--memory-budget refuses --recompute): the projection
     # asks for that schedule.
-    cost_model_on_2 8b-s$seq-w2 120 --model 8b "${shape[@]}" || exit 1
-    cost_model_on_2 70b4-s$seq-w2 120 --init-from "$slice_70b" "${shape[@]}" || exit 1
+    cost_model 2 8b-s$seq-w2 120 --model 8b "${shape[@]}" || exit 1
+    cost_model 2 70b4-s$seq-w2 120 --init-from "$slice_70b" "${shape[@]}" || exit 1
     rm -rf "$slice_70b"
     build/fsdp-train --project "$out/cost-8b-s$seq-w2.json" --project-worlds "$far_worlds" --recompute |
       tee "$out/projected-8b-s$seq-w2.txt"
