@@ -152,6 +152,7 @@ class ParamGroup {
   // The flags' slot after the gradients in a reduce-scatter input: one row of a flag per parameter
   // for each rank.
   ShardLayout flags_layout() const;
+  size_t reduce_input_buffers() const;
   // Per rank, the elements gathered transformed (or in the compute dtype).
   int64_t gather_numel(bool transformed) const {
     return transformed ? transformed_numel_ : shard_numel_ - transformed_numel_;
@@ -181,9 +182,10 @@ class ParamGroup {
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the all-gather
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
   at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
-  // Prepared gradients awaiting the reduce-scatter: one flat buffer, [world * (shard_numel_ + one flag
-  // per parameter)] parameter-major (parameter_major_into), or where reduces_each_in_place(), each
-  // parameter's (undefined: it has none).
+  // Prepared gradients awaiting the reduce-scatter, parameter-major (parameter_major_into): across
+  // ranks a buffer per parameter's slot and one for the flags' slot; one rank, one flat buffer of
+  // [shard_numel_ + one flag per parameter]; where reduces_each_in_place(), each parameter's
+  // (undefined: it has none). reduce_input_buffers() says how many.
   std::vector<at::Tensor> reduce_input_;
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
   std::vector<at::Tensor> reduced_;          // their reduce-scatter's output (offloaded: its host copy) awaiting commit

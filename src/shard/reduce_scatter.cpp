@@ -77,8 +77,26 @@ void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
   pieces.push_back(all_local_grads_ ? at::ones({world, count}, grad_opts)
                                     : at::tensor(flags).to(grad_opts).expand({world, count}));
   layouts.push_back(flags_layout());
-  reduce_input_.push_back(at::empty({world * (shard_numel_ + count)}, opts));
-  parameter_major_into(reduce_input_.back(), pieces, layouts);
+  // Across ranks each slot is a buffer of its own: made just after the group's gathered parameters
+  // are freed (it reshards before the hand-off), the slots can take that memory piece by piece,
+  // where one buffer of every gradient in the reduce dtype (twice the bf16 parameters' bytes in
+  // float32) never fits it and goes on top of the pool. One rank keeps one buffer: it is the result.
+  std::vector<at::Tensor> slots;
+  if (world > 1) {
+    for (const ShardLayout& layout : layouts) {
+      reduce_input_.push_back(at::empty({layout.padded_rows() * layout.row_numel}, opts));
+      slots.push_back(reduce_input_.back());
+    }
+  } else {
+    reduce_input_.push_back(at::empty({world * (shard_numel_ + count)}, opts));
+    slots = slots_of(reduce_input_.back(), layouts);
+  }
+  parameter_major_into(slots, pieces);
+}
+
+size_t ParamGroup::reduce_input_buffers() const {
+  if (reduces_each_in_place()) return params_.size();
+  return comm_->world_size() > 1 ? params_.size() + 1 : 1;
 }
 
 ShardLayout ParamGroup::flags_layout() const {
@@ -97,26 +115,25 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
     }
     return results;
   }
-  const at::Tensor& input = reduce_input_.front();
   const int world = comm_->world_size();
   if (world == 1) {  // one collective, which reduces nothing (HSDP's replicas or an offload follow)
+    const at::Tensor& input = reduce_input_.front();
     inputs.push_back(input);
     outputs.push_back(input);
     return {input};
   }
-  const at::Tensor output = at::empty({input.numel() / world}, input.options());
-  // One piece per parameter slot (parameter_major_into), then the flags'.
+  const at::Tensor output = at::empty({shard_numel_ + static_cast<int64_t>(params_.size())},
+                                      reduce_input_.front().options());
+  // A piece per slot (prepare_reduce_scatter): each parameter's, then the flags'.
   int64_t offset = 0;
-  const auto add = [&](const ShardLayout& layout) {
-    const int64_t n = layout.shard_numel();
+  for (size_t i = 0; i < reduce_input_.size(); ++i) {
+    const int64_t n = reduce_input_[i].numel() / world;
     if (n > 0) {
-      inputs.push_back(input.narrow(0, offset * world, n * world));
+      inputs.push_back(reduce_input_[i]);
       outputs.push_back(output.narrow(0, offset, n));
     }
     offset += n;
-  };
-  for (const auto& p : params_) add(p.layout);
-  add(flags_layout());
+  }
   return {output};
 }
 
@@ -144,8 +161,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   std::vector<at::Tensor> inputs, outputs;  // the collective's pieces
   std::vector<std::vector<at::Tensor>> results;  // each group's: what becomes its reduced_
   for (ParamGroup* g : groups) {
-    const size_t prepared = g->reduces_each_in_place() ? g->params_.size() : 1;
-    TORCH_INTERNAL_ASSERT(g->reduce_input_.size() == prepared && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
+    TORCH_INTERNAL_ASSERT(g->reduce_input_.size() == g->reduce_input_buffers() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
     results.push_back(g->add_reduce_ops(inputs, outputs));
   }

@@ -64,8 +64,8 @@ TEST(ShardLayout, EveryRowIsOwnedExactlyOnce) {
 // then zeros, so that rank r's rows of every piece are one reduce-scatter's chunk r.
 TEST(ParameterMajor, UnevenRowsArePaddedWithZerosAtTheEnd) {
   auto out = torch::empty({12});
-  fsdp::parameter_major_into(out, {torch::arange(10, torch::kFloat).view({5, 2})},
-                             {fsdp::ShardLayout::of_shape(std::vector<int64_t>{5, 2}, 3)});  // shard_rows 2
+  fsdp::parameter_major_into(fsdp::slots_of(out, {fsdp::ShardLayout::of_shape(std::vector<int64_t>{5, 2}, 3)}),
+                             {torch::arange(10, torch::kFloat).view({5, 2})});  // shard_rows 2
   EXPECT_TRUE(torch::equal(out, torch::tensor({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0}, torch::kFloat)));
 }
 
@@ -75,14 +75,28 @@ TEST(ParameterMajor, SeveralPiecesWholeRanksOfPaddingZeroDimMissingAndCast) {
   std::vector<fsdp::ShardLayout> layouts;
   for (const auto& shape : shapes) layouts.push_back(fsdp::ShardLayout::of_shape(shape, world));
   auto out = torch::full({4 * 3 + 4 + 4 + 4}, -1.0, torch::kFloat);
-  fsdp::parameter_major_into(out, {torch::ones({1, 3}, torch::kBFloat16), torch::tensor(2.0).to(torch::kBFloat16),
-                                   torch::full({4, 1}, 7.0, torch::kBFloat16), torch::Tensor()},
-                             layouts);
+  fsdp::parameter_major_into(fsdp::slots_of(out, layouts),
+                             {torch::ones({1, 3}, torch::kBFloat16), torch::tensor(2.0).to(torch::kBFloat16),
+                              torch::full({4, 1}, 7.0, torch::kBFloat16), torch::Tensor()});
   auto expected = torch::zeros({24});
   expected.narrow(0, 0, 3).fill_(1.0);    // the 1-row tensor: rank 0's row, three padding rows
   expected[12] = 2.0;                     // the 0-dim one: one row
   expected.narrow(0, 16, 4).fill_(7.0);   // one row per rank
   EXPECT_TRUE(torch::equal(out, expected)) << out;  // the missing piece: zeros
+}
+
+// Slots in buffers of their own (the reduce-scatter's input across ranks) hold what the same
+// slots of one flat buffer do.
+TEST(ParameterMajor, SlotsOfTheirOwnHoldWhatOneBufferHolds) {
+  const std::vector<fsdp::ShardLayout> layouts = {fsdp::ShardLayout::of_shape(std::vector<int64_t>{5, 2}, 2),
+                                                  fsdp::ShardLayout::of_shape(std::vector<int64_t>{3}, 2)};
+  const std::vector<at::Tensor> pieces = {torch::arange(10, torch::kFloat).view({5, 2}), torch::full({3}, 4.0)};
+  auto flat = torch::full({12 + 4}, -1.0);
+  fsdp::parameter_major_into(fsdp::slots_of(flat, layouts), pieces);
+  std::vector<at::Tensor> own = {torch::full({12}, -1.0), torch::full({4}, -1.0)};
+  fsdp::parameter_major_into(own, pieces);
+  EXPECT_TRUE(torch::equal(torch::cat(own), flat)) << torch::cat(own) << flat;
+  EXPECT_TRUE(torch::equal(own[1], torch::tensor({4.0, 4.0, 4.0, 0.0}, torch::kFloat)));
 }
 
 TEST(ExecutionOrder, NoPrefetchBeforeAnOrderIsRecorded) {
