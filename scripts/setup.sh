@@ -12,6 +12,10 @@ VENV=${FSDP_VENV:-$HOME/.cache/fsdp.cpp/venv}
 JOBS=${FSDP_JOBS:-2}
 
 log() { echo "setup: $*"; }
+# Machines that cannot reach a package index (the GPU machines) skip the installs that would only
+# fail there, after retries (about 40 s a run); wheels carried in .whl/ still install.
+online=1
+timeout 5 getent hosts pypi.org >/dev/null 2>&1 || { online=; log "no network: installing from .whl/ alone"; }
 
 missing=()
 command -v mpirun >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
@@ -20,6 +24,7 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
 command -v ninja >/dev/null || missing+=(ninja-build)
 command -v cmake >/dev/null || missing+=(cmake)
 apt_install() {
+  [ -n "$online" ] || { log "cannot install $* without a network"; return 1; }
   log "installing $*"
   local sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
@@ -43,14 +48,16 @@ if [ -z "$PYTHON" ]; then
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
   PYTHON="$VENV/bin/python"
 fi
-# The memory report's plots (bench/memreport.py, also a CI smoke test).
-"$PYTHON" -c 'import matplotlib' 2>/dev/null || "$PYTHON" -m pip install -q matplotlib \
-  || log "no matplotlib; the memory-report test will be skipped"
 TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # Wheels carried to machines without a package index (the GPU machines) lie in .whl/.
 pip_install() {
-  if [ -d .whl ]; then "$PYTHON" -m pip install -q --no-index --find-links .whl "$@"; else "$PYTHON" -m pip install -q "$@"; fi
+  if [ -d .whl ]; then "$PYTHON" -m pip install -q --no-index --find-links .whl "$@"
+  elif [ -n "$online" ]; then "$PYTHON" -m pip install -q "$@"
+  else return 1; fi
 }
+# The memory report's plots (bench/memreport.py, also a CI smoke test).
+"$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib \
+  || log "no matplotlib; the memory-report test will be skipped"
 # nlohmann/json (safetensors headers, config.json): Debian's headers, else the PyPI package's.
 JSON_INCLUDE=
 if [ ! -f /usr/include/nlohmann/json.hpp ]; then
