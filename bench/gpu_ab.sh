@@ -3,12 +3,13 @@
 # "step time unchanged" check), in one device call: builds BASE_SRC's program alone with this
 # build's torch and nlohmann/json, then alternates RUNS runs of each, 30 steps, and prints each
 # run's median step (steps 6-30) and the medians of both, with each side's peak allocated and
-# reserved memory (the largest over its runs).
+# reserved memory (the largest over its runs: of every step, and of steps 6-30).
 #   AB_FRONT_END: trainer (default: fsdp-train) or python (bench/fsdp2_llama.py sharded by each
 #     side's fsdpcpp package: the script the same, the package and library the side's own)
 #   AB_MODEL: the model and its shape, flags both programs take (default "--model 1b --seq 2048 --batch 4")
 #   AB_GPUS: how many GPUs (default 1)
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
+#     (or HEAD, then git apply --directory=build/ab-base one of bench/variants/: a variant)
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,10 +45,13 @@ sys.path.insert(0, "bench")
 import step_log
 out, runs, model, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 median = lambda side, i: step_log.median_step_ms(step_log.read(f"{out}/ab-{side}-{i}.jsonl"), 5)
-peak = lambda side, key: max(r[key] for i in range(1, runs + 1) for r in step_log.read(f"{out}/ab-{side}-{i}.jsonl"))
+# The largest over the runs, of every step, or of the steps after warm-up (the median's).
+peak = lambda side, key, first: max(r[key] for i in range(1, runs + 1) for r in step_log.read(f"{out}/ab-{side}-{i}.jsonl")[first:])
 for side in ("new", "base"):
     each = [median(side, i) for i in range(1, runs + 1)]
-    alloc, reserved = peak(side, "peak_alloc_gib"), peak(side, "peak_reserved_gib")
+    alloc, reserved = peak(side, "peak_alloc_gib", 0), peak(side, "peak_reserved_gib", 0)
+    later_alloc, later_reserved = peak(side, "peak_alloc_gib", 5), peak(side, "peak_reserved_gib", 5)
     print(f"{model} on {gpus} GPU(s), {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)}), "
-          f"peak allocated / reserved {alloc:.2f} / {reserved:.2f} GiB ({reserved / alloc:.3f})")
+          f"peak allocated / reserved {alloc:.2f} / {reserved:.2f} GiB ({reserved / alloc:.3f}), "
+          f"after warm-up {later_alloc:.2f} / {later_reserved:.2f} GiB ({later_reserved / later_alloc:.3f})")
 PY
