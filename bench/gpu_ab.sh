@@ -44,13 +44,13 @@ import statistics, sys
 sys.path.insert(0, "bench")
 import step_log
 out, runs, model, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-median = lambda side, i: step_log.median_step_ms(step_log.read(f"{out}/ab-{side}-{i}.jsonl"), 5)
-# The largest over the runs, of every step, or of the steps after warm-up (the median's).
-peak = lambda side, key, first: max(r[key] for i in range(1, runs + 1) for r in step_log.read(f"{out}/ab-{side}-{i}.jsonl")[first:])
 for side in ("new", "base"):
-    each = [median(side, i) for i in range(1, runs + 1)]
-    alloc, reserved = peak(side, "peak_alloc_gib", 0), peak(side, "peak_reserved_gib", 0)
-    later_alloc, later_reserved = peak(side, "peak_alloc_gib", 5), peak(side, "peak_reserved_gib", 5)
+    logs = [step_log.read(f"{out}/ab-{side}-{i}.jsonl") for i in range(1, runs + 1)]
+    each = [step_log.median_step_ms(log, 5) for log in logs]
+    # The largest over the runs, of every step, or of the steps after warm-up (the median's).
+    peak = lambda key, first: max(r[key] for log in logs for r in log[first:])
+    alloc, reserved = peak("peak_alloc_gib", 0), peak("peak_reserved_gib", 0)
+    later_alloc, later_reserved = peak("peak_alloc_gib", 5), peak("peak_reserved_gib", 5)
     print(f"{model} on {gpus} GPU(s), {side}: median step {statistics.median(each):.1f} ms ({', '.join(f'{m:.1f}' for m in each)}), "
           f"peak allocated / reserved {alloc:.2f} / {reserved:.2f} GiB ({reserved / alloc:.3f}), "
           f"after warm-up {later_alloc:.2f} / {later_reserved:.2f} GiB ({later_reserved / later_alloc:.3f})")
