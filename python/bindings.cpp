@@ -144,10 +144,12 @@ PYBIND11_MODULE(_C, m) {
       .def("abort_forward", [](PyGroup& g) { fsdp::group_abort_forward(*g.state); })
       .def("set_requires_gradient_sync", [](PyGroup& g, bool sync) { fsdp::set_requires_gradient_sync(*g.state, sync); })
       .def("set_reshard_after_forward", [](PyGroup& g, bool r) { fsdp::set_reshard_after_forward(*g.state, r); })
+      .def("set_prefetch_depth", [](PyGroup& g, int depth) { fsdp::set_prefetch_depth(*g.state, depth); })
       .def("reshard", [](PyGroup& g) { fsdp::reshard(*g.state); })
       .def("unshard", [](PyGroup& g) { fsdp::unshard(*g.state); })
       .def("wait_for_unshard", [](PyGroup& g) { fsdp::wait_for_unshard(*g.state); })
       .def_property_readonly("reshard_after_forward", [](const PyGroup& g) { return fsdp::reshard_after_forward(*g.state); })
+      .def_property_readonly("prefetch_depth", [](const PyGroup& g) { return fsdp::prefetch_depth(*g.state); })
       .def("set_runtime_options", [](PyGroup& g, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*g.state, o); })
       .def("runtime_options", [](const PyGroup& g) { return fsdp::runtime_options(*g.state); });
 
@@ -222,6 +224,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fsdp::plan::Schedule>(m, "Schedule")
       .def_readwrite("recompute", &fsdp::plan::Schedule::recompute)
       .def_readwrite("reshard_after_forward", &fsdp::plan::Schedule::reshard_after_forward)
+      .def_readwrite("prefetch_depth", &fsdp::plan::Schedule::prefetch_depth)
       .def_readwrite("runtime", &fsdp::plan::Schedule::runtime);
   py::class_<fsdp::plan::Prediction>(m, "Prediction")
       .def_readonly("step_ms", &fsdp::plan::Prediction::step_ms)

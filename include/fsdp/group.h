@@ -77,6 +77,12 @@ void set_requires_gradient_sync(GroupState& state, bool sync);
 /// Whether the group frees its unsharded parameters after forward (ShardOptions).
 void set_reshard_after_forward(GroupState& state, bool reshard);
 bool reshard_after_forward(const GroupState& state);
+/// How many groups the group's start (pre-forward, pre-backward) all-gathers ahead, following the
+/// recorded order, instead of its root's RuntimeOptions::prefetch_depth: deeper before a group
+/// whose compute is short beside the next all-gathers. -1: the root's again. Takes effect from the
+/// group's next start; throws std::invalid_argument below -1.
+void set_prefetch_depth(GroupState& state, int depth);
+int prefetch_depth(const GroupState& state);
 /// Frees the group's unsharded parameters now, if it holds them (FSDP2's FSDPModule.reshard).
 void reshard(GroupState& state);
 /// FSDP2's FSDPModule.unshard: issues the group's all-gather now (a no-op while it holds its

@@ -55,13 +55,14 @@ std::vector<plan::GroupShape> group_shapes(const PlanningRoot& root);
 /// The schedule the profiled step runs under: plan::profiling_schedule of group_shapes(root).
 plan::Schedule profiling_schedule(const PlanningRoot& root);
 
-/// Each group's reshard_after_forward and the runtime's prefetch depth, in-flight caps and
+/// Each group's reshard_after_forward and own prefetch depth (set_prefetch_depth; -1 where the
+/// schedule's prefetch_depth is empty) and the runtime's prefetch depth, in-flight caps and
 /// buckets (bucket_mb, reduce_bucket_max_wait), as the schedule says. Takes effect from the next step. Throws
 /// std::invalid_argument when the schedule's group count differs from group_shapes(root)'s.
 void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule);
 /// Only the runtime's part of it, as the root's own options (set_runtime_options(root's group, ...)):
 /// prefetch depth, in-flight caps and buckets; the cap on pending host steps stays the root's.
-/// Needs no recorded order (for use right after sharding with the schedule's per-group choices).
+/// Needs no recorded order (for use right after sharding with the schedule's reshard choices).
 void set_runtime_choices(const PlanningRoot& root, const plan::Schedule& schedule);
 
 /// Records the next step with memory marks (call right before its forward; not while a Chrome

@@ -36,6 +36,7 @@ class Plan:
     peak_bytes: int  # the predicted peak allocated, the fixed bytes (shards, optimizer state) included
     recomputed: list[str]  # module paths recomputed in backward
     kept_unsharded: list[str]  # module paths whose parameters stay gathered from forward to backward
+    prefetch_depths: dict  # module path -> its own prefetch depth, where it differs from runtime_options'
     runtime_options: dict  # the schedule's scheduling options (applied as the root's own; its max_pending_host_steps kept)
     description: str  # the planner's one line for the schedule
     profiled_step_ms: float  # the profiled step (every module recomputed, no prefetch)
@@ -78,16 +79,18 @@ class _Root:
             set_recomputed(module, path != "root")
 
     def choices(self):
-        """What a failed or unapplied plan puts back: each module's recomputation and reshard
-        choice, and the root's scheduling options."""
-        return ({path: (is_recomputed(m), m._fsdpcpp.group.reshard_after_forward) for path, m in self.modules.items()},
+        """What a failed or unapplied plan puts back: each module's recomputation, reshard choice
+        and prefetch depth, and the root's scheduling options."""
+        return ({path: (is_recomputed(m), m._fsdpcpp.group.reshard_after_forward, m._fsdpcpp.group.prefetch_depth)
+                 for path, m in self.modules.items()},
                 self.modules["root"]._fsdpcpp.group.runtime_options())
 
     def restore(self, choices) -> None:
         per_module, runtime = choices
-        for path, (recompute, reshard) in per_module.items():
+        for path, (recompute, reshard, depth) in per_module.items():
             set_recomputed(self.modules[path], recompute)
             self.modules[path]._fsdpcpp.group.set_reshard_after_forward(reshard)
+            self.modules[path]._fsdpcpp.group.set_prefetch_depth(depth)
         self.modules["root"]._fsdpcpp.group.set_runtime_options(runtime)
 
 
@@ -165,6 +168,8 @@ def plan_memory_budget(model: nn.Module, train_step: Callable[[], object], budge
                 peak_bytes=planned.prediction.peak_bytes,
                 recomputed=[n for n, on in zip(names, schedule.recompute) if on],
                 kept_unsharded=[n for n, on in zip(names, schedule.reshard_after_forward) if not on],
+                prefetch_depths={n: d for n, d in zip(names, schedule.prefetch_depth)
+                                 if d >= 0 and d != schedule.runtime.prefetch_depth},
                 runtime_options=_fields(schedule.runtime), description=_C.describe_schedule(schedule, profile),
                 profiled_step_ms=profile.profiled_step_ms, profiled_peak_bytes=profile.profiled_peak_bytes)
     if apply:

@@ -12,6 +12,7 @@ Schedule default_schedule(size_t groups) {
   Schedule s;
   s.recompute.assign(groups, false);
   s.reshard_after_forward.assign(groups, true);
+  s.prefetch_depth.assign(groups, -1);
   return s;
 }
 
@@ -51,6 +52,13 @@ class Replay {
       throw std::invalid_argument("schedule: " + std::to_string(schedule.recompute.size()) + " recompute and " +
                                   std::to_string(schedule.reshard_after_forward.size()) +
                                   " reshard choices for a model of " + std::to_string(n) + " groups");
+    if (!schedule.prefetch_depth.empty() && schedule.prefetch_depth.size() != n)
+      throw std::invalid_argument("schedule: " + std::to_string(schedule.prefetch_depth.size()) +
+                                  " prefetch depths for a model of " + std::to_string(n) + " groups");
+    for (int depth : schedule.prefetch_depth)
+      if (depth < -1)
+        throw std::invalid_argument("schedule: a group's prefetch depth is " + std::to_string(depth) +
+                                    "; it must be 0 or more, or -1 for the runtime's");
     if (model.micro_batches < 1)
       throw std::invalid_argument("cost model: " + std::to_string(model.micro_batches) + " micro-batches");
     check_runtime_options(schedule.runtime, "schedule");
@@ -101,7 +109,7 @@ class Replay {
   // The group's parameters, with the prefetches its start issues; its compute waits for its own.
   void gather_and_wait(int g, const std::vector<int>& order, int position) {
     const int n = static_cast<int>(order.size());
-    for (int k = 0; k <= schedule_.runtime.prefetch_depth && position + k < n; ++k)
+    for (int k = 0; k <= schedule_.prefetch_depth_of(g) && position + k < n; ++k)
       if (!unsharded_[order[position + k]]) all_gather(order, position + k, /*beside_compute=*/k > 0);
     release(kGatherBuffers, g, {"start of ", g});
   }

@@ -147,6 +147,13 @@ void set_requires_gradient_sync(GroupState& state, bool sync) {
 }
 void set_reshard_after_forward(GroupState& state, bool reshard) { state.set_reshard_after_forward(reshard); }
 bool reshard_after_forward(const GroupState& state) { return state.reshard_after_forward(); }
+void set_prefetch_depth(GroupState& state, int depth) {
+  if (depth < -1)
+    throw std::invalid_argument("set_prefetch_depth: " + state.module_name() + "'s depth is " + std::to_string(depth) +
+                                "; it must be 0 or more, or -1 for its root's prefetch_depth");
+  state.set_prefetch_depth(depth);
+}
+int prefetch_depth(const GroupState& state) { return state.prefetch_depth(); }
 void reshard(GroupState& state) {
   if (state.group().is_unsharded()) state.reshard();
 }

@@ -40,6 +40,9 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   int id() const { return id_; }
   bool reshard_after_forward() const { return reshard_after_forward_; }
   void set_reshard_after_forward(bool reshard) { reshard_after_forward_ = reshard; }
+  // Groups all-gathered ahead at this group's start; -1: its root's prefetch_depth.
+  int prefetch_depth() const { return prefetch_depth_; }
+  void set_prefetch_depth(int depth) { prefetch_depth_ = depth; }
   ParamGroup& group() { return group_; }
   // This group and those sharded inside it (that still exist).
   std::vector<std::shared_ptr<GroupState>> groups_under();
@@ -102,6 +105,7 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   std::vector<std::weak_ptr<GroupState>> inner_;
   std::optional<RuntimeOptions> runtime_options_;
   bool reshard_after_forward_;
+  int prefetch_depth_ = -1;
   bool has_frozen_params_ = false;
   bool gradient_sync_ = true;
   GroupStep step_in_backward_;

@@ -137,8 +137,15 @@ void set_schedule(const PlanningRoot& root, const plan::Schedule& schedule) {
     throw std::invalid_argument(root_error("set_schedule", root,
                                            "the schedule has " + std::to_string(schedule.reshard_after_forward.size()) +
                                                " groups, the root " + std::to_string(groups.size())));
-  for (size_t g = 0; g < groups.size(); ++g)
+  if (!schedule.prefetch_depth.empty() && schedule.prefetch_depth.size() != groups.size())
+    throw std::invalid_argument(root_error("set_schedule", root,
+                                           "the schedule has " + std::to_string(schedule.prefetch_depth.size()) +
+                                               " prefetch depths, the root " + std::to_string(groups.size()) +
+                                               " groups"));
+  for (size_t g = 0; g < groups.size(); ++g) {
     groups[g].state->set_reshard_after_forward(schedule.reshard_after_forward[g]);
+    set_prefetch_depth(*groups[g].state, schedule.prefetch_depth.empty() ? -1 : schedule.prefetch_depth[g]);
+  }
   set_runtime_choices(root, schedule);
 }
 

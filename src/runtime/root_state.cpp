@@ -109,7 +109,8 @@ bool RootState::ran_in_pass(const GroupState& state, bool backward) const {
 std::vector<GroupState*> RootState::prefetch_targets(const ExecutionOrder& order, const GroupState& state,
                                                      bool backward) {
   std::vector<GroupState*> targets;
-  const auto ids = order.next(state.id_, options().prefetch_depth);
+  const int depth = state.prefetch_depth() >= 0 ? state.prefetch_depth() : options().prefetch_depth;
+  const auto ids = order.next(state.id_, depth);
   if (ids.empty()) return targets;
   const auto states = members();
   // In execution order, never the registry's (ordered by address, which

@@ -364,6 +364,13 @@ TEST(Parity, PrefetchDepthAndCapsGiveIdenticalNumbers) {
   for (RuntimeOptions o : {RuntimeOptions{0, 0, 0}, RuntimeOptions{2, 1, 1}, RuntimeOptions{3, 0, 0},
                            RuntimeOptions{1, 2, 2, 1.0}, RuntimeOptions{0, 1, 1, 0.02}})
     expect_identical_run(run(o), base);
+  // A group's own depth (the first block's 3 under a root's 0) is a prefetch like any other.
+  set_runtime_options(RuntimeOptions{0, 0, 0});
+  expect_identical_run(train(llama_setup(seeded_llama(tiny_llama()), [](TestLlama& m) {
+                         shard_blocks_and_root(m);
+                         set_prefetch_depth(*state_of(*m->blocks[0]), 3);
+                       })),
+                       base);
   set_runtime_options(defaults);
 }
 

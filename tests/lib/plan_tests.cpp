@@ -131,6 +131,44 @@ TEST(Simulator, PrefetchHidesAllGathersAndHoldsOneMoreGroup) {
   EXPECT_EQ(p.peak_during, "backward of B");
 }
 
+// A short group (B: forward 0.2 ms, backward 0.4) before a heavy one (C: all-gather 2 ms), as a
+// small block before a large output head. Depth 1 issues C's all-gather at B's start, after A's
+// forward (1.5), so C waits for it: AG A 0-0.5, AG B 0.5-1, fwd A 0.5-1.5, fwd B 1.5-1.7, AG C
+// 1.5-3.5, fwd C 3.5-4.5; backward AG C 4.5-6.5, AG B 6.5-7, bwd C 6.5-8.5, AG A (at B's start)
+// 8.5-9, bwd B 8.5-8.9, bwd A 9-11, RS A 11-11.5, optimizer: 12.5 ms. A's own depth 2 issues C's
+// at A's start, right after B's (1-3): fwd C 3-4 and everything after 0.5 ms earlier: 12 ms.
+// Depth 2 everywhere also issues A's backward all-gather at C's (6.5-7), so bwd A follows bwd B
+// at once (8.4): 11.9 ms, but it holds one more group's parameters in backward.
+CostModel short_before_heavy() {
+  CostModel m = two_groups();
+  m.groups[1].forward_ms = 0.2, m.groups[1].backward_ms = 0.4;
+  GroupCost heavy = two_groups().groups[0];
+  heavy.name = "C", heavy.allgather_ms = 2;
+  m.groups.push_back(heavy);
+  return m;
+}
+
+TEST(Simulator, AGroupsOwnPrefetchDepthStartsLaterAllGathersAtItsStart) {
+  const CostModel m = short_before_heavy();
+  Schedule uniform = default_schedule(3), deeper = uniform, everywhere = uniform;
+  deeper.prefetch_depth[0] = 2;
+  everywhere.runtime.prefetch_depth = 2;
+  const Prediction u = simulate(m, uniform), d = simulate(m, deeper), e = simulate(m, everywhere);
+  EXPECT_DOUBLE_EQ(u.step_ms, 12.5);
+  EXPECT_DOUBLE_EQ(d.step_ms, 12.0);
+  EXPECT_DOUBLE_EQ(e.step_ms, 11.9);
+  EXPECT_GT(e.peak_bytes, d.peak_bytes);
+  EXPECT_EQ(deeper.prefetch_depth_of(0), 2);
+  EXPECT_EQ(deeper.prefetch_depth_of(1), 1);
+  Schedule none = uniform;
+  none.prefetch_depth.clear();  // an empty vector: the runtime's depth everywhere
+  EXPECT_DOUBLE_EQ(simulate(m, none).step_ms, u.step_ms);
+  none.prefetch_depth = {2, -1};
+  EXPECT_THROW(simulate(m, none), std::invalid_argument);
+  none.prefetch_depth = {-2, -1, -1};
+  EXPECT_THROW(simulate(m, none), std::invalid_argument);
+}
+
 // Checkpointing A keeps 5 bytes instead of 30 through the forward and recomputes it (1 ms) in
 // backward: AG A 5.5-6, recompute 6-7, bwd A 7-9, RS A 9-9.5, optimizer: 10.5 ms. Its recompute
 // runs while B's gradients are in flight: 1000 + 50 (grads B) + 5 + 100 (params A) + 40 = 1195,
@@ -404,6 +442,25 @@ TEST(Planner, BucketsGroupsWhenTheirCollectivesAreLatency) {
   m.allgather_latency_ms = m.reduce_scatter_latency_ms = 0;
   EXPECT_EQ(bucket_sizes_mb(m), std::vector<double>{0});
   EXPECT_EQ(plan_schedule(m, int64_t(1) << 40).chosen.schedule.runtime.bucket_mb, 0);
+}
+
+// With A's own depth 2's peak as the budget (depth 2 everywhere peaks higher): the planner's
+// fastest uniform schedule that fits, deepened at A, and faster for it.
+TEST(Planner, DeepensOneGroupsPrefetchWhereDepthEverywhereDoesNotFit) {
+  const CostModel m = short_before_heavy();
+  Schedule deeper = default_schedule(3), everywhere = deeper;
+  deeper.prefetch_depth[0] = 2;
+  everywhere.runtime.prefetch_depth = 2;
+  const int64_t budget = simulate(m, deeper).peak_bytes;
+  ASSERT_LT(budget, simulate(m, everywhere).peak_bytes);
+  const Plan plan = plan_schedule(m, budget, 0);
+  const Schedule& chosen = plan.chosen.schedule;
+  EXPECT_LE(plan.chosen.prediction.peak_bytes, budget);
+  EXPECT_EQ(chosen.prefetch_depth, (std::vector<int>{2, -1, -1}));
+  Schedule uniform = chosen;
+  uniform.prefetch_depth.assign(3, -1);
+  EXPECT_LT(plan.chosen.prediction.step_ms, simulate(m, uniform).step_ms);
+  EXPECT_NE(describe(chosen, m).find(", prefetch 1 (A 2), "), std::string::npos) << describe(chosen, m);
 }
 
 TEST(Planner, DescribeNamesTheChoices) {

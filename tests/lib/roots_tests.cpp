@@ -216,6 +216,37 @@ TEST(Roots, RuntimeOptionsOfOneRootLeaveTheOthersOnTheDefault) {
   }
 }
 
+// A group's own prefetch depth overrides its root's: under a root that prefetches nothing, the
+// first block's start gathers the two blocks after it in forward (and nothing in backward, where
+// it runs last of the blocks and the root already ran), until -1 gives it the root's depth back.
+TEST(Roots, AGroupsOwnPrefetchDepthOverridesItsRoots) {
+  auto config = tiny_llama();
+  config.n_layers = 4;
+  auto llama = seeded_llama(config);
+  shard_blocks_and_root(llama);
+  RuntimeOptions no_prefetch = runtime_options();
+  no_prefetch.prefetch_depth = 0;
+  set_runtime_options(llama, no_prefetch);
+  auto prefetches_of_a_step = [&] {
+    const long before = runtime_stats().prefetches;
+    next_token_backward(llama);
+    return runtime_stats().prefetches - before;
+  };
+  next_token_backward(llama);  // the first step records the orders prefetching follows
+  GroupState& first = *state_of(*llama->blocks[0]);
+  set_prefetch_depth(first, 2);
+  EXPECT_EQ(prefetch_depth(first), 2);
+  EXPECT_EQ(prefetches_of_a_step(), 2);
+  set_prefetch_depth(first, -1);
+  EXPECT_EQ(prefetches_of_a_step(), 0);
+  try {
+    set_prefetch_depth(first, -2);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("it must be 0 or more, or -1 for its root's prefetch_depth"));
+  }
+}
+
 TEST(Roots, AModuleUnderTwoRootsIsAnError) {
   struct Pair : torch::nn::Module {
     explicit Pair(torch::nn::Linear shared) : shared(register_module("shared", shared)) {

@@ -784,7 +784,11 @@ def case_plan(args):
         assert "fsdpcpp.plan_memory_budget(" in str(refused) and "smallest" in str(refused), str(refused)
         smallest = refused.smallest_budget_bytes
     assert not any(type(m).__name__.startswith("Recomputed") for m in model.modules()), "the refusal left recomputation on"
+    first = blocks_of(model)[0]
+    first_path = next(name for name, m in model.named_modules() if m is first)
+    first._fsdpcpp.group.set_prefetch_depth(3)  # a module's own depth: put back by an unapplied plan
     roomy = fsdpcpp.plan_memory_budget(model, train_step, 1 << 40, apply=False, **planner)
+    assert first._fsdpcpp.group.prefetch_depth == 3, "the unapplied plan left block 0's own prefetch depth changed"
     assert roomy.recomputed or roomy.peak_bytes > smallest * 1.1, f"recomputation must matter on this model: {smallest} vs {roomy}"
     # The least budget that fits: only the schedules of the least predicted peak meet it, and those
     # recompute. (A budget halfway to the fastest schedule's peak may fit a schedule that gathers
@@ -795,8 +799,10 @@ def case_plan(args):
     budget = smallest
     plan = fsdpcpp.plan_memory_budget(model, train_step, budget, **planner)
     assert plan.recomputed and plan.peak_bytes <= budget, plan
+    assert first._fsdpcpp.group.prefetch_depth == plan.prefetch_depths.get(first_path, -1), (plan.prefetch_depths,
+                                                                                            first_path)
     calls = []
-    next(blocks_of(model)[0].children()).register_forward_pre_hook(lambda *_: calls.append(1))
+    next(first.children()).register_forward_pre_hook(lambda *_: calls.append(1))
     train_step()
     fsdpcpp.reset_peak_allocated()
     calls.clear()

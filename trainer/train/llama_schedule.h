@@ -18,11 +18,12 @@ plan::Schedule llama_schedule(const model::LlamaConfig& config, bool reshard_aft
                               const RuntimeOptions& runtime);
 
 // Shards each block and then the root with `shard` and the schedule's per-group reshard choice,
-// then applies the rest of it as apply_schedule does.
+// then its runtime choices (llama_schedule's schedules set no group's own prefetch depth;
+// apply_schedule sets a planned one's).
 void shard_with_schedule(model::Llama& model, const plan::Schedule& schedule, ShardOptions shard);
 
 // On a sharded model: recomputes the blocks the schedule names, sets each group's reshard choice
-// (after a step has recorded the forward order: fsdp::set_schedule) and the runtime's prefetch
+// and own prefetch depth (after a step has recorded the forward order: fsdp::set_schedule) and the runtime's prefetch
 // depth, caps and buckets. Throws std::invalid_argument when the schedule is not one
 // of this model's groups or recomputes the root.
 void apply_schedule(model::Llama& model, const plan::Schedule& schedule);

@@ -75,13 +75,22 @@ struct CostModel {
 struct Schedule {
   std::vector<bool> recompute;             ///< recompute the group's activations in backward
   std::vector<bool> reshard_after_forward;  ///< free its parameters between forward and backward
+  /// Groups all-gathered ahead at the group's start (pre-forward, pre-backward): deeper before a
+  /// group whose compute is short beside the next gathers. -1, or an empty vector for all:
+  /// runtime.prefetch_depth.
+  std::vector<int> prefetch_depth;
   /// The runtime's knobs under this schedule: prefetch depth, in-flight caps, buckets (groups
   /// below bucket_mb share coalesced collectives: membership follows from the sizes and the order).
   RuntimeOptions runtime;
 
+  /// Group g's prefetch depth under this schedule.
+  int prefetch_depth_of(size_t g) const {
+    return g < prefetch_depth.size() && prefetch_depth[g] >= 0 ? prefetch_depth[g] : runtime.prefetch_depth;
+  }
   /// The same choices everywhere.
   bool operator==(const Schedule& o) const {
-    return recompute == o.recompute && reshard_after_forward == o.reshard_after_forward && runtime == o.runtime;
+    return recompute == o.recompute && reshard_after_forward == o.reshard_after_forward &&
+           prefetch_depth == o.prefetch_depth && runtime == o.runtime;
   }
 };
 
