@@ -110,8 +110,9 @@ std::string describe(const Schedule& s, const CostModel& model) {
   if (kept > 0) text += " (" + names(s.reshard_after_forward, model, false) + ")";
   const RuntimeOptions& r = s.runtime;
   const std::string deeper = own_depths(s, model);
-  text += ", prefetch " + std::to_string(r.prefetch_depth) + (deeper.empty() ? "" : " (" + deeper + ")") + ", in flight " + cap(r.max_inflight_allgathers) +
-          " all-gathers / " + cap(r.max_inflight_reduce_scatters) + " reduce-scatters";
+  text += ", prefetch " + std::to_string(r.prefetch_depth) + (deeper.empty() ? "" : " (" + deeper + ")") +
+          ", in flight " + cap(r.max_inflight_allgathers) + " all-gathers / " + cap(r.max_inflight_reduce_scatters) +
+          " reduce-scatters";
   if (r.bucket_mb > 0) {
     text += ", buckets of " + format_bytes(static_cast<int64_t>(r.bucket_bytes()));
     if (r.reduce_bucket_max_wait > 0) text += " waiting at most " + std::to_string(r.reduce_bucket_max_wait) + " groups";
