@@ -231,15 +231,18 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
   const auto bytes_of = [](const BlockRead& b) {
     return static_cast<int64_t>(b.rows * b.row_numel * io::element_size(b.saved->dtype));
   };
+  std::vector<bool> in_place;  // reads_into_place, once per block
   int64_t largest = 0;
-  for (const BlockRead& b : reads)
-    if (!reads_into_place(b, pass)) largest = std::max(largest, bytes_of(b));
+  for (const BlockRead& b : reads) {
+    in_place.push_back(reads_into_place(b, pass));
+    if (!in_place.back()) largest = std::max(largest, bytes_of(b));
+  }
   const at::Tensor buffers[2] = {at::empty({largest}, at::kByte), at::empty({largest}, at::kByte)};
   // Only these reads open files (one at a time: each starts after the previous one ended), so
   // `identities` is theirs alone; read i fills buffer i % 2 once block i - 2 is done with.
   const auto read = [&](size_t i) {
     const BlockRead& b = reads[i];
-    const at::Tensor block = reads_into_place(b, pass)
+    const at::Tensor block = in_place[i]
                                  ? b.into
                                  : buffers[i % 2]
                                        .narrow(0, 0, bytes_of(b))
@@ -258,7 +261,7 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
     if (pass != Pass::Copy && io::crc32(block.data_ptr(), block.nbytes()) != b.saved->block_crcs[b.rank])
       throw CheckpointError(shard_file(dir, meta, b.rank) + ": checksum mismatch in '" + b.saved->name +
                             "': the file is damaged");
-    if (pass != Pass::Check && !reads_into_place(b, pass)) b.into.copy_(block.narrow(0, b.from_row, b.into.size(0)));
+    if (pass != Pass::Check && !in_place[i]) b.into.copy_(block.narrow(0, b.from_row, b.into.size(0)));
   }
 }
 
