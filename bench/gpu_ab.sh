@@ -8,13 +8,20 @@
 #     side's fsdpcpp package: the script the same, the package and library the side's own)
 #   AB_MODEL: the model and its shape, flags both programs take (default "--model 1b --seq 2048 --batch 4")
 #   AB_GPUS: how many GPUs (default 1)
+#   AB_BASE_ENV: environment assignments for the base side's runs alone (an allocator setting,
+#     say: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,roundup_power2_divisions:4")
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #     (or HEAD, then git apply --directory=build/ab-base one of bench/variants/: a variant)
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
+#   AB_BASE_ENV=... bash bench/gpu_ab.sh OUT_DIR . [RUNS]   # BASE_SRC '.': this build on both sides
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
 model=${AB_MODEL:---model 1b --seq 2048 --batch 4} gpus=${AB_GPUS:-1} front_end=${AB_FRONT_END:-trainer}
+read -r -a base_env <<< "${AB_BASE_ENV:-}"
+if [ "$base" = . ] && [ ${#base_env[@]} -eq 0 ]; then
+  echo "gpu_ab.sh: BASE_SRC '.' runs this build on both sides: set AB_BASE_ENV to what the base side changes"; exit 2
+fi
 case $front_end in
   trainer) target=fsdp-train python=OFF ;;
   python) target=fsdpcpp_C python=ON ;;
@@ -24,17 +31,20 @@ mkdir -p "$out"
 source bench/gpu_env.sh
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 json=$(sed -n 's/^JSON_INCLUDE_DIR:PATH=//p' build/CMakeCache.txt)
-cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DFSDP_JSON_INCLUDE="$json" \
-  -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_PYTHON=$python -DFSDP_PYTHON="$(command -v python3)" > "$out/ab-base-build.log" 2>&1 &&
-  cmake --build "$base/build" --target $target >> "$out/ab-base-build.log" 2>&1 || { tail -20 "$out/ab-base-build.log"; exit 1; }
+if [ "$base" != . ]; then
+  cmake -G Ninja -S "$base" -B "$base/build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DFSDP_JSON_INCLUDE="$json" \
+    -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_PYTHON=$python -DFSDP_PYTHON="$(command -v python3)" > "$out/ab-base-build.log" 2>&1 &&
+    cmake --build "$base/build" --target $target >> "$out/ab-base-build.log" 2>&1 || { tail -20 "$out/ab-base-build.log"; exit 1; }
+fi
 for i in $(seq "$runs"); do
   for side in new base; do
-    tree=.; [ "$side" = base ] && tree=$base
+    tree=. side_env=()
+    [ "$side" = base ] && tree=$base side_env=("${base_env[@]}")
     if [ "$front_end" = trainer ]; then
-      build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model --param-dtype bf16 --steps 30 \
+      env "${side_env[@]}" build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model --param-dtype bf16 --steps 30 \
         --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
     else
-      PYTHONPATH="$tree/build/py" python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" \
+      env "${side_env[@]}" PYTHONPATH="$tree/build/py" python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" \
         bench/fsdp2_llama.py --runtime fsdpcpp $model --steps 30 --jsonl "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
     fi || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
   done
