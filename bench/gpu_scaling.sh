@@ -5,7 +5,8 @@
 #        build; bench/run_bench.py on 2 and 4 GPUs (default configs 1b,1b-ac,3b,8b,8b-ac, each against
 #        FSDP2 eager and compiled and the Python front end where run_bench pairs them; REPEATS runs,
 #        default 3; more configs than fit one call: pass a few at a time; the 8B on 2 GPUs needs H200s:
-#        its sharded weights, gradients and AdamW state alone are ~60 GiB a GPU there)
+#        its sharded weights, gradients and AdamW state alone are ~60 GiB a GPU there; BENCH_WORLDS=2
+#        runs the 2-GPU half alone, on a machine of 2 GPUs)
 #   bash bench/gpu_scaling.sh hsdp OUT COMMIT       the 8B as HSDP 2 x 2 (two replicas of 2 GPUs) and as
 #        plain FSDP 1 x 4, 15 steps each, rank 0 traced
 #   bash bench/gpu_scaling.sh plan-check OUT COMMIT fsdp-train --plan-check on 4 GPUs (the 1B): each
@@ -66,7 +67,7 @@ case $phase in
   bench)
     work=/tmp/fsdp-scaling-bench
     rm -rf "$work"
-    python3 bench/run_bench.py --out "$work" --commit "$commit" --worlds 2,4 \
+    python3 bench/run_bench.py --out "$work" --commit "$commit" --worlds "${BENCH_WORLDS:-2,4}" \
       --configs "${4:-1b,1b-ac,3b,8b,8b-ac}" --repeats "${5:-3}" > "$out/run_bench.log" 2>&1
     status=$?
     tail -40 "$out/run_bench.log"
