@@ -25,9 +25,9 @@
 #   bash bench/gpu_scaling.sh projection-seq OUT COMMIT SEQ   the 8B's and the 70B's (4 blocks, stretched
 #        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, projected to 8-512
 #        GPUs with every block recomputed: torchtitan's published runs use seq 8192
-#   bash bench/gpu_scaling.sh holes OUT COMMIT [GPUS]   where the recomputed 8B's reserved-but-free memory
-#        sits at its peak (issue #48 item 5: reserved/allocated 1.141 on 4 GPUs), bf16 and float8:
-#        an allocator snapshot of step 5 on GPUS (default 4) GPUs through bench/snapshot_holes.py
+#   bash bench/gpu_scaling.sh holes OUT COMMIT [GPUS] [MODEL]   where a recomputed model's (default 8b;
+#        3b) reserved-but-free memory sits at its peak (issue #48 item 5), bf16 and float8: an
+#        allocator snapshot of step 5 on GPUS (default 4) GPUs through bench/snapshot_holes.py
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
 set -uo pipefail
@@ -189,10 +189,11 @@ PY
       tee "$out/projected-8b-s$seq-w2.txt"
     project_70b 70b4-s$seq-w2 70b-s$seq-w2 ;;
   holes)
-    status=0 gpus=${4:-4}
+    status=0 gpus=${4:-4} model=${5:-8b}
+    batch=2; [ "$model" = 3b ] && batch=4  # the shapes of the A/Bs in bench/results (3B: batch 4)
     for precision in bf16 fp8; do
-      name=8b-ac-$precision-w$gpus flags=(); [ $precision = fp8 ] && flags=(--fp8 tensorwise)
-      train "$gpus" --model 8b --seq 2048 --batch 2 --recompute "${flags[@]}" --steps 6 \
+      name=$model-ac-$precision-w$gpus flags=(); [ $precision = fp8 ] && flags=(--fp8 tensorwise)
+      train "$gpus" --model "$model" --seq 2048 --batch $batch --recompute "${flags[@]}" --steps 6 \
         --memory-snapshot "/tmp/snapshot-$name" --log "$out/snapshot-$name.jsonl" > "$out/snapshot-$name.log" 2>&1 ||
         { tail -5 "$out/snapshot-$name.log"; status=1; continue; }
       python3 bench/snapshot_holes.py "/tmp/snapshot-$name-rank0.pickle" --step 5 --explain 6 \
