@@ -29,27 +29,27 @@ std::vector<size_t> kept_unsharded_counts(size_t groups) {
   return counts;
 }
 
-std::string names(const std::vector<bool>& chosen, const CostModel& model, bool value) {
+// The first four of `items`, then ", ..." if there are more.
+std::string first_few(const std::vector<std::string>& items) {
   std::string out;
-  int listed = 0, count = 0;
-  for (size_t g = 0; g < chosen.size(); ++g) {
-    if (chosen[g] != value) continue;
-    ++count;
-    if (listed < 4) out += (listed++ ? ", " : "") + model.groups[g].name;
-  }
-  return count > listed ? out + ", ..." : out;
+  for (size_t i = 0; i < items.size() && i < 4; ++i) out += (i ? ", " : "") + items[i];
+  return items.size() > 4 ? out + ", ..." : out;
+}
+
+std::string names(const std::vector<bool>& chosen, const CostModel& model, bool value) {
+  std::vector<std::string> items;
+  for (size_t g = 0; g < chosen.size(); ++g)
+    if (chosen[g] == value) items.push_back(model.groups[g].name);
+  return first_few(items);
 }
 
 // The groups whose own prefetch depth differs from the runtime's, as "blocks.3 2, ...".
 std::string own_depths(const Schedule& s, const CostModel& model) {
-  std::string out;
-  int listed = 0, count = 0;
-  for (size_t g = 0; g < s.prefetch_depth.size(); ++g) {
-    if (s.prefetch_depth_of(g) == s.runtime.prefetch_depth) continue;
-    ++count;
-    if (listed < 4) out += (listed++ ? ", " : "") + model.groups[g].name + " " + std::to_string(s.prefetch_depth[g]);
-  }
-  return count > listed ? out + ", ..." : out;
+  std::vector<std::string> items;
+  for (size_t g = 0; g < s.prefetch_depth.size(); ++g)
+    if (s.prefetch_depth_of(g) != s.runtime.prefetch_depth)
+      items.push_back(model.groups[g].name + " " + std::to_string(s.prefetch_depth[g]));
+  return first_few(items);
 }
 
 constexpr int kDeepestPrefetch = 4;

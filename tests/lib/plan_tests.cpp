@@ -471,6 +471,9 @@ TEST(Planner, DescribeNamesTheChoices) {
   EXPECT_EQ(describe(s, deep()),
             "recompute 2 of 8 (blocks.0, blocks.1), 1 kept unsharded (blocks.7), prefetch 1, in flight 2 "
             "all-gathers / unlimited reduce-scatters");
+  for (size_t g = 2; g < 6; ++g) s.recompute[g] = true;  // more than four named: the first four, then "..."
+  EXPECT_NE(describe(s, deep()).find("recompute 6 of 8 (blocks.0, blocks.1, blocks.2, blocks.3, ...), 1 kept"),
+            std::string::npos) << describe(s, deep());
   s.runtime.bucket_mb = 1.5, s.runtime.reduce_bucket_max_wait = 2;
   EXPECT_NE(describe(s, deep()).find("reduce-scatters, buckets of 1.5 MiB waiting at most 2 groups"),
             std::string::npos);
