@@ -152,7 +152,6 @@ class ParamGroup {
   // The flags' slot after the gradients in a reduce-scatter input: one row of a flag per parameter
   // for each rank.
   ShardLayout flags_layout() const;
-  size_t reduce_input_buffers() const;
   // Per rank, the elements gathered transformed (or in the compute dtype).
   int64_t gather_numel(bool transformed) const {
     return transformed ? transformed_numel_ : shard_numel_ - transformed_numel_;
@@ -185,8 +184,9 @@ class ParamGroup {
   // Prepared gradients awaiting the reduce-scatter, parameter-major (parameter_major_into): across
   // ranks a buffer per parameter's slot and one for the flags' slot; one rank, one flat buffer of
   // [shard_numel_ + one flag per parameter]; where reduces_each_in_place(), each parameter's
-  // (undefined: it has none). reduce_input_buffers() says how many.
+  // (undefined: it has none).
   std::vector<at::Tensor> reduce_input_;
+  bool gradients_prepared_ = false;          // reduce_input_ holds this backward's, not yet reduce-scattered
   bool all_local_grads_ = false;             // this rank had every parameter's gradient
   std::vector<at::Tensor> reduced_;          // their reduce-scatter's output (offloaded: its host copy) awaiting commit
   std::shared_ptr<c10::Event> reduced_at_;   // reduce-scatter stream, after the collective (and host copy)

@@ -20,7 +20,8 @@ namespace fsdp {
 
 void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
-  TORCH_INTERNAL_ASSERT(reduced_.empty() && reduce_input_.empty(), "fsdp: the previous reduce-scatter was not committed");
+  TORCH_INTERNAL_ASSERT(reduced_.empty() && !gradients_prepared_, "fsdp: the previous reduce-scatter was not committed");
+  gradients_prepared_ = true;
   c10::NoGradGuard no_grad;
   const int world = comm_->world_size();
   const int64_t count = static_cast<int64_t>(params_.size());
@@ -88,15 +89,10 @@ void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
       slots.push_back(reduce_input_.back());
     }
   } else {
-    reduce_input_.push_back(at::empty({world * (shard_numel_ + count)}, opts));
+    reduce_input_.push_back(at::empty({shard_numel_ + count}, opts));
     slots = slots_of(reduce_input_.back(), layouts);
   }
   parameter_major_into(slots, pieces);
-}
-
-size_t ParamGroup::reduce_input_buffers() const {
-  if (reduces_each_in_place()) return params_.size();
-  return comm_->world_size() > 1 ? params_.size() + 1 : 1;
 }
 
 ShardLayout ParamGroup::flags_layout() const {
@@ -161,7 +157,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   std::vector<at::Tensor> inputs, outputs;  // the collective's pieces
   std::vector<std::vector<at::Tensor>> results;  // each group's: what becomes its reduced_
   for (ParamGroup* g : groups) {
-    TORCH_INTERNAL_ASSERT(g->reduce_input_.size() == g->reduce_input_buffers() && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
+    TORCH_INTERNAL_ASSERT(g->gradients_prepared_ && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
     results.push_back(g->add_reduce_ops(inputs, outputs));
   }
@@ -199,6 +195,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
     for (at::Tensor& input : g.reduce_input_)
       if (input.defined()) work.keep_alive.push_back(std::move(input));
     g.reduce_input_.clear();
+    g.gradients_prepared_ = false;
     if (g.offloaded()) {  // the device result, read by the copy, until the work is done
       work.keep_alive.push_back(std::move(results[i].front()));
       results[i].front() = std::move(host_results[i]);
