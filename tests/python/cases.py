@@ -789,7 +789,11 @@ def case_plan(args):
     first._fsdpcpp.group.set_prefetch_depth(3)  # a module's own depth: put back by an unapplied plan
     roomy = fsdpcpp.plan_memory_budget(model, train_step, 1 << 40, apply=False, **planner)
     assert first._fsdpcpp.group.prefetch_depth == 3, "the unapplied plan left block 0's own prefetch depth changed"
-    assert roomy.recomputed or roomy.peak_bytes > smallest * 1.1, f"recomputation must matter on this model: {smallest} vs {roomy}"
+    # Recomputation matters on this model: the schedule an unbounded budget takes, where it recomputes
+    # nothing, does not fit the least budget (which is the least peak plus the 5% margin). Not a
+    # wider factor: that schedule is the fastest on a CPU whose timings vary, and it may gather
+    # less ahead (prefetch 0: 8% above the least budget in one CI run).
+    assert roomy.recomputed or roomy.peak_bytes > smallest, f"recomputation must matter on this model: {smallest} vs {roomy}"
     # The least budget that fits: only the schedules of the least predicted peak meet it, and those
     # recompute. (A budget halfway to the fastest schedule's peak may fit a schedule that gathers
     # less ahead instead; and on a busy CPU the fastest schedule may itself recompute a block, where
