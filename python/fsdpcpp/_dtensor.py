@@ -109,7 +109,30 @@ def _destroy_process_group() -> None:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
         except RuntimeError:
             return  # another rank did not come: the launcher ends the job
+    _let_go_of_the_groups()
     dist.destroy_process_group()
+
+
+def _let_go_of_the_groups() -> None:
+    """Drops the references to the process groups that outlive destroy_process_group(), so that it
+    frees them and joins gloo's worker threads. Left running, those threads outlive the
+    interpreter's shutdown, where one dropping the last reference to a Python tensor aborts the
+    process (pytorch#190489). Two hold the default group:
+    - the mesh's own handles on its groups (DeviceMesh._pg_registry): the mesh lives on in the
+      DTensorSpecs that torch's sharding-propagation caches keep;
+    - torch.distributed.nn.functional's functions, whose default argument `group=group.WORLD` was
+      evaluated when the module was imported: after the default group was made (torch._dynamo
+      imports it, and the first DTensor or AdamW step imports torch._dynamo), ten of them hold
+      that group. To them None means the default group, so it replaces it."""
+    registry = getattr(_mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    world = dist.group.WORLD
+    for function in vars(functional).values() if functional else ():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(value is world for value in defaults):
+            function.__defaults__ = tuple(None if value is world else value for value in defaults)
 
 
 def default_mesh():

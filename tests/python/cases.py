@@ -7,6 +7,7 @@ tests/lib/helpers.h (float32 rounding: eps = 2 * lambda * sqrt(D * K) * u per st
 adam_eps = 1e-2 so that a rounding difference moves a parameter by a bounded amount)."""
 
 import argparse
+import atexit
 import copy
 import json
 import math
@@ -941,6 +942,22 @@ CASES = {"accelerate": case_accelerate, "group_member_skipped": case_group_membe
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
 
 
+def check_gloo_threads_joined():
+    """At exit, after fsdpcpp destroyed the process groups: a gloo worker thread still running would
+    outlive the interpreter, where one dropping a Python tensor aborts the process."""
+    tasks = f"/proc/{os.getpid()}/task"
+    left = 0
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as name:
+                left += name.read().strip() == "pt_gloo_runloop"
+        except FileNotFoundError:  # ended meanwhile
+            pass
+    print(f"rank {fsdpcpp.rank()}: {left} gloo worker threads left at exit", flush=True)
+    if left:
+        os._exit(3)  # an exception in an exit handler would not change the exit status
+
+
 def main():
     global SEQ
     parser = argparse.ArgumentParser()
@@ -961,8 +978,12 @@ def main():
     parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
+    parser.add_argument("--exit-threads", action="store_true",
+                        help="after every exit handler, no gloo worker thread may be left (pytorch#190489)")
     args = parser.parse_args()
     SEQ = args.seq
+    if args.exit_threads:
+        atexit.register(check_gloo_threads_joined)  # registered first: runs after fsdpcpp's
     torch.set_num_threads(1)
     if args.case != "beside_process_group":
         fsdpcpp.init()  # CPU ranks: MPI under mpirun, gloo under torchrun; GPUs (fsdp-run --gpu): NCCL

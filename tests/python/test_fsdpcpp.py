@@ -22,9 +22,10 @@ cpu_only = pytest.mark.skipif(GPU, reason="CPU ranks")
 
 
 # torch's exit race (pytorch#190489, PR #179291 abandoned): a gloo worker thread that drops the last
-# reference to a Python tensor while the interpreter finalises aborts the process (destroying the
-# process group at exit does not join gloo's threads). Seen about once in ten CI runs, each time in
-# a different case; such a run is made once more, and a second failure fails the test.
+# reference to a Python tensor while the interpreter finalises aborts the process. fsdpcpp's exit
+# joins the threads of the groups it made (--exit-threads checks it); the FSDP2 runs' groups are
+# kept by their meshes. Seen about once in ten CI runs, each time in a different case; such a run
+# is made once more, and a second failure fails the test.
 GLOO_EXIT_ABORT = ("terminate called without an active exception", "ProcessGroupGloo7runLoop")
 
 
@@ -128,13 +129,14 @@ def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
 def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
     get_state_dict, get_model_state_dict, numel; each checkpoint resumed by the other runtime, on
-    another rank count (3 ranks: uneven shards), and under HSDP."""
+    another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs end with every
+    gloo worker thread joined (--exit-threads): its exit handler lets go of the groups torch keeps."""
     run(2, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
-    run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp")
-    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2")
+    run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp", "--exit-threads")
+    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2", "--exit-threads")
     run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
     # HSDP from a 2-D mesh, 2 replicas of 2 shards: its own DCP checkpoint saved and resumed.
-    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp", "--exit-threads")
 
 
 @cpu_only
