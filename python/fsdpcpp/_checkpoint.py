@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
-from ._dtensor import managed
+from ._dtensor import managed, take_replacements_in
 
 newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
@@ -49,6 +49,7 @@ def _restore_optimizer_state(optimizer: torch.optim.Optimizer, before: dict) -> 
 
 
 def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    take_replacements_in(model, "fsdpcpp checkpoint")
     sharded, replicated = [], []
     names = {}
     for name, face in model.named_parameters():

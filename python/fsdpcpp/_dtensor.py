@@ -196,114 +196,262 @@ def managed(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_fsdpcpp_managed", tensor)
 
 
+class _Slot:
+    """One place a managed parameter is registered: module._parameters[name]. `face` is what the
+    module holds there outside forward: the DTensor face, or (a scalar, which has no rows to shard
+    by) the managed tensor itself (spec None)."""
+
+    __slots__ = ("module", "name", "managed", "face", "spec")
+
+    def __init__(self, module, name, managed, face, spec):
+        self.module, self.name, self.managed, self.face, self.spec = module, name, managed, face, spec
+
+    def path(self) -> str:
+        """The parameter's name from the outermost sharded module that holds it (for errors)."""
+        best = self.name
+        for state in list(_live_faces):
+            for owner in state.owners():
+                for prefix, sub in owner.named_modules():
+                    if sub is self.module and prefix and len(prefix) + len(self.name) + 1 > len(best):
+                        best = f"{prefix}.{self.name}"
+        return best
+
+    def holds_its_face(self) -> bool:
+        """Whether the module still holds the face the runtime made, facing the runtime's shard (or
+        the runtime's tensor itself: unshard() puts it in until the forward)."""
+        visible = self.module._parameters.get(self.name)
+        if visible is self.managed:
+            return True
+        if visible is not self.face:
+            return False
+        return self.spec is None or getattr(visible, "_local_tensor", None) is self.local
+
+    @property
+    def local(self):
+        return self.managed.__dict__.get("_fsdpcpp_face_local")
+
+
 class _Faces:
     """One sharded module's faces: every slot (module, attribute name) that holds a managed
     parameter, and the face registered there outside forward."""
 
-    __slots__ = ("slots", "__weakref__")
+    __slots__ = ("slots", "modules", "inner", "__weakref__")
 
-    def __init__(self, slots):
-        self.slots = slots  # [(module, name, managed, face, spec)]
+    def __init__(self, slots, modules, inner):
+        self.slots = slots  # [_Slot]
+        self.modules = [weakref.ref(m) for m in modules]  # the group's (one, or a fully_shard list)
+        self.inner = inner  # the _Faces of every sharded module inside it
+
+    def under(self):
+        """These faces and those of every sharded module inside."""
+        return [self, *self.inner]
+
+    def owners(self):
+        return [m for m in (ref() for ref in self.modules) if m is not None]
 
     def use_managed(self) -> None:
-        for module, name, param, face, _ in self.slots:
-            module._parameters[name] = param
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = slot.managed
 
     def use_managed_in_backward(self, grad):
         self.use_managed()
         return grad
 
     def use_faces(self) -> None:
-        for module, name, param, face, _ in self.slots:
-            module._parameters[name] = face
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = slot.face
 
     def mirror_gradients(self) -> None:
-        for _, _, param, face, spec in self.slots:
-            grad = param.grad
+        for slot in self.slots:
+            if slot.spec is None:
+                continue
+            grad, face = slot.managed.grad, slot.face
             if grad is None:
                 face.grad = None
             elif face.grad is None or face.grad._local_tensor is not grad:
-                face.grad = DTensor(grad, spec, requires_grad=False)
+                face.grad = DTensor(grad, slot.spec, requires_grad=False)
 
     def release_dropped_gradients(self) -> None:
         """A gradient set to None on either object (zero_grad of an optimizer of faces, or of one
         made before fully_shard) goes on the other too, so its memory is freed."""
-        for _, _, param, face, _ in self.slots:
-            if face.grad is None and param.grad is not None:
-                param.grad = None
-            elif param.grad is None and face.grad is not None:
-                face.grad = None
+        for slot in self.slots:
+            if slot.spec is None:
+                continue
+            if slot.face.grad is None and slot.managed.grad is not None:
+                slot.managed.grad = None
+            elif slot.managed.grad is None and slot.face.grad is not None:
+                slot.face.grad = None
 
-    def rebind(self, caller: str) -> None:
-        """After nn.Module._apply (to_empty, to, cuda, float, ...) swapped new contents into the
-        faces: each face is again the managed shard's (the same object, so an optimizer holding it
-        keeps it). to_empty(device=...) of a model sharded on meta is how FSDP2 allocates its
-        shards; here fully_shard already did, so its garbage is dropped. A conversion to another
-        dtype or device is refused: the runtime's shards cannot follow it."""
-        refused, rebound = [], set()
-        for _, name, param, face, spec in self.slots:
-            if id(face) in rebound:
-                continue  # a tied weight: one face in several slots
-            rebound.add(id(face))
-            local = face._local_tensor if isinstance(face, DTensor) else face
-            if (local.dtype, local.device) != (param.dtype, param.device):
-                refused.append(f"'{name}' to {local.dtype} on {local.device}")
-            face.grad = None  # a gradient keeps a tensor from being swapped; mirrored again below
-            torch.utils.swap_tensors(face, _face(param, spec, face.requires_grad))
-        self.mirror_gradients()
-        if refused:
+    def take_replacements(self, caller: str, mode: str = "set", refuse: bool = True) -> None:
+        """What replaced a sharded parameter since fully_shard, or changed what its face holds,
+        becomes the runtime's again, so the module never shows one tensor and computes with another.
+        mode "set" (a forward, unshard(): setattr or register_parameter of a new DTensor) and
+        "load" (load_state_dict, with assign=True as FSDP2's example and accelerate load full
+        checkpoints, or swapping contents in): this rank's rows of the new value are copied into the
+        runtime's shard (a DTensor of the face's layout gives its local rows, another DTensor is
+        gathered) and the new DTensor object becomes the face, its identity kept (swap_tensors), so
+        an optimizer made from model.parameters() after the replacement steps the shard. A plain
+        full tensor loaded has its rows copied and the face goes back; set, it is refused (its
+        holders could not step the shard). mode "apply" (nn.Module._apply: to_empty, to, cuda): the
+        new contents are dropped and only dtype and device are checked. A weight tied across slots
+        is one face again. A parameter removed (del, nn.utils.parametrize) or replaced by another
+        sharded parameter, a new dtype, device or shape, and values on meta are refused, naming the
+        parameter, once every slot holds a face again (refuse=False: only put back)."""
+        by_param, problems, changed = {}, [], False
+        for slot in self.slots:
+            by_param.setdefault(id(slot.managed), []).append(slot)
+        for slots in by_param.values():
+            replaced = next((slot for slot in slots if not slot.holds_its_face()), None)
+            if replaced is None:
+                continue
+            source = replaced.module._parameters.get(replaced.name)
+            problem = _replacement_problem(replaced, source, mode)
+            if problem:
+                problems.append(f"'{replaced.path()}' {problem}")
+                if not isinstance(source, torch.Tensor):
+                    continue  # nothing to put a face in
+            elif mode != "apply":
+                with torch.no_grad():
+                    _copy_my_rows(source, replaced)
+            if replaced.spec is None:
+                face = replaced.managed  # a scalar: the runtime's own tensor goes back in
+            else:
+                # A DTensor taken keeps its identity; otherwise the runtime's face goes back.
+                face = source if not problem and isinstance(source, DTensor) else replaced.face
+                requires_grad = face.requires_grad
+                face.grad = None  # swap_tensors refuses a tensor with a gradient; mirrored again below
+                torch.utils.swap_tensors(face, _face(replaced.managed, replaced.spec, requires_grad))
+            if replaced.managed.requires_grad != face.requires_grad:
+                replaced.managed.requires_grad_(face.requires_grad)
+            for slot in slots:
+                slot.face = face
+                slot.module._parameters[slot.name] = face
+            if mode != "apply" and not problem:
+                replaced.managed.grad = None  # the gradient of values that are gone
+            changed = True
+        if changed:
+            self.mirror_gradients()
+        if problems and refuse:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            fix = ("convert the model before fully_shard, or compute in another dtype with MixedPrecisionPolicy"
+                   if mode == "apply" else
+                   "set a DTensor laid out as the parameter (distribute_tensor(value, p.device_mesh, p.placements)), "
+                   "or load values with load_state_dict (assign=False copies and casts them into the shards)")
             raise ValueError(
-                f"{caller}: a sharded module's parameters cannot change dtype or device after fully_shard (the shards "
-                f"stay {self.slots[0][2].dtype} on {self.slots[0][2].device}; asked: {', '.join(refused[:3])}"
-                f"{', ...' if len(refused) > 3 else ''}): convert the model before fully_shard, or compute in "
-                "another dtype with MixedPrecisionPolicy")
+                f"{caller}: the runtime computes with its own shards, so a change to a sharded parameter it cannot "
+                f"follow is refused and undone: {'; '.join(problems[:3])}{more}. Fix: {fix} "
+                "(docs/python.md, 'Parameters replaced after fully_shard')")
 
     def forward_settings(self) -> None:
-        """What the user changed on the faces since the last step: gradients dropped (zero_grad),
-        requires_grad."""
+        """What the user changed since the last step: parameters replaced (take_replacements),
+        gradients dropped (zero_grad), requires_grad."""
+        self.take_replacements("fsdpcpp: a sharded module's forward")
         self.release_dropped_gradients()
-        for _, _, param, face, _ in self.slots:
-            if param.requires_grad != face.requires_grad:
-                param.requires_grad_(face.requires_grad)
+        for slot in self.slots:
+            if slot.managed.requires_grad != slot.face.requires_grad:
+                slot.managed.requires_grad_(slot.face.requires_grad)
+
+
+def _replacement_problem(slot: _Slot, source, mode: str) -> str | None:
+    """Why `source`, found in the slot, cannot become the slot's parameter (None: it can)."""
+    full_shape = list(slot.spec.shape) if slot.spec is not None else list(slot.managed.shape)
+    if not isinstance(source, torch.Tensor):
+        return ("was removed from its module (del, register_parameter(name, None), nn.utils.parametrize: register "
+                "parametrizations before fully_shard)")
+    if managed(source) is not source and managed(source) is not slot.managed:
+        return ("was replaced by another sharded parameter (tie weights before fully_shard, and shard the modules "
+                "that share one in one fully_shard call)")
+    if list(source.shape) != full_shape:
+        return f"was replaced by a tensor of shape {list(source.shape)}, not {full_shape}"
+    if source.dtype != slot.managed.dtype:
+        return f"became {source.dtype}; the shards are {slot.managed.dtype}"
+    if mode == "apply":
+        if source.device.type != slot.managed.device.type:
+            return f"moved to {source.device}; the shards are on {slot.managed.device}"
+        return None
+    if source.is_meta:
+        return "was replaced by a tensor on meta, which holds no values"
+    if mode == "set" and slot.spec is not None and not isinstance(source, DTensor):
+        return "was replaced by a plain tensor, which whoever holds it could not step"
+    return None
+
+
+def _copy_my_rows(source: torch.Tensor, slot: _Slot) -> None:
+    """Copies this rank's rows of `source` (a full tensor, or a DTensor of any layout) into the
+    slot's shard."""
+    target = slot.managed
+    if slot.spec is None:
+        target.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
+        return
+    first_row, rows, _ = _C.shard_rows(target)
+    if isinstance(source, DTensor):
+        local = source._local_tensor
+        if not (source.placements == slot.spec.placements and local.shape[0] == rows):
+            local = source.full_tensor().narrow(0, first_row, rows)
+    else:
+        local = source.narrow(0, first_row, rows)
+    if rows > 0:
+        target.narrow(0, 0, rows).copy_(local)
 
 
 def _face(param: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
-    face = nn.Parameter(DTensor(param.detach(), spec, requires_grad=False), requires_grad=requires_grad)
+    local = param.detach()
+    face = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
     face._fsdpcpp_managed = param
+    param._fsdpcpp_face_local = face._local_tensor  # what an untouched face holds (_Slot.holds_its_face)
     return face
 
 
 def make_faces(modules, params, inner_modules) -> _Faces:
     """Registers a face for each of `params` (the group's managed (name, tensor) pairs) in every
     slot of the trees of `modules` (the group's: one, or a fully_shard list) outside the inner
-    sharded modules that holds it."""
+    sharded modules that holds it; each module that holds one takes replacements after
+    load_state_dict (_Faces.take_replacements)."""
     mesh = default_mesh()
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # FSDP2's, FSDP and HSDP
     inner = {id(m) for sub in inner_modules for m in sub.modules()}
-    faces, slots = {}, []
+    faces = {}
     for _, param in params:
         if param.dim() == 0:
-            continue  # a scalar has no rows to shard by (the runtime keeps it whole): it stays as it is
+            faces[id(param)] = (param, None)  # no rows to shard by (the runtime keeps it whole): no face
+            continue
         _, _, full_shape = _C.shard_rows(param)
         meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
         spec = DTensorSpec(mesh, placements, meta)
         faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
+    slots = []
     for sub in dict.fromkeys(sub for module in modules for sub in module.modules()):
         if id(sub) in inner:
             continue
         for name, value in sub._parameters.items():
             if value is not None and id(value) in faces:
-                slots.append((sub, name, value, *faces[id(value)]))
-    state = _Faces(slots)
+                slots.append(_Slot(sub, name, value, *faces[id(value)]))
+    state = _Faces(slots, modules, list({id(f): f for sub in inner_modules for f in sub._fsdpcpp.faces.under()}.values()))
     state.use_faces()
+    for sub in dict.fromkeys(slot.module for slot in slots):
+        sub.register_load_state_dict_post_hook(
+            lambda module, incompatible, state=weakref.ref(state): _after_load(state()))
     _live_faces.add(state)
     return state
 
 
+def _after_load(state) -> None:
+    if state is not None:
+        state.take_replacements("fsdpcpp: load_state_dict", mode="load")
+
+
+def take_replacements_in(model: nn.Module, caller: str) -> None:
+    """take_replacements for every sharded module in `model` (before a whole-model view reads its
+    shards)."""
+    faces = {id(m._fsdpcpp.faces): m._fsdpcpp.faces for m in model.modules() if hasattr(m, "_fsdpcpp")}
+    for state in faces.values():
+        state.take_replacements(caller)
+
+
 def enter_forward(faces: _Faces) -> None:
     global _forward_depth
-    if outermost():  # a step's first forward, not a recompute in backward
-        for state in list(_live_faces):
+    if outermost():  # a step's first forward (of this module's tree), not a recompute in backward
+        for state in faces.under():
             state.forward_settings()
     _forward_depth += 1
     faces.use_managed()

@@ -49,9 +49,16 @@ class FSDPModule:
     def _apply(self, fn, recurse=True):
         """nn.Module._apply (to_empty, to, cuda, float, ...), then the sharded parameters'
         DTensor faces are again the runtime's shards: to_empty(device=...) of a model sharded on
-        meta keeps the shards fully_shard allocated (_dtensor.py)."""
-        module = super()._apply(fn, recurse)
-        self._fsdpcpp.faces.rebind(f"fsdpcpp: {type(self).__name__}._apply (to_empty, to, ...)")
+        meta keeps the shards fully_shard allocated; a new dtype or device is refused
+        (_dtensor.py)."""
+        caller = f"fsdpcpp: {type(self).__name__}._apply (to_empty, to, ...)"
+        try:
+            module = super()._apply(fn, recurse)
+        except BaseException:
+            # An inner sharded module refused: this one's faces are put back too, its error kept.
+            self._fsdpcpp.faces.take_replacements(caller, mode="apply", refuse=False)
+            raise
+        self._fsdpcpp.faces.take_replacements(caller, mode="apply")
         return module
 
     def reshard(self) -> None:
@@ -66,6 +73,9 @@ class FSDPModule:
         reshard_after_forward); that forward uses this all-gather. async_op=True returns a handle
         whose wait() ends it (the forward waits for it by itself)."""
         state = self._fsdpcpp
+        # What a forward takes first (gradients zero_grad dropped, replaced parameters): the
+        # all-gather sets the sharded gradients aside and reads the shards.
+        state.faces.forward_settings()
         state.group.unshard()
         handle = _UnshardHandle(state)
         if async_op:
@@ -153,9 +163,10 @@ class _RecomputedInBackward:
 
 
 class _GroupState:
-    __slots__ = ("group", "mp_policy", "module_class", "faces", "module_list")
+    __slots__ = ("group", "mp_policy", "module_class", "faces", "module_list", "forwards_begun")
 
     def __init__(self, group, mp_policy, module_class, faces, module_list=None):
+        self.forwards_begun = 0  # this module's forwards whose pre-forward hook completed, not yet ended
         self.group = group
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
@@ -250,8 +261,21 @@ def _cast_floating(dtype, tree):
 def _pre_forward(module, args, kwargs):
     state = module._fsdpcpp
     if state.module_list is None or state.module_list.starts_forward(module):
-        _dtensor.enter_forward(state.faces)
-        state.group.pre_forward()
+        # Either both begin or neither: a refusal (a replaced parameter) or a failed all-gather
+        # leaves the runtime as it was, and the post-forward hook that runs for the raised forward
+        # (always_call) sees no forward begun.
+        try:
+            _dtensor.enter_forward(state.faces)
+            try:
+                state.group.pre_forward()
+            except BaseException:
+                _dtensor.exit_forward(state.faces, [])
+                raise
+        except BaseException:
+            if state.module_list is not None:
+                state.module_list.abort()
+            raise
+    state.forwards_begun += 1
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floating(mp.param_dtype, (args, kwargs))
@@ -261,6 +285,9 @@ def _pre_forward(module, args, kwargs):
 @torch._dynamo.disable
 def _post_forward(module, args, kwargs, output):
     state = module._fsdpcpp
+    if state.forwards_begun == 0:
+        return output  # its pre-forward hook raised: nothing began
+    state.forwards_begun -= 1
     if sys.exc_info()[1] is not None:
         # Called for a forward that raised (always_call): its bookkeeping ends, the parameters stay
         # as they are. Non-reentrant checkpointing stops a recomputation this way once it has the

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._dtensor import managed
+from ._dtensor import managed, take_replacements_in
 from ._runtime import rank
 
 
@@ -42,6 +42,7 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True,
     alone keeps the tensors (the others return {}), gathered one parameter at a time, so no other
     rank ever holds more than one full parameter (FSDP1's FullStateDictConfig(rank0_only=True)).
     Collective: every rank calls it."""
+    take_replacements_in(model, "fsdpcpp.get_model_state_dict")
     keep = not rank0_only or rank() == 0
     full = {}
     with torch.no_grad():
@@ -60,6 +61,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """Loads a full (unsharded) state dict into the sharded `model`: each rank copies its rows of
     every sharded parameter, and whole tensors into the rest. Not collective. strict=True raises
     naming missing and unexpected keys and shapes that differ, as load_state_dict does."""
+    take_replacements_in(model, "fsdpcpp.set_model_state_dict")
     own = {name: managed(value) for name, value in model.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))

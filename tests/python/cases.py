@@ -1,16 +1,12 @@
 """The Python front end's cases, each run on every rank under fsdp-run (test_fsdpcpp.py starts
-them): python cases.py CASE [options]. A case asserts its outcome and exits 0, or raises.
-
-Parity cases train a sharded model and a single-process reference from the same weights on the
-same global batches, and compare losses and final parameters within the bounds of
-tests/lib/helpers.h (float32 rounding: eps = 2 * lambda * sqrt(D * K) * u per step; AdamW with
-adam_eps = 1e-2 so that a rounding difference moves a parameter by a bounded amount)."""
+them): python cases.py CASE [options]. A case asserts its outcome and exits 0, or raises. What they
+share (the batches, the single-process reference and its parity bounds, the loops) is in
+common.py; the sweep of changes to a sharded model's parameters in touches.py."""
 
 import argparse
 import atexit
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -21,133 +17,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdpcpp  # noqa: E402
+import common  # noqa: E402
+from common import (Reference, batch, build, check_parity, check_torch_loop, expect_error, fully_shard_of,  # noqa: E402
+                    my_rows, optimizer_for, shard, sharded_step, torch_loop, train_sharded)
 from models import MODELS, blocks_of, checkpoint_calls, loss_of  # noqa: E402
-
-UNIT_ROUNDOFF = 2.0 ** -24
-LAMBDA = 10
-ADAM_EPS = 1e-2
-LR = 1e-2
-ROWS, SEQ, VOCAB = 12, 16, 64  # the global batch: 12 rows divide among 1, 2, 3 and 4 ranks
-
-
-def adam_ratio_bound(t, beta1=0.9, beta2=0.999):
-    """R_t of tests/lib/helpers.h: the largest |m_hat| / sqrt(v_hat) at step t (from 1)."""
-    s = sum(((1 - beta1) * beta1 ** (t - i) / (1 - beta1 ** t)) ** 2 /
-            ((1 - beta2) * beta2 ** (t - i) / (1 - beta2 ** t)) for i in range(1, t + 1))
-    return math.sqrt(s)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g).to(fsdpcpp.device())
-
-
-def my_rows(tokens):
-    rows = ROWS // fsdpcpp.world_size()
-    return tokens[fsdpcpp.rank() * rows:(fsdpcpp.rank() + 1) * rows]
-
-
-def build(name):
-    torch.manual_seed(0)
-    return MODELS[name]().to(fsdpcpp.device())
-
-
-def shard(model, mp=None, reshard=True, checkpointed=False):
-    kwargs = {"mp_policy": mp} if mp else {}
-    for block in blocks_of(model):
-        if checkpointed:
-            wrap_checkpointed(block)
-        fsdpcpp.fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fsdpcpp.fully_shard(model, **kwargs)
-    return model
-
-
-def wrap_checkpointed(block):
-    """torch.utils.checkpoint (non-reentrant) around the block's forward, inside its hooks."""
-    forward = block.forward
-    block.forward = lambda *a, **k: torch.utils.checkpoint.checkpoint(forward, *a, use_reentrant=False, **k)
-
-
-def optimizer_for(model, lr_scale=1.0):
-    return torch.optim.AdamW(model.parameters(), lr=LR * lr_scale, eps=ADAM_EPS, weight_decay=0.1)
-
-
-class Reference:
-    """The single-process run: the whole global batch each step; records what bounds the
-    sharded run (tests/lib/helpers.h)."""
-
-    def __init__(self, name, steps, clip=0.0, accum=1):
-        self.model = build(name)
-        opt = optimizer_for(self.model)
-        dims = [p.shape[-1] for p in self.model.parameters()] + [ROWS * SEQ, VOCAB]
-        layers = len(blocks_of(self.model))
-        eps = 2 * LAMBDA * math.sqrt((10 * layers + 4) * max(dims)) * UNIT_ROUNDOFF
-        self.losses, self.relative, self.norms, self.param_bound = [], [], [], 0.0
-        for step in range(steps):
-            tokens = batch(step)
-            loss = 0.0
-            for micro in tokens.chunk(accum):
-                micro_loss = loss_of(self.model, micro) / accum
-                micro_loss.backward()
-                loss += micro_loss.item()
-            largest = max(p.grad.abs().max().item() for p in self.model.parameters() if p.grad is not None)
-            if clip:
-                self.norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item())
-            opt.step()
-            opt.zero_grad()
-            step_eps = (step + 1) * eps
-            self.losses.append(loss)
-            self.relative.append(step_eps)
-            delta = step_eps * largest * (2 if clip else 1)
-            self.param_bound += LR * (1 + adam_ratio_bound(step + 1)) * delta / ADAM_EPS
-        self.params = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
-
-
-def sharded_step(model, opt, step, clip=0.0, accum=1):
-    """One training step of the sharded model on this rank's rows of global batch `step`; returns
-    the global loss."""
-    tokens = my_rows(batch(step))
-    loss = torch.zeros((), device=fsdpcpp.device())
-    micros = tokens.chunk(accum)
-    for i, micro in enumerate(micros):
-        if accum > 1:
-            model.set_requires_gradient_sync(i == len(micros) - 1)
-        micro_loss = loss_of(model, micro) / accum
-        micro_loss.backward()
-        loss += micro_loss.detach()
-    if clip:
-        fsdpcpp.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    opt.zero_grad()
-    fsdpcpp.all_reduce(loss)
-    return loss.item() / fsdpcpp.world_size()
-
-
-def train_sharded(model, steps, clip=0.0, accum=1, optimizer_before=True, first_step=0, optimizer=None):
-    opt = optimizer if optimizer is not None else optimizer_for(model) if optimizer_before else None
-    losses = []
-    for step in range(first_step, first_step + steps):
-        if opt is None:
-            opt = optimizer_for(model)
-        losses.append(sharded_step(model, opt, step, clip, accum))
-    return losses, opt
-
-
-def check_parity(ref, losses, model, what):
-    problems = []
-    for t, (a, b) in enumerate(zip(losses, ref.losses)):
-        if not abs(a - b) <= ref.relative[t] * abs(b):
-            problems.append(f"step {t}: loss {a:.9g} vs reference {b:.9g}, over the bound {ref.relative[t] * abs(b):.3g}")
-    full = fsdpcpp.get_model_state_dict(model)
-    for name, expected in ref.params.items():
-        difference = (full[name] - expected).abs().max().item()
-        if not difference <= ref.param_bound:
-            problems.append(f"parameter {name}: differs by {difference:.3g}, over the bound {ref.param_bound:.3g}")
-    if problems:
-        raise AssertionError(f"{what} on {fsdpcpp.world_size()} ranks:\n  " + "\n  ".join(problems))
-    if fsdpcpp.rank() == 0:
-        print(f"{what}: parity on {fsdpcpp.world_size()} ranks, losses {[round(x, 5) for x in losses]}, "
-              f"parameter bound {ref.param_bound:.3g}")
+from touches import TOUCH_CASES  # noqa: E402
 
 
 def case_parity(args):
@@ -225,62 +99,6 @@ def case_mixed_precision(args):
     if fsdpcpp.rank() == 0:
         print(f"{args.model}, bfloat16 parameters, float32 reduce: equal to the reference bit for bit on "
               f"{fsdpcpp.world_size()} ranks")
-
-
-def fully_shard_of(runtime, replicas=1):
-    """FSDP2's fully_shard or fsdpcpp's, and the mesh torchtitan passes to it (1-D, or HSDP's
-    (replicate, shard) for replicas > 1), over a process group made as fsdpcpp makes it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from fsdpcpp._dtensor import _ensure_process_group
-    _ensure_process_group()
-    if runtime == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        fully_shard = fsdpcpp.fully_shard
-    world, kind = fsdpcpp.world_size(), fsdpcpp.device().type
-    if replicas == 1:
-        return fully_shard, init_device_mesh(kind, (world,))
-    return fully_shard, init_device_mesh(kind, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-
-
-def torch_loop(model, opt, steps, clip, first=0, before_step=None):
-    """Steps first..steps-1 as FSDP2's users write them: torch's clip_grad_norm_, the optimizer,
-    zero_grad. before_step(step) may return a new (model, opt). Returns the global losses and the
-    gradient norms."""
-    from torch.distributed.tensor import DTensor
-    losses, norms = [], []
-    for step in range(first, steps):
-        if before_step:
-            model, opt = before_step(step) or (model, opt)
-        loss = loss_of(model, my_rows(batch(step)))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        fsdpcpp.all_reduce(loss, op="avg")
-        losses.append(loss.item())
-    return model, losses, norms
-
-
-def check_torch_loop(what, ref, model, losses, norms, first=0):
-    """Losses, gradient norms and torch's full get_model_state_dict (on every rank) within the
-    parity bounds of the single-process reference."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    problems = []
-    for t, (a, b, n, m) in enumerate(zip(losses, ref.losses[first:], norms, ref.norms[first:])):
-        bound = ref.relative[first + t]
-        if not (abs(a - b) <= bound * abs(b) and abs(n - m) <= bound * abs(m)):
-            problems.append(f"step {first + t}: loss {a:.9g} vs {b:.9g}, gradient norm {n:.9g} vs {m:.9g}")
-    for name, expected in ref.params.items():
-        difference = (full[name].cpu() - expected).abs().max().item()
-        if not difference <= ref.param_bound:
-            problems.append(f"parameter {name} differs by {difference:.3g}, over the bound {ref.param_bound:.3g}")
-    assert not problems, f"{what} on {fsdpcpp.world_size()} ranks:\n  " + "\n  ".join(problems)
-    if fsdpcpp.rank() == 0:
-        print(f"{what} on {fsdpcpp.world_size()} ranks: at parity, norms {norms}")
 
 
 def case_torch_calls(args):
@@ -369,46 +187,6 @@ def case_meta_init(args):
     check_torch_loop(f"meta_init: {args.runtime}", ref, model, losses, norms)
 
 
-def case_accelerate(args):
-    """accelerate's FSDP2 path (fsdp2_prepare_model, which Accelerator.prepare and so transformers'
-    Trainer run) on --runtime fsdp2, or on fsdpcpp through its opt-in fsdpcpp.use_as_fsdp2():
-    accelerate's auto-wrap of each decoder layer, the final norm and output head as one group
-    (a list; the token embedding joins it where the head is tied to it), then the root. Then
-    torch's loop, at parity with a single-process reference."""
-    from types import SimpleNamespace
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    fully_shard_of(args.runtime)  # the process group
-    if args.runtime == "fsdpcpp":
-        fsdpcpp.use_as_fsdp2()
-    clip, steps = 0.5, 3
-    ref = Reference(args.model, steps, clip=clip)
-    layer = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}[args.model]
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=[layer])
-    model = build(args.model)
-    if fsdpcpp.device().type == "cuda":
-        # The whole Accelerator, launched as torchrun launches it (accelerate reads its variables):
-        # prepare() shards the model and moves the optimizer made before it onto the shards.
-        from accelerate import Accelerator
-        os.environ.update(RANK=str(fsdpcpp.rank()), WORLD_SIZE=str(fsdpcpp.world_size()),
-                          LOCAL_RANK=str(fsdpcpp.device().index))
-        accelerator = Accelerator(fsdp_plugin=plugin)
-        assert accelerator.is_fsdp2, f"accelerate chose {accelerator.distributed_type}, not FSDP2"
-        model, opt = accelerator.prepare(model, optimizer_for(model))
-    else:
-        # What fsdp2_prepare_model reads of its Accelerator: on CPU ranks an Accelerator does not
-        # take FSDP (accelerate enables it for GPU-like devices only), so these stand in for one.
-        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
-                                      is_main_process=fsdpcpp.rank() == 0, device=fsdpcpp.device())
-        model = fsdp2_prepare_model(accelerator, model)
-        opt = optimizer_for(model)
-    import torch.distributed.fsdp as fsdp2  # fsdpcpp's names after use_as_fsdp2()
-    assert isinstance(model.get_output_embeddings(), fsdp2.FSDPModule), "accelerate left the output head unsharded"
-    model, losses, norms = torch_loop(model, opt, steps, clip)
-    check_torch_loop(f"accelerate: {args.model} on {args.runtime}", ref, model, losses, norms)
-
-
 def case_group_member_skipped(args):
     """fully_shard([norm, head]) where some forwards skip the head: the group's forward ends with
     the root's, and training (SGD, every rank its rows of one batch) matches a single process
@@ -477,16 +255,6 @@ def case_resume(args):
     check_parity(ref, losses, model, f"{args.model} saved on {extra['ranks']} ranks, resumed")
 
 
-def expect_error(kind, text, call):
-    try:
-        call()
-    except kind as e:
-        assert text in str(e), f"the message does not say {text!r}: {e}"
-        assert "\n" not in str(e).strip(), f"not one line: {e}"
-        return str(e)
-    raise AssertionError(f"no {kind.__name__} saying {text!r}")
-
-
 def case_errors(args):
     """Bad input raises Python exceptions whose one-line messages name the problem and the fix."""
     model = build("plain")
@@ -500,7 +268,7 @@ def case_errors(args):
     # On meta: the shard is allocated, zeros; a later dtype or device change is refused.
     on_meta = fsdpcpp.fully_shard(torch.nn.Linear(4, 4, device="meta"))
     assert on_meta.weight.to_local().device == fsdpcpp.device() and not on_meta.weight.to_local().any()
-    expect_error(ValueError, "parameters cannot change dtype or device after fully_shard",
+    expect_error(ValueError, "refused and undone: 'weight' became torch.float64; the shards are torch.float32",
                  lambda: on_meta.to(torch.float64))
     assert on_meta.weight.dtype == torch.float32 and on_meta.weight.to_local().device == fsdpcpp.device()
     expect_error(TypeError, "expected an nn.Module or a list of them", lambda: fsdpcpp.fully_shard([block, 1]))
@@ -937,9 +705,10 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"accelerate": case_accelerate, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
-         "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace}
+         "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace,
+         **TOUCH_CASES}
 
 
 def check_gloo_threads_joined():
@@ -959,7 +728,6 @@ def check_gloo_threads_joined():
 
 
 def main():
-    global SEQ
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--model", default="plain", choices=sorted(MODELS))
@@ -973,15 +741,16 @@ def main():
     parser.add_argument("--lr-scale", type=float, default=1.0)
     parser.add_argument("--dir", default="")
     parser.add_argument("--runtime", default="fsdpcpp", choices=["fsdp2", "fsdpcpp"])
+    parser.add_argument("--ram-efficient", action="store_true", help="accelerate: cpu_ram_efficient_loading")
     parser.add_argument("--load", default="broadcast", choices=["broadcast", "safetensors"], help="meta_init")
     parser.add_argument("--replicas", type=int, default=1, help="torch_calls: HSDP's replicas (a 2-D mesh)")
     parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")
-    parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
+    parser.add_argument("--seq", type=int, default=common.SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
     parser.add_argument("--exit-threads", action="store_true",
                         help="after every exit handler, no gloo worker thread may be left (pytorch#190489)")
     args = parser.parse_args()
-    SEQ = args.seq
+    common.SEQ = args.seq
     if args.exit_threads:
         atexit.register(check_gloo_threads_joined)  # registered first: runs after fsdpcpp's
     torch.set_num_threads(1)

@@ -144,9 +144,30 @@ def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
 def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
     """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
     single-process reference, as the same case is on FSDP2 (run for the tied GPT-2, whose group
-    of a norm, the embedding and the head spans the whole forward)."""
+    of a norm, the embedding and the head spans the whole forward). Its memory-efficient loading
+    (cpu_ram_efficient_loading) is one of test_parameters_touched_after_fully_shard's."""
     for runtime in runtimes:
         run(2, "accelerate", "--runtime", runtime, "--model", model)
+
+
+@cpu_only
+def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
+    """Every way of touching a sharded model's parameters in tests/python/touches.py (loading with
+    assign=True and by swapping, accelerate's memory-efficient loading, setattr, strict=False,
+    freezing, evaluation, an optimizer reloaded, unshard() by hand, parametrizations), on 3 ranks
+    (uneven shards) under each runtime: each run is at parity with its single-process reference,
+    and fsdpcpp's losses and gradient norms are FSDP2's within that bound. What fsdpcpp refuses
+    raised naming the parameter and left the model training as before."""
+    run(3, "touches", "--runtime", "fsdp2", "--dir", tmp_path)
+    run(3, "touches", "--runtime", "fsdpcpp", "--dir", tmp_path)
+    theirs, ours = (json.load(open(tmp_path / f"touches-{runtime}.json")) for runtime in ("fsdp2", "fsdpcpp"))
+    assert set(theirs) < set(ours), (sorted(theirs), sorted(ours))
+    for touch, expected in theirs.items():
+        got = ours[touch]
+        for key in ("losses", "norms"):
+            for a, b, bound in zip(got[key], expected[key], expected["bound"]):
+                assert abs(a - b) <= 2 * bound * abs(b), f"{touch}: {key} {got[key]} on fsdpcpp, {expected[key]} on FSDP2"
+    assert all(ours[touch].get("refused") for touch in ("to_float64", "tie_after", "parametrize_after", "delete"))
 
 
 @cpu_only
