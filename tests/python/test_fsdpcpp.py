@@ -150,16 +150,9 @@ def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
         run(2, "accelerate", "--runtime", runtime, "--model", model)
 
 
-@cpu_only
-def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
-    """Every way of touching a sharded model's parameters in tests/python/touches.py (loading with
-    assign=True and by swapping, accelerate's memory-efficient loading, setattr, strict=False,
-    freezing, evaluation, an optimizer reloaded, unshard() by hand, parametrizations), on 3 ranks
-    (uneven shards) under each runtime: each run is at parity with its single-process reference,
-    and fsdpcpp's losses and gradient norms are FSDP2's within that bound. What fsdpcpp refuses
-    raised naming the parameter and left the model training as before."""
-    run(3, "touches", "--runtime", "fsdp2", "--dir", tmp_path)
-    run(3, "touches", "--runtime", "fsdpcpp", "--dir", tmp_path)
+def check_touches(ranks, tmp_path):
+    run(ranks, "touches", "--runtime", "fsdp2", "--dir", tmp_path)
+    run(ranks, "touches", "--runtime", "fsdpcpp", "--dir", tmp_path)
     theirs, ours = (json.load(open(tmp_path / f"touches-{runtime}.json")) for runtime in ("fsdp2", "fsdpcpp"))
     assert set(theirs) < set(ours), (sorted(theirs), sorted(ours))
     for touch, expected in theirs.items():
@@ -168,6 +161,18 @@ def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
             for a, b, bound in zip(got[key], expected[key], expected["bound"]):
                 assert abs(a - b) <= 2 * bound * abs(b), f"{touch}: {key} {got[key]} on fsdpcpp, {expected[key]} on FSDP2"
     assert all(ours[touch].get("refused") for touch in ("to_float64", "tie_after", "parametrize_after", "delete"))
+
+
+@cpu_only
+def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
+    """Every way of touching a sharded model's parameters in tests/python/touches.py (loading with
+    assign=True and by swapping, accelerate's memory-efficient loading, setattr, strict=False,
+    freezing, evaluation, an optimizer reloaded, unshard() by hand, torch.compile of the root,
+    parametrizations), on 3 ranks
+    (uneven shards) under each runtime: each run is at parity with its single-process reference,
+    and fsdpcpp's losses and gradient norms are FSDP2's within that bound. What fsdpcpp refuses
+    raised naming the parameter and left the model training as before."""
+    check_touches(3, tmp_path)
 
 
 @cpu_only
@@ -363,6 +368,12 @@ def test_gpu_accelerate_on_fsdpcpp():
     """accelerate's Accelerator.prepare (FSDP2 path) on fsdpcpp through use_as_fsdp2(), the
     optimizer made before prepare(), at parity with the single-process reference."""
     run(1, "accelerate", "--runtime", "fsdpcpp", "--model", "gpt2")
+
+
+@gpu_only
+def test_gpu_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
+    """The same sweep through NCCL, the root compiled by inductor, accelerate's whole Accelerator."""
+    check_touches(1, tmp_path)
 
 
 @gpu_only

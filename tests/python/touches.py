@@ -170,6 +170,14 @@ def unsharded_by_hand(fully_shard, mesh):
     return model, optimizer_for(model), unshard, Reference("plain", STEPS, clip=CLIP)
 
 
+def compiled_root(fully_shard, mesh):
+    """torch.compile of the whole sharded model (the root's call), after fully_shard (on CPU ranks
+    dynamo and AOTAutograd without inductor's code generation, which would take a minute)."""
+    model = sharded(fully_shard, mesh)
+    backend = "inductor" if fsdpcpp.device().type == "cuda" else "aot_eager"  # CPU ranks: no code generation
+    return torch.compile(model, backend=backend), optimizer_for(model), None, Reference("plain", STEPS, clip=CLIP)
+
+
 def weight_norm_on_out(model):
     for block in blocks_of(model):
         torch.nn.utils.parametrizations.weight_norm(block.out)
@@ -283,7 +291,7 @@ def deleted(fully_shard, mesh):
 
 TRAINED = {"assign": loaded_with_assign, "assign_by_swap": loaded_by_swapping, "setattr": replaced_by_setattr,
            "load_in_part": loaded_in_part, "freeze": frozen_after_a_step, "eval": evaluated_between_steps,
-           "optimizer_reload": optimizer_reloaded, "unshard": unsharded_by_hand,
+           "optimizer_reload": optimizer_reloaded, "unshard": unsharded_by_hand, "compiled_root": compiled_root,
            "parametrized_before": parametrized_before_sharding, "accelerate_ram_efficient": loaded_by_accelerate}
 TRAINED_ON_FSDPCPP = {"assign_full_tensors": loaded_full_tensors_with_assign}
 REFUSED = {"to_float64": converted_to_float64, "tie_after": tied_after_sharding, "set_full_tensor": set_to_a_full_tensor,
