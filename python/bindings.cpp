@@ -126,6 +126,10 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("shutdown", &fsdp::shutdown);
+  m.def("abort_job", [](const std::string& message) {
+    pybind11::gil_scoped_release release;
+    fsdp::abort_job(message);
+  });
   m.def("all_reduce", [](const at::Tensor& t, bool average) {
     fsdp::default_communicator()->all_reduce(t, average ? fsdp::ReduceOp::Avg : fsdp::ReduceOp::Sum);
   });

@@ -30,6 +30,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import _C
+from . import _runtime
 from ._runtime import device, rank, world_size
 
 _mesh = None  # the DeviceMesh of every face
@@ -86,23 +87,12 @@ def _make_process_group(backend: str, **how) -> None:
     stop gloo's threads mid-call) unless this rank dies of an exception."""
     dist.init_process_group(backend, **how)
     atexit.register(_destroy_process_group)
-    previous_hook = sys.excepthook
-
-    def note_failure(*exc_info):
-        global _exiting_on_error
-        _exiting_on_error = True
-        previous_hook(*exc_info)
-
-    sys.excepthook = note_failure
-
-
-_exiting_on_error = False
 
 
 def _destroy_process_group() -> None:
     """At exit: with gloo, a barrier first (bounded: another rank may be gone), so that no
     collective is left in its threads; none when this rank dies of an exception."""
-    if not dist.is_initialized() or _exiting_on_error:
+    if not dist.is_initialized() or _runtime.exiting_on_error:
         return
     if dist.get_backend() == "gloo":
         try:

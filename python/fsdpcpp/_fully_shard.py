@@ -12,7 +12,7 @@ from torch import nn
 import torch.distributed.fsdp as _fsdp2
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import _C, _dtensor
+from . import _C, _dtensor, _runtime
 from ._runtime import _ensure_init, _updated, device
 
 
@@ -443,8 +443,24 @@ _classes: dict[tuple[type, bool], type] = {}
 def _fsdp_class(cls: type, recompute: bool) -> type:
     if (cls, recompute) not in _classes:
         bases = (_RecomputedInBackward, FSDPModule, cls) if recompute else (FSDPModule, cls)
-        _classes[cls, recompute] = type(f"{'Recomputed' if recompute else ''}FSDP{cls.__name__}", bases, {})
+        methods = {"save_pretrained": _save_pretrained} if hasattr(cls, "save_pretrained") else {}
+        _classes[cls, recompute] = type(f"{'Recomputed' if recompute else ''}FSDP{cls.__name__}", bases, methods)
     return _classes[cls, recompute]
+
+
+def _save_pretrained(self, save_directory, is_main_process: bool | None = None, state_dict=None, **kwargs):
+    """transformers' save_pretrained on the sharded model (which under FSDP2 fails reading the
+    DTensors' storage): the full state dict is gathered one parameter at a time, rank 0 keeping it
+    (fsdpcpp.get_model_state_dict(rank0_only=True)), and rank 0 (or is_main_process) writes the
+    files. Collective: every rank calls it. A state_dict given is written as it is."""
+    from ._state import get_model_state_dict
+    if state_dict is None:
+        state_dict = get_model_state_dict(self, rank0_only=is_main_process is None)
+    if is_main_process is None:
+        is_main_process = _runtime.rank() == 0
+    if is_main_process:
+        self._fsdpcpp.module_class.save_pretrained(self, save_directory, is_main_process=True, state_dict=state_dict,
+                                                   **kwargs)
 
 
 def use_as_fsdp2() -> None:

@@ -4,6 +4,7 @@ import atexit
 import ctypes
 import ctypes.util
 import os
+import sys
 
 import torch
 
@@ -57,6 +58,7 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
         _move_off_the_process_groups_port()
         rank_, world, device_, backend_name = _C.init(backend, timeout_s)
     _info = (rank_, world, torch.device(device_), backend_name)
+    _end_the_job_on_an_uncaught_exception()
     if _info[2].type == "cpu":
         _C.count_host_allocations()  # what the planner's profile measures on CPU ranks (allocated_bytes)
     if _info[2].type == "cuda":
@@ -67,6 +69,41 @@ def init(backend: str = "auto", timeout_s: float | None = None) -> None:
             # near allocated). A PYTORCH_CUDA_ALLOC_CONF of the user's, even empty, wins.
             # (torch 2.11 names the setter here; torch.cuda.memory's old name warns.)
             torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+
+
+exiting_on_error = False  # an uncaught exception ends this process (its exit handlers skip collectives)
+
+
+def _end_the_job_on_an_uncaught_exception() -> None:
+    """An exception nobody caught ends every rank within seconds, not at the collective timeout:
+    once the traceback is out, a rank of several says which rank failed and how, and ends the job
+    (MPI_Abort under mpirun, which stops the others; otherwise it exits at once, skipping the exit
+    handlers whose collectives would wait for peers, and torchrun or fsdp-run stops the others).
+    A peer waiting in a collective for this rank would otherwise wait for its timeout, and this rank
+    in MPI_Finalize for the peer. The job ends in an exit handler registered when the exception
+    arrives (so it runs before every other one), not in the hook itself: hooks wrapped around this
+    one (torch.distributed's prefixes each line with the rank) print after it returns."""
+    previous_hook = sys.excepthook
+
+    def note_failure(kind, value, traceback):
+        global exiting_on_error
+        exiting_on_error = True
+        if _info is not None and _info[1] > 1:
+            summary = str(value).strip().splitlines()[0] if str(value).strip() else ""
+            atexit.register(_end_the_job, f"fsdpcpp: rank {_info[0]} of {_info[1]} ends the job: uncaught "
+                            f"{kind.__name__}{': ' + summary[:300] if summary else ''}")
+        previous_hook(kind, value, traceback)
+
+    sys.excepthook = note_failure
+
+
+def _end_the_job(message: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _info[3] == "mpi":
+        _C.abort_job(message)  # MPI_Abort: mpirun stops every rank
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _torchrun_on_cpu() -> bool:

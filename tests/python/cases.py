@@ -407,17 +407,14 @@ def check_failed_load_changes_nothing(saved_dir, model_name):
 
 
 def case_hf_roundtrip(args):
-    """transformers' save_pretrained of the full state dict, from_pretrained back: the same
-    logits; set_model_state_dict of the loaded weights into a fresh sharded model: the same
-    parameters."""
+    """transformers' save_pretrained called on the sharded model by every rank (rank 0 writes the
+    full state dict), from_pretrained back: the same logits; set_model_state_dict of the loaded
+    weights into a fresh sharded model: the same parameters."""
     from transformers import AutoModelForCausalLM
     model = shard(build(args.model))
     train_sharded(model, 2)
     full = fsdpcpp.get_model_state_dict(model)
-    if fsdpcpp.rank() == 0:
-        unsharded = build(args.model)
-        unsharded.load_state_dict(full)
-        unsharded.save_pretrained(args.dir, state_dict=full)
+    model.save_pretrained(args.dir)
     fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))  # the files are written before anyone reads them
     loaded = AutoModelForCausalLM.from_pretrained(args.dir).to(fsdpcpp.device())
     tokens = batch(0)[:, :-1]
@@ -486,12 +483,26 @@ def case_timeout(args):
     loss_of(model, my_rows(batch(0)))
 
 
+def case_rank_raises(args):
+    """After a step, rank 1 raises an ordinary exception (a bug in the script) while rank 0 goes on
+    into the next forward's all-gather: the job ends within seconds, naming rank 1 and its error,
+    not at the collective timeout."""
+    model = shard(build("plain"))
+    opt = optimizer_for(model)
+    sharded_step(model, opt, 0)
+    if fsdpcpp.rank() == 1:
+        print(f"rank 1 raises at {time.time():.3f}", flush=True)
+        raise ValueError("a bug in rank 1's own code")
+    sharded_step(model, opt, 1)
+
+
 def case_divergent_forward(args):
     """Rank-dependent control flow: rank 1 skips the second block's forward. Every rank must fail
     naming the sharded module its collective was moving, not hang or train on."""
     model = shard(build("plain"))
     if fsdpcpp.rank() == 1:
         del model.layers[1]
+    print(f"rank {fsdpcpp.rank()} diverges at {time.time():.3f}", flush=True)
     for step in range(2):
         loss_of(model, my_rows(batch(step))).backward()
 
@@ -705,7 +716,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"rank_raises": case_rank_raises, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace,
          **TOUCH_CASES}

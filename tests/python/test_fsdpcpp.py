@@ -6,8 +6,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -268,14 +270,34 @@ def test_generate_with_ranks_finishing_apart():
     run(2, "generate")
 
 
+def seconds_since(mark, output):
+    """Seconds from the time a case printed as '<mark> at <time>' to now (the job's end)."""
+    match = re.search(re.escape(mark) + r" at ([0-9.]+)", output)
+    assert match, f"no '{mark} at' in:\n{output}"
+    return time.time() - float(match.group(1))
+
+
+@cpu_only
+@pytest.mark.parametrize("launcher", ["fsdp-run", "torchrun"])
+def test_a_rank_that_raises_ends_the_job_in_seconds(launcher):
+    """Rank 1 raises an ordinary exception while rank 0 waits in a collective for it (whose timeout
+    is 120 s): the job ends within 15 s, rank 1 naming itself and its error."""
+    output = run(2, "rank_raises", expect_failure=True, launcher=launcher)
+    assert seconds_since("rank 1 raises", output) < 15, output
+    assert "fsdpcpp: rank 1 of 2 ends the job: uncaught ValueError: a bug in rank 1's own code" in output, output
+
+
 @cpu_only
 @pytest.mark.parametrize("check", [False, True])
 def test_a_forward_that_differs_across_ranks_is_named(check):
     """A sharded block run on some ranks only: without the check the collective's error names the
     module each rank was moving and says what that means; FSDP_CHECK_COLLECTIVES=1 names the
-    first collective that differs."""
-    output = run(2, "divergent_forward", expect_failure=True, collective_timeout_s=3,
+    first collective that differs. Either way the job ends within 15 s (the collectives' timeout
+    is 120 s): the rank that knows ends it."""
+    output = run(2, "divergent_forward", expect_failure=True,
                  env={"FSDP_CHECK_COLLECTIVES": "1" if check else "0"})
+    assert seconds_since("rank 0 diverges", output) < 15, output
+    assert "ends the job: uncaught RuntimeError" in output, output
     if check:
         assert "differs across ranks: this rank issues all_gather of" in output, output
     else:
@@ -368,6 +390,15 @@ def test_gpu_accelerate_on_fsdpcpp():
     """accelerate's Accelerator.prepare (FSDP2 path) on fsdpcpp through use_as_fsdp2(), the
     optimizer made before prepare(), at parity with the single-process reference."""
     run(1, "accelerate", "--runtime", "fsdpcpp", "--model", "gpt2")
+
+
+@gpu_only
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks need two GPUs (NCCL)")
+def test_gpu_a_rank_that_raises_ends_the_job_in_seconds():
+    """As on CPU ranks, through NCCL: rank 0 waits in an NCCL all-gather for rank 1, which raised."""
+    output = run(2, "rank_raises", expect_failure=True)
+    assert seconds_since("rank 1 raises", output) < 15, output
+    assert "fsdpcpp: rank 1 of 2 ends the job: uncaught ValueError" in output, output
 
 
 @gpu_only
