@@ -290,14 +290,16 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     fsdp::save_checkpoint(dir, checkpoint_state(sharded, replicated, extra));
   });
+  // (extra, the names left out: the checkpoint's tensors under `leave_out` the state does not hold).
   m.def("load_checkpoint", [](const std::string& dir, const ShardedEntries& sharded,
-                              const fsdp::NamedTensors& replicated) {
+                              const fsdp::NamedTensors& replicated, const std::string& leave_out) {
     auto state = checkpoint_state(sharded, replicated, {});
+    std::vector<std::string> left_out;
     {
       py::gil_scoped_release no_gil;
-      fsdp::load_checkpoint(dir, state);
+      left_out = fsdp::load_checkpoint(dir, state, leave_out);
     }
-    return state.extra;
+    return py::make_tuple(state.extra, left_out);
   });
   // python -m fsdpcpp.convert: each tensor whole, handed to a Python callable (the GIL held).
   m.def("for_each_checkpoint_tensor", [](const std::string& dir, const py::function& visit) {

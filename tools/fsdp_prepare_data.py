@@ -1,15 +1,17 @@
 """fsdp-prepare-data: text or JSONL files -> a token file fsdp-train reads (--data FILE.bin).
 
-    fsdp-prepare-data --tokenizer DIR FILE [FILE ...] --out DATA.bin [--field text] [--overwrite]
+    fsdp-prepare-data --tokenizer DIR FILE [FILE ...] --out DATA.bin [--field text] [--overwrite] [--hub]
 
 DIR is a Hugging Face tokenizer directory (the --init-from model's own: tokenizer.json,
-tokenizer_config.json, ...), loaded by transformers' AutoTokenizer. A FILE ending in .jsonl holds
+tokenizer_config.json, ...), loaded by transformers' AutoTokenizer; with --hub, a Hub repository's
+name to download. FILE must be UTF-8 (a byte that is not is named with its offset). A FILE ending in .jsonl holds
 one JSON object a line, its --field the document; any other FILE is one document. Each document is
 tokenised as the tokenizer does by default (its BOS, if it adds one), followed by its EOS token
 where it has one, so documents stay apart. DATA.bin gets llm.c's layout: a header of 256 int32
 (magic 20240520 for uint16 ids, 20240801 where an id needs 32 bits; version 1; the token count),
 then the ids, little-endian. It is written beside DATA.bin and renamed into place once complete;
-an existing DATA.bin is replaced only with --overwrite.
+an existing DATA.bin is replaced only with --overwrite, and never an input file. A document longer
+than a million characters is tokenised a piece at a time, cut where whitespace follows a word.
 """
 import argparse
 import json
@@ -22,14 +24,29 @@ MAGIC_UINT16, MAGIC_UINT32 = 20240520, 20240801
 MAX_TOKENS = 2**31 - 1  # the header counts tokens in an int32
 
 
+CHUNK_CHARS = 1 << 20  # a document longer than this is tokenised a piece at a time
+
+
+def decoded(data, path, offset):
+    """`data` (bytes of `path` from byte `offset`) as UTF-8 text; a byte that is not UTF-8 ends the
+    run naming the file and its offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"fsdp-prepare-data: {path}: not UTF-8 text at byte {offset + e.start} "
+                         f"({data[e.start:e.start + 4]!r}...): convert it to UTF-8 (iconv), or leave it out")
+
+
 def documents(path, field):
     """The documents of one input file, in order."""
     if not path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            yield f.read()
+        with open(path, "rb") as f:
+            yield decoded(f.read(), path, 0)
         return
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            line, offset = decoded(raw, path, offset), offset + len(raw)
             if not line.strip():
                 continue
             try:
@@ -40,6 +57,28 @@ def documents(path, field):
                 raise SystemExit(f"fsdp-prepare-data: {path}:{number}: no text field '{field}' "
                                  f"(pass --field NAME to read another)")
             yield record[field]
+
+
+def pieces(text):
+    """`text` in pieces of at most about CHUNK_CHARS, each cut where whitespace follows a word (the
+    tokenizers' pre-tokenisers split there too), so that a long document's tokens are those of the
+    whole while the tokenizer holds one piece at a time (one call on a 22 MB line took 4 GB)."""
+    start = 0
+    while len(text) - start > CHUNK_CHARS:
+        end = start + CHUNK_CHARS
+        cut = next((i for i in range(end, start + CHUNK_CHARS // 2, -1)
+                    if text[i].isspace() and not text[i - 1].isspace()), end)
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def token_ids(tokenizer, text):
+    """The document's ids as one call on it would give them, its special tokens (BOS) once."""
+    ids = []
+    for i, piece in enumerate(pieces(text)):
+        ids += tokenizer(piece, add_special_tokens=i == 0)["input_ids"]
+    return ids
 
 
 def write_token_file(ids, vocab_size, out):
@@ -63,17 +102,28 @@ def main(argv=None):
     p.add_argument("--out", required=True, metavar="DATA.bin", help="the token file to write")
     p.add_argument("--field", default="text", help="the document's field in .jsonl files (default text)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--hub", action="store_true",
+                   help="--tokenizer names a Hugging Face Hub repository to download (else a local directory)")
     args = p.parse_args(argv)
     if not args.out.endswith(".bin"):
         p.error(f"--out '{args.out}' must end in .bin (fsdp-train reads other names as text)")
-    if os.path.exists(args.out) and not args.overwrite:
-        p.error(f"--out '{args.out}' exists: pass --overwrite to replace it, or write elsewhere")
     for path in args.files:
         if not os.path.isfile(path):
             p.error(f"cannot read '{path}': no such file")
+        if os.path.realpath(path) == os.path.realpath(args.out):
+            p.error(f"--out '{args.out}' is the input '{path}': write the tokens to a file of their own")
+    if os.path.isdir(args.out):
+        p.error(f"--out '{args.out}' is a directory: name the token file to write")
+    if os.path.exists(args.out) and not args.overwrite:
+        p.error(f"--out '{args.out}' exists: pass --overwrite to replace it, or write elsewhere")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f"--out '{args.out}': the directory '{os.path.dirname(args.out)}' does not exist")
+    if not args.hub and not os.path.isdir(args.tokenizer):
+        p.error(f"--tokenizer '{args.tokenizer}': no such directory (pass --hub to download a tokenizer of that "
+                "name from the Hugging Face Hub)")
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=not args.hub)
     except (OSError, ValueError) as e:
         p.error(f"--tokenizer '{args.tokenizer}': no Hugging Face tokenizer there ({e})")
     vocab_size = len(tokenizer)
@@ -82,7 +132,7 @@ def main(argv=None):
     for path in args.files:
         before, count = len(ids), 0
         for text in documents(path, args.field):
-            ids += tokenizer(text)["input_ids"] + eos
+            ids += token_ids(tokenizer, text) + eos
             count += 1
         print(f"fsdp-prepare-data: {path}: {count} document(s), {len(ids) - before} tokens", flush=True)
         if len(ids) > MAX_TOKENS:

@@ -3,15 +3,17 @@
 // GPUs: N processes with the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT); if one fails the others are stopped. CPU: the
 // MPI backend needs mpirun, so it runs `mpirun -q -n N PROGRAM ARGS`.
-// SIGINT and SIGTERM reach every rank (on CPU as SIGUSR1 to mpirun's children); a
-// second signal ends them at once, and ranks still running --grace seconds
-// (default 60: time to save a checkpoint) later are killed; fsdp-run then exits 128 + the signal (130, 143),
-// or 0 if every rank exited 0 (a program that stops cleanly on the signal).
-// A rank's exit code 2 (a usage error, which the program has reported) is
-// passed on without a message. A PROGRAM that cannot be started is one line and
+// SIGINT, SIGTERM and SIGHUP (as SIGTERM) reach every rank (on CPU as SIGUSR1 to mpirun's
+// children); a second signal ends them at once, and ranks still running --grace seconds
+// (default 60: time to save a checkpoint) later are killed; fsdp-run then exits with the code
+// every rank exited with where they agree (0: stopped cleanly; fsdp-train's 3: stopped with its
+// state saved, to be resumed), else 128 + the signal (130, 143).
+// A rank's exit code 2 (a usage error) or 3 (a resumable stop), which the program has reported,
+// is passed on without a message. A PROGRAM that cannot be started is one line and
 // exit code 127, as in shells; a rank killed by a signal is one line naming the
 // rank and the signal (on CPU each rank runs under `fsdp-run --mpi-rank`, which
-// waits for it and says so; mpirun itself stays quiet, -q).
+// waits for it and says so; mpirun itself stays quiet, -q). mpirun killed by a
+// signal fsdp-run did not send is named too, and the ranks it leaves are killed.
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -93,8 +95,9 @@ const char* kUsage =
     "  --port P rendezvous port on 127.0.0.1 (default: a free one)\n"
     "  --grace S after SIGINT/SIGTERM, kill ranks still running S seconds later (default 60)\n"
     "  --version fsdp.cpp's version\n"
-    "SIGINT/SIGTERM reach every rank (CPU ranks as SIGUSR1); a second one ends\n"
-    "them at once. Exit code: 128 + the signal, or 0 if every rank exited 0.\n";
+    "SIGINT/SIGTERM/SIGHUP reach every rank (CPU ranks as SIGUSR1); a second one\n"
+    "ends them at once. Exit code after a signal: the ranks' own where they agree\n"
+    "(0, or fsdp-train's 3: stopped and saved, resume it), else 128 + the signal.\n";
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", why);
@@ -106,8 +109,14 @@ volatile sig_atomic_t g_signals = 0;   // how many
 bool g_through_mpirun = false;         // CPU: the one child is mpirun, the ranks are its children
 int g_grace_s = 60;                    // after the first signal, SIGKILL what still runs
 
+// A rank's exit codes that the program has explained itself: fsdp-run passes them on silently.
+bool reported_by_the_program(int code) {
+  return code == 2 || code == 3;  // a usage error; fsdp-train's stop with its state saved (resumable)
+}
+
 void note_signal(int sig) {  // the wait loop does the work: nothing here but flags
-  if (!g_signal) g_signal = sig;
+  // A hangup (the terminal or ssh session gone) asks the ranks to save and stop, as SIGTERM does.
+  if (!g_signal) g_signal = sig == SIGHUP ? SIGTERM : sig;
   ++g_signals;
 }
 
@@ -115,8 +124,7 @@ void install_signal_handlers() {
   struct sigaction action{};
   action.sa_handler = note_signal;
   sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &action, nullptr);
 }
 
 // Every process below `root` (its children, theirs, ...), from /proc.
@@ -186,12 +194,14 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
   int exit_code = 0;
   size_t running = children.size();
   std::chrono::steady_clock::time_point kill_at{};  // set once a signal came
-  bool killed = false, all_clean = true;
+  bool killed = false;
+  int common_code = -1;  // the exit code every child exited with, while they agree (-2 once they differ)
   int forwarded = 0;
   while (running > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno != EINTR) break;
+    if (pid > 0 && std::find(children.begin(), children.end(), pid) == children.end()) continue;  // an orphan reaped
     for (const int received = g_signals; forwarded < std::min(received, 2); ++forwarded) forward(children, forwarded + 1);
     if (pid <= 0) {
       const auto now = std::chrono::steady_clock::now();
@@ -205,20 +215,28 @@ int wait_for_children(const std::vector<pid_t>& children, const char* (*describe
     }
     --running;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    all_clean = all_clean && code == 0;
+    common_code = common_code == -1 || common_code == code ? code : -2;
+    if (g_through_mpirun && !WIFEXITED(status) && !g_signal) {
+      // mpirun killed by someone else: its ranks, now fsdp-run's (a subreaper), would run on unseen.
+      std::fprintf(stderr, "fsdp-run: mpirun (pid %d) was killed by signal %d (%s); stopping the ranks it left\n",
+                   static_cast<int>(pid), WTERMSIG(status), strsignal(WTERMSIG(status)));
+      for (pid_t below : descendants(getpid())) kill(below, SIGKILL);
+    }
     if (code == 0 || exit_code != 0 || g_signal) continue;
     exit_code = code;
     const size_t index = std::find(children.begin(), children.end(), pid) - children.begin();
-    if (code != 2 && describe)
+    if (!reported_by_the_program(code) && describe)
       std::fprintf(stderr, "fsdp-run: %s exited with status %d; stopping the others\n", describe(index), code);
     for (pid_t c : children)
       if (c != pid) kill(c, SIGTERM);
   }
   if (g_signal) {
-    // Ranks that handled the signal and stopped cleanly (e.g. after saving a checkpoint) exit 0.
+    // Ranks that handled the signal and stopped as the program does (0 cleanly, fsdp-train's 3
+    // after saving) agree on their exit code: it is fsdp-run's.
+    const bool agreed = common_code >= 0 && common_code < 128;
     std::fprintf(stderr, "fsdp-run: %s; every rank has exited%s\n", g_signal == SIGINT ? "interrupted" : "terminated",
-                 all_clean ? " cleanly" : "");
-    return all_clean ? 0 : 128 + g_signal;
+                 agreed ? (common_code == 0 ? " cleanly" : (" with status " + std::to_string(common_code)).c_str()) : "");
+    return agreed ? common_code : 128 + g_signal;
   }
   return exit_code;
 }
@@ -284,7 +302,7 @@ int run_as_mpi_rank(char** program_argv) {
     // mpirun -q says nothing of a rank's non-zero exit: this line does (2, a usage error, the
     // program has reported; an exit while mpirun ends the job is its consequence, not news).
     const int code = WEXITSTATUS(status);
-    if (code != 0 && code != 2 && !g_rank_signalled)
+    if (code != 0 && !reported_by_the_program(code) && !g_rank_signalled)
       std::fprintf(stderr, "fsdp-run: rank %s (pid %d) exited with status %d\n", rank ? rank : "?",
                    static_cast<int>(child), code);
     return code;
@@ -319,6 +337,8 @@ int run_mpirun(int ranks, char** program_argv) {
   argv.push_back(nullptr);
   install_signal_handlers();
   g_through_mpirun = true;
+  // The ranks' wrappers are reparented to fsdp-run, not init, if mpirun dies: they stay in reach.
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
   const int code = wait_for_children({start(argv.data())}, nullptr);  // mpirun names the failed rank itself
   if (code == 127 && !g_signal) std::fprintf(stderr, "fsdp-run: cannot start mpirun (install OpenMPI)\n");
   return code;

@@ -99,8 +99,11 @@ std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string& dir, c
 /// sets `state.extra`. Throws on every rank if any rank finds the checkpoint unusable (missing or
 /// truncated files, a checksum mismatch, another model's names, shapes or dtypes), naming the file
 /// and the problem. Everything is checked before anything is copied: after a failed load the
-/// tensors are as they were.
-void load_checkpoint(const std::string& dir, CheckpointState& state);
+/// tensors are as they were. `leave_out`: a name prefix (the Python package's "optimizer/"): the
+/// checkpoint's tensors under it that `state` does not hold are left out instead of refused (a
+/// model loaded without its optimizer). Returns the names left out.
+std::vector<std::string> load_checkpoint(const std::string& dir, CheckpointState& state,
+                                         const std::string& leave_out = "");
 /// The newest complete checkpoint under `parent` (subdirectories named step-N holding
 /// metadata.bin; interrupted saves, `*.tmp`, are skipped), `parent` itself where it is a complete
 /// checkpoint, or "" if none.

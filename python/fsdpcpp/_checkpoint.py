@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _C
 from ._dtensor import managed, take_replacements_in
+from ._runtime import rank
 
 newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
@@ -93,15 +95,23 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, str]:
     """Fills the sharded model (and optimizer state) in place from a checkpoint saved on any
-    number of ranks; returns its `extra` entries. Raises on every rank, naming the file and the
-    problem, when the checkpoint does not fit (another model, missing or damaged files); the model
-    and the optimizer are then exactly as they were (everything is checked before anything is
-    copied). Collective."""
+    number of ranks; returns its `extra` entries. Without `optimizer`, the weights load alone and
+    a checkpoint's optimizer state is left out (as torch's and DCP's loaders do), named in a
+    warning on rank 0. Raises on every rank, naming the file and the problem, when the checkpoint
+    does not fit (another model, missing or damaged files); the model and the optimizer are then
+    exactly as they were (everything is checked before anything is copied). Collective."""
     before = _initialise_optimizer_state(optimizer) if optimizer is not None else None
     try:
         sharded, replicated = _entries(model, optimizer)
-        return dict(_C.load_checkpoint(os.fspath(path), sharded, replicated))
+        extra, left_out = _C.load_checkpoint(os.fspath(path), sharded, replicated,
+                                             OPTIMIZER_PREFIX if optimizer is None else "")
     except BaseException:
         if before is not None:
             _restore_optimizer_state(optimizer, before)
         raise
+    if left_out and rank() == 0:
+        owners = sorted({name[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] for name in left_out})
+        warnings.warn(f"fsdpcpp.load_checkpoint: loaded the model alone; left out the checkpoint's optimizer state "
+                      f"({len(left_out)} tensors, of {len(owners)} parameters such as '{owners[0]}'): pass "
+                      "optimizer= to load it", stacklevel=2)
+    return dict(extra)

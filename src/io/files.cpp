@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -110,6 +111,16 @@ void replace_with(const std::string& staged, const std::string& path) {
   sync_directory(parent_of(path));
 }
 
+bool publish_new(const std::string& staged, const std::string& path) {
+  if (is_directory(path) && list_directory(path).empty()) ::rmdir(path.c_str());  // fails if filled meanwhile
+  if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno == EEXIST || errno == ENOTEMPTY) return false;
+    fail("rename to '" + path + "'", staged);
+  }
+  sync_directory(parent_of(path));
+  return true;
+}
+
 std::string parent_of(const std::string& path) {
   std::string p = path;
   while (p.size() > 1 && p.back() == '/') p.pop_back();
@@ -152,10 +163,6 @@ std::unique_ptr<LockedFile> LockedFile::open(const std::string& path) {
       if (saved == EWOULDBLOCK) return nullptr;
       errno = saved;
       fail("lock", path);
-    }
-    if (::ftruncate(fd, 0) != 0) {
-      ::close(fd);
-      fail("empty", path);
     }
   }
   return std::unique_ptr<LockedFile>(new LockedFile(path, fd));

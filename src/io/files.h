@@ -30,6 +30,10 @@ void copy_file(const std::string& from, const std::string& to);
 // rename for a file or where nothing was there, else the old directory is renamed aside, the new
 // one into place, and the old one removed. Readers see the old or the new, never a mix.
 void replace_with(const std::string& staged, const std::string& path);
+// Puts `staged` at `path` only where nothing is there (an empty directory counts as nothing), by
+// one rename that never replaces (renameat2's RENAME_NOREPLACE): returns false, `staged` left as
+// it is, when something appeared at `path` meanwhile (another writer published first).
+bool publish_new(const std::string& staged, const std::string& path);
 // "a/b" for "a/b/c", "." for "c".
 std::string parent_of(const std::string& path);
 // `path` made absolute, with symbolic links and "." / ".." resolved as far as it exists (the rest
@@ -56,10 +60,10 @@ class OutputFile {
   uint64_t written_ = 0;
 };
 
-// A file this process alone writes: opened for writing (created if missing) under flock's exclusive
-// lock, which the kernel drops when the process ends, however it ends. A regular file is emptied
-// only once locked, so a second writer never truncates the first one's file; a pipe or a device
-// (/dev/stdout) is neither locked nor emptied. open() returns null when another process holds it.
+// A file this process alone writes: opened for appending (created if missing) under flock's
+// exclusive lock, which the kernel drops when the process ends, however it ends. Opening never
+// empties it (rewrite does, once locked), so a second writer never truncates the first one's file;
+// a pipe or a device (/dev/stdout) is not locked. open() returns null when another process holds it.
 class LockedFile {
  public:
   static std::unique_ptr<LockedFile> open(const std::string& path);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <set>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -477,7 +478,23 @@ void CheckpointWrite::finish() {
   });
 }
 
-void load_checkpoint(const std::string& dir, CheckpointState& state) {
+namespace {
+
+// The names of the checkpoint's tensors `state` does not hold.
+std::vector<std::string> unheld_tensors(const io::CheckpointMeta& meta, const CheckpointState& state) {
+  std::set<std::string> held;
+  for (const auto& want : state.sharded()) held.insert(want.name);
+  for (const auto& [name, value] : state.replicated()) held.insert(name);
+  std::vector<std::string> unheld;
+  for (const auto* saved : {&meta.sharded, &meta.replicated})
+    for (const auto& t : *saved)
+      if (!held.count(t.name)) unheld.push_back(t.name);
+  return unheld;
+}
+
+}  // namespace
+
+std::vector<std::string> load_checkpoint(const std::string& dir, CheckpointState& state, const std::string& leave_out) {
   Communicator& comm = communicator_of(state);
   c10::NoGradGuard no_grad;
   const std::string meta_path = dir + "/metadata.bin";
@@ -486,15 +503,20 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
   std::vector<WantedTensor> wanted;  // per sharded tensor of `state`: its place in the metadata, its rows
   std::vector<const io::TensorMeta*> saved_replicated;
   std::vector<FileIdentity> identities;
+  std::vector<std::string> left_out;
   // Everything is checked on every rank (names, shapes, dtypes, counts, sizes, every block's
   // checksum) before the first byte is copied: a load that fails leaves the state as it was.
   on_every_rank(comm, "loading " + dir, [&] {
     meta = io::decode(read_whole(meta_path, kMaxMetadataBytes), meta_path);
     blocks = block_map(meta);
     identities.resize(meta.world);
-    if (meta.sharded.size() != state.sharded().size())
-      throw CheckpointError(meta_path + ": holds " + std::to_string(meta.sharded.size()) + " sharded tensors, this model " +
-                            std::to_string(state.sharded().size()) + ": a checkpoint of another model");
+    left_out = unheld_tensors(meta, state);
+    for (const auto& name : left_out)
+      if (leave_out.empty() || name.rfind(leave_out, 0) != 0)
+        throw CheckpointError(meta_path + ": holds '" + name + "', which this model does not (" +
+                              std::to_string(meta.sharded.size() + meta.replicated.size()) + " tensors saved, " +
+                              std::to_string(state.sharded().size() + state.replicated().size()) +
+                              " here): a checkpoint of another model");
     for (const auto& want : state.sharded()) {
       auto it = std::find_if(meta.sharded.begin(), meta.sharded.end(), [&](const auto& t) { return t.name == want.name; });
       if (it == meta.sharded.end()) throw CheckpointError(meta_path + ": has no '" + want.name + "': a checkpoint of another model");
@@ -518,6 +540,7 @@ void load_checkpoint(const std::string& dir, CheckpointState& state) {
     }
     state.extra = meta.extra;
   });
+  return left_out;
 }
 
 void for_each_checkpoint_tensor(const std::string& dir,

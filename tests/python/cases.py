@@ -374,8 +374,25 @@ def case_errors(args):
         expect_error(RuntimeError, "a checkpoint of another model",
                      lambda: fsdpcpp.load_checkpoint(fsdpcpp.newest_checkpoint(args.dir), other))
         check_failed_load_changes_nothing(args.dir, args.model)
+        check_weights_load_without_the_optimizer(args.dir, args.model)
     if fsdpcpp.rank() == 0:
         print("errors: each raised with its one-line message")
+
+
+def check_weights_load_without_the_optimizer(saved_dir, model_name):
+    """case_save's checkpoint (model and AdamW) loaded with no optimizer: the weights are those a
+    load with the optimizer gives, and rank 0 warns naming the optimizer state left out."""
+    import warnings
+    newest = fsdpcpp.newest_checkpoint(saved_dir)
+    alone, whole = shard(build(model_name)), shard(build(model_name))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdpcpp.load_checkpoint(newest, alone)
+    fsdpcpp.load_checkpoint(newest, whole, optimizer_for(whole))
+    got, want = fsdpcpp.get_model_state_dict(alone), fsdpcpp.get_model_state_dict(whole)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the weights loaded alone differ"
+    said = [str(w.message) for w in caught if "left out the checkpoint's optimizer state" in str(w.message)]
+    assert bool(said) == (fsdpcpp.rank() == 0), f"rank {fsdpcpp.rank()} warned: {said}"
 
 
 def check_failed_load_changes_nothing(saved_dir, model_name):

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <sys/stat.h>
+
 #include <fstream>
 #include <random>
 
@@ -71,7 +73,10 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--grad-accum-sync", "every"}, "--grad-accum-sync needs --grad-accum 2 or more"},
       {{"--plan-check-rounds", "3"}, "--plan-check-rounds needs --plan-check"},
       {{"--max-pending-host-steps", "3"}, "--max-pending-host-steps needs --cpu-offload and --optimizer-in-backward"},
-      {{"--overwrite"}, "--overwrite needs --save-dir or --export"},
+      {{"--overwrite"}, "--overwrite needs --save-dir, --export or --log"},
+      {{"--overwrite-log"}, "--overwrite-log needs --log"},
+      {{"--timeout", "1e300"}, "--timeout must be 0 (default) or from 0.001 seconds (1 ms) to 604800"},
+      {{"--export", "/tmp/x", "--export-shard-gb", "1e10"}, "--export-shard-gb must be positive and at most 1000000"},
       {{"--overwrite-checkpoints"}, "--overwrite-checkpoints needs --save-dir"},
       {{"--overwrite-export", "--save-dir", "/tmp/x"}, "--overwrite-export needs --export"},
       {{"--allow-resume-changes"}, "--allow-resume-changes needs --resume"},
@@ -80,7 +85,7 @@ TEST(TrainArgs, BadFlagsAreUsageErrorsThatNameTheFlag) {
       {{"--recompute=yes"}, "--recompute takes no value: give it alone"},
       {{"--steps="}, "--steps: '' is not an integer"},
       {{"--bogus=1"}, "unknown flag '--bogus'"},
-      {{"--timeout", "0.0009"}, "--timeout must be 0 (default) or at least 0.001 seconds"},
+      {{"--timeout", "0.0009"}, "--timeout must be 0 (default) or from 0.001 seconds"},
       {{"--backend", "mpi", "--memory-snapshot", "/tmp/s"}, "--memory-snapshot records the GPU allocator's history"},
       {{"--backend", "mpi", "--attention", "flash"}, "--attention flash chooses a GPU kernel"},
       {{"--max-skipped-steps", "-1"}, "--max-skipped-steps must be 0"},
@@ -117,6 +122,38 @@ TEST(TrainArgs, DefaultsAndAGoodCommandLineAreAccepted) {
   EXPECT_TRUE(checked({"--checkpoint"}).recompute);  // the flag's old name, until 0.8
 }
 
+// One rule for every output: never a path the run reads or another output, never a file inside a
+// model or checkpoint the run reads, nothing inside a directory --export replaces. Refused before
+// anything is opened: the files are left as they were.
+TEST(TrainArgs, NoOutputIsAnInputOrAnotherOutput) {
+  using ::testing::HasSubstr;
+  const std::string dir = ::testing::TempDir() + "apart/";
+  ::mkdir(dir.c_str(), 0755);
+  ::mkdir((dir + "model").c_str(), 0755);
+  const std::string data = dir + "data.bin", config = dir + "run.json";
+  std::ofstream(data) << "tokens";
+  std::ofstream(config) << R"({"steps": 3})";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--data", data, "--log", data}, "--log '" + data + "' would destroy --data '" + data + "'"},
+      {{"--data", data, "--save-init", data}, "--save-init '" + data + "' would destroy --data"},
+      {{"--config", config, "--log", config}, "--log '" + config + "' would destroy --config"},
+      {{"--init-from", dir + "model", "--log", dir + "model/model.safetensors"}, "(it lies inside it)"},
+      {{"--resume", dir + "model", "--memory-log", dir + "model/m"}, "--memory-log '" + dir + "model/m-rank0.jsonl' would destroy --resume"},
+      {{"--log", dir + "t-rank0.json", "--trace", dir + "t"}, "--log '" + dir + "t-rank0.json' would write over --trace"},
+      {{"--save-init", dir + "w.safetensors", "--export", dir + "w.safetensors"}, "--save-init '" + dir + "w.safetensors' would write over --export"},
+      {{"--export", dir + "out", "--log", dir + "out/log.jsonl"}, "--export '" + dir + "out' would replace --log"},
+      {{"--save-dir", data, "--data", data}, "--save-dir '" + data + "' would destroy --data"},
+  };
+  for (const auto& [argv, message] : refused) {
+    const std::string error = usage_error_of(argv);
+    EXPECT_THAT(error, HasSubstr("give each output a path of its own")) << argv.back();
+    EXPECT_THAT(error, HasSubstr(message)) << argv.back();
+  }
+  std::ifstream in(data);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "tokens");
+  EXPECT_EQ(usage_error_of({"--log", dir + "model.jsonl", "--save-init", dir + "init.safetensors"}), "(accepted)");
+}
+
 // --help shows each flag's default from the field itself, the runtime knobs' too.
 // --config: a JSON object of flags, which the command line overrides; a run's given flags written
 // beside its log read back as the same arguments.
@@ -145,6 +182,8 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
       {{"--config", config("c7.json", "{")}, "is not a JSON object of flags"},
       {{"--config", config("c8.json", R"({"config": "x.json"})")}, "a --config cannot name another"},
       {{"--config", dir + "missing.json"}, "--config: cannot read"},
+      {{"--config", config("c9.json", R"({"steps": 3, "lr": 0.1, "steps": 4})")}, "gives 'steps' twice: give each flag once"},
+      {{"--config", dir}, "is a directory, not a JSON file of flags"},
       {{"--config"}, "--config needs a value"},
       {{"--steps", "3", "--steps=4"}, "--steps is given twice"},
   };

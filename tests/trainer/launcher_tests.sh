@@ -13,7 +13,8 @@
 #   launcher_tests.sh BUILD_DIR killed-save   a rank killed while saving every step (and with
 #                                             --async-save): the newest complete checkpoint resumes
 #   launcher_tests.sh BUILD_DIR signal-save   SIGTERM to fsdp-run: every rank saves at the step
-#                                             boundary and exits 0; the run resumes from there
+#                                             boundary and exits 3 (resumable), which fsdp-run passes
+#                                             on; the run resumes from there
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
 #                                             micro-batch) follows the losses of --batch 4
 #   launcher_tests.sh BUILD_DIR overlap       2 GPUs, the 1B: all-gathers beside compute; the CPU no more
@@ -50,10 +51,16 @@
 #   launcher_tests.sh BUILD_DIR rank-failures a program that cannot start: one line, exit 127; a rank
 #                                             killed by a signal or exiting non-zero: one line naming
 #                                             the rank; SIGTERM during start-up stops the ranks as asked
-#   launcher_tests.sh BUILD_DIR signal TERM|INT [cpu|gpu]
-#                                             the signal to fsdp-run mid-run reaches every rank: all
-#                                             exit, fsdp-run exits 128+signal, nothing left running
-#                                             (on GPUs: no process left on any GPU)
+#   launcher_tests.sh BUILD_DIR signal TERM|INT|HUP [cpu|gpu]
+#                                             the signal to fsdp-run mid-run reaches every rank (HUP as
+#                                             TERM): all exit, fsdp-run exits 128+signal, nothing left
+#                                             running (on GPUs: no process left on any GPU)
+#   launcher_tests.sh BUILD_DIR keeps-files   no file a user named is lost: a log is never emptied
+#                                             (a second run, the config read back, a run after kill -9
+#                                             refused; a resume of its run appends, marked; a failed
+#                                             resume leaves it), a run stopped by a signal exports
+#                                             nothing (exit 3) and its requeued command exports, an
+#                                             export that appears meanwhile is never replaced
 set -u
 build=$1 mode=$2
 run="$build/fsdp-run" train="$build/fsdp-train"
@@ -264,7 +271,7 @@ signal-save)
   wait "$pid"
   code=$?
   tail -3 "$work/out"
-  [ "$code" = 0 ] || fail "fsdp-run exited $code, not 0, after the ranks saved"
+  [ "$code" = 3 ] || fail "fsdp-run exited $code, not 3 (stopped, resumable), after the ranks saved"
   grep -q "stopped after step [0-9]* (a signal)" "$work/out" || fail "no stop message"
   [ -n "$(ls "$work"/ck/step-*/metadata.bin 2>/dev/null)" ] || fail "nothing saved"
   "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --stop-at-step 100000 --seq 32 --resume "$work/ck" \
@@ -282,7 +289,7 @@ usage)
   expect_usage_error "-n must be a whole number of ranks, at least 1" -n two "$train"
   expect_usage_error "--port must be a TCP port" --port 70000 --gpu -n 1 "$train"
   expect_usage_error "--steps is given twice: give it once" -n 2 --cpu "$train" --steps 5 --steps 6
-  expect_usage_error "--timeout must be 0 (default) or at least 0.001 seconds" -n 2 --cpu "$train" --timeout 0.0001
+  expect_usage_error "--timeout must be 0 (default) or from 0.001 seconds" -n 2 --cpu "$train" --timeout 0.0001
   echo "usage errors: ok"
   ;;
 write-fails)
@@ -318,7 +325,7 @@ signal)
   wait "$pid"
   code=$?
   tail -3 "$work/out"
-  want=$([ "$sig" = INT ] && echo 130 || echo 143)
+  want=$([ "$sig" = INT ] && echo 130 || echo 143)  # HUP: a stop request, as TERM
   [ "$code" = "$want" ] || fail "fsdp-run exited $code, not $want"
   sleep 0.5
   left=$(pgrep -f -- "--log $marker.jsonl" | wc -l)
@@ -504,11 +511,27 @@ rank-failures)
   code=$?
   cat "$work/out"
   [ "$code" = 139 ] && grep -q "was killed by signal 11 (Segmentation fault)" "$work/out" || fail "SIGSEGV ($code)"
-  # A rank that exits non-zero without a word: fsdp-run names it.
-  "$run" -n 2 --cpu sh -c 'exit 3' >"$work/out" 2>&1
+  # A rank that exits non-zero without a word: fsdp-run names it (2 and 3 are fsdp-train's own,
+  # which it reports itself).
+  "$run" -n 2 --cpu sh -c 'exit 4' >"$work/out" 2>&1
   code=$?
   cat "$work/out"
-  [ "$code" = 3 ] && grep -q "^fsdp-run: rank [01] (pid [0-9]*) exited with status 3$" "$work/out" || fail "exit 3 ($code)"
+  [ "$code" = 4 ] && grep -q "^fsdp-run: rank [01] (pid [0-9]*) exited with status 4$" "$work/out" || fail "exit 4 ($code)"
+  # mpirun itself killed (kill -9): fsdp-run names it and stops the ranks it leaves behind.
+  marker="$work/mpirun-killed"
+  "$run" -n 2 --cpu sh -c "sleep 60 # $marker" >"$work/out" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do [ "$(pgrep -f -- "sleep 60 # $marker" | wc -l)" -ge 4 ] && break; sleep 0.1; done
+  mpirun=$(pgrep -P "$pid" mpirun)
+  [ -n "$mpirun" ] || fail "mpirun not found under fsdp-run"
+  kill -9 "$mpirun"
+  wait "$pid"
+  code=$?
+  cat "$work/out"
+  [ "$code" = 137 ] && grep -q "^fsdp-run: mpirun (pid $mpirun) was killed by signal 9 (Killed); stopping the ranks it left$" \
+    "$work/out" || fail "mpirun killed: exit $code, not named"
+  sleep 0.5
+  [ "$(pgrep -f -- "sleep 60 # $marker" | wc -l)" = 0 ] || fail "ranks left running: $(pgrep -af -- "$marker")"
   # SIGTERM while the ranks start: they stop as asked (at the first step boundary, or before they
   # handle signals), never reported as killed by fsdp-run's SIGUSR1.
   "$run" -n 2 --cpu "$train" --model tiny --steps 100000 --seq 32 --log "$work/early.jsonl" >"$work/out" 2>&1 &
@@ -549,10 +572,10 @@ lineage)
   "$run" "${common[@]}" --steps 40 --resume "$work/ck" --seed 7 --allow-resume-changes --dry-run >/dev/null 2>&1 ||
     fail "--allow-resume-changes refused"
   # 2. An export that would replace the save directory or the log's.
-  expect_usage_error "--export: '$work/ck' would replace --save-dir '$work/ck'" \
-    "${common[@]}" --steps 40 --resume "$work/ck" --save-dir "$work/ck" --export "$work/ck" --overwrite
+  expect_usage_error "--export '$work/ck' would replace --save-dir '$work/ck'" \
+    "${common[@]}" --steps 40 --save-dir "$work/ck" --export "$work/ck" --overwrite
   mkdir -p "$work/logs" && touch "$work/logs/x"
-  expect_usage_error "--export: '$work/logs' would replace --log's directory '$work/logs'" \
+  expect_usage_error "--export '$work/logs' would replace --log '$work/logs/run.jsonl'" \
     "${common[@]}" --steps 4 --log "$work/logs/run.jsonl" --export "$work/logs" --overwrite
   # A damaged newest checkpoint: the error names the next older one.
   for f in "$work"/ck/step-000012/shard-*; do printf 'xx' | dd of="$f" bs=1 seek=8 conv=notrunc 2>/dev/null; done
@@ -587,13 +610,67 @@ concurrent)
   [ "$code" = 2 ] && grep -q "'$work/first.jsonl' is being written by another run" "$work/out" ||
     fail "a second run on the log in use (exit $code)"
   kill -TERM "$pid"
-  wait "$pid" || { cat "$work/first.out"; fail "the first run did not stop cleanly"; }
+  wait "$pid"
+  [ $? = 3 ] || { cat "$work/first.out"; fail "the first run did not stop as a resumable run (exit 3)"; }
   python3 - "$work/first.jsonl" <<'PY' || fail "the first run's log is damaged"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), rows
 PY
   echo "concurrent: ok"
+  ;;
+keeps-files)
+  common=(-n 2 --cpu "$train" --model tiny --seq 32)
+  lines() { grep -c . "$1"; }
+  log="$work/run.jsonl"
+  "$run" "${common[@]}" --steps 4 --save-dir "$work/ck" --log "$log" >"$work/out" 2>&1 || { cat "$work/out"; fail "the first run"; }
+  [ "$(lines "$log")" = 4 ] || fail "the first run logged $(lines "$log") lines"
+  # Another run on the log, the flags read back from beside it, a fresh start after a kill: refused.
+  expect_usage_error "--log: '$log' already holds steps 1-4 of run " "${common[@]}" --steps 4 --log "$log"
+  expect_usage_error "a log is never emptied" --cpu -n 2 "$train" --config "${log%.jsonl}.config.json" \
+    --save-dir "$work/elsewhere"
+  [ "$(lines "$log")" = 4 ] || fail "a refused run changed the log"
+  # The run resumed: appended after its checkpoint's step, the first new line marked.
+  "$run" "${common[@]}" --steps 8 --resume "$work/ck" --save-dir "$work/ck" --log "$log" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the resumed run"; }
+  python3 - "$log" <<'PY' || fail "the resumed run's log"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["step"] for r in rows] == list(range(1, 9)), rows
+assert "run" in rows[0] and rows[4]["run"] == rows[0]["run"] and rows[4]["resumed_from"] == 4, rows[4]
+PY
+  # A resume that fails at load (another model) leaves the log as it was.
+  "$run" -n 2 --cpu "$train" --model small --seq 32 --steps 12 --resume "$work/ck" --save-dir "$work/ck" \
+    --log "$log" --allow-resume-changes >"$work/out" 2>&1 && fail "a resume of another model's checkpoint ran"
+  [ "$(lines "$log")" = 8 ] || { cat "$work/out"; fail "a failed resume left $(lines "$log") lines of 8"; }
+  # SIGTERM with --export: saved, nothing exported, exit 3; the requeued command finishes and exports.
+  requeue=(--save-dir "$work/q" --export "$work/model" --log "$work/q.jsonl")
+  "$run" "${common[@]}" --steps 100000 "${requeue[@]}" >"$work/out" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "step    3/" "$work/out" && break; sleep 0.1; done
+  kill -TERM "$pid"
+  wait "$pid"
+  code=$?
+  [ "$code" = 3 ] || { cat "$work/out"; fail "a stopped run exited $code, not 3"; }
+  grep -q "not exported: the run stopped at step [0-9]* of 100000" "$work/out" || { cat "$work/out"; fail "no word of the export"; }
+  [ ! -e "$work/model" ] || fail "a stopped run published its export"
+  # Requeued with --resume (and, to end soon, a --steps just past the stop).
+  steps=$(python3 -c "import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])['step'] + 2)" "$work/q.jsonl")
+  "$run" "${common[@]}" --steps "$steps" "${requeue[@]}" --resume "$work/q" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "the requeued run"; }
+  grep -q "exported $work/model" "$work/out" && [ -f "$work/model/config.json" ] || { cat "$work/out"; fail "no export"; }
+  # An export that appears while the run trains (another run's) is never replaced.
+  "$run" "${common[@]}" --steps 400 --export "$work/theirs" --log "$work/race.jsonl" >"$work/out" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "step    2/" "$work/out" && break; sleep 0.1; done
+  mkdir "$work/theirs" && echo "another run's" >"$work/theirs/config.json"
+  wait "$pid"
+  code=$?
+  [ "$code" = 1 ] && grep -q "'$work/theirs' appeared while this run exported" "$work/out" ||
+    { cat "$work/out"; fail "an export over one that appeared meanwhile (exit $code)"; }
+  [ "$(cat "$work/theirs/config.json")" = "another run's" ] || fail "the other run's export was replaced"
+  ls -d "$work"/theirs.tmp-* >/dev/null || fail "this run's model is not left beside it"
+  echo "keeps files: ok"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "train/args.h"
 #include "train/data.h"
 #include "train/fused_adamw.h"
 #include "train/llama_schedule.h"
@@ -50,7 +51,7 @@ TEST(StepLog, PrintsEveryNthStepWithTheTimeLeftAndLogsEveryStep) {
   std::remove(path.c_str());
   testing::internal::CaptureStdout();
   {
-    fsdp::train::StepLog log(path, /*print_every=*/3);
+    fsdp::train::StepLog log(path, {"run-a"}, /*print_every=*/3);
     for (int step = 1; step <= 7; ++step) {
       fsdp::train::StepRecord r;
       r.step = step, r.steps = 7, r.ms = step == 1 ? 5000 : 100, r.tokens_per_step = 1000;
@@ -75,6 +76,49 @@ TEST(StepLog, PrintsEveryNthStepWithTheTimeLeftAndLogsEveryStep) {
   EXPECT_EQ(fsdp::train::eta_text(1000, 45), "45s");
   EXPECT_EQ(fsdp::train::eta_text(1000, 192), "3m12s");
   EXPECT_EQ(fsdp::train::eta_text(1000, 7500), "2h05m");
+}
+
+// A log is never emptied: another run is refused, a resumed run of the log's lineage appends after
+// its run mark, --overwrite-log alone replaces it.
+TEST(StepLog, AnExistingLogIsAppendedToByItsOwnRunAloneAndNeverEmptied) {
+  const std::string path = testing::TempDir() + "step_log_owner_test.jsonl";
+  std::remove(path.c_str());
+  const auto write_steps = [&](const fsdp::train::LogOwner& owner, int first, int last) {
+    fsdp::train::StepLog log(path, owner);
+    testing::internal::CaptureStdout();
+    for (int step = first; step <= last; ++step) {
+      fsdp::train::StepRecord r;
+      r.step = step, r.steps = 8, r.ms = 1, r.tokens_per_step = 1;
+      log.write(r);
+    }
+    testing::internal::GetCapturedStdout();
+  };
+  const auto lines = [&] {
+    std::vector<std::string> out;
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  const auto has = [](const std::string& line, const std::string& field) {
+    return line.find(field) != std::string::npos;
+  };
+  write_steps({"run-a"}, 1, 4);
+  EXPECT_THROW(write_steps({"run-b"}, 1, 2), fsdp::train::UsageError);                 // another run
+  EXPECT_THROW(write_steps({"run-a"}, 1, 2), fsdp::train::UsageError);                 // the same, not resumed
+  EXPECT_THROW(write_steps({"run-b", 4}, 5, 6), fsdp::train::UsageError);              // another lineage resumed
+  ASSERT_EQ(lines().size(), 4u);
+  write_steps({"run-a", 3}, 4, 8);  // resumed from its step-3 checkpoint
+  auto logged = lines();
+  ASSERT_EQ(logged.size(), 9u);
+  EXPECT_TRUE(has(logged[0], R"("run":"run-a")")) << logged[0];
+  EXPECT_FALSE(has(logged[0], "resumed_from"));
+  EXPECT_TRUE(has(logged[4], R"({"step":4,)")) << logged[4];
+  EXPECT_TRUE(has(logged[4], R"("run":"run-a","resumed_from":3)")) << logged[4];
+  EXPECT_FALSE(has(logged[5], R"("run")"));
+  write_steps({"run-c", std::nullopt, /*overwrite=*/true}, 1, 2);
+  logged = lines();
+  ASSERT_EQ(logged.size(), 2u);
+  EXPECT_TRUE(has(logged[0], R"("run":"run-c")")) << logged[0];
 }
 
 // A schedule that is not the Llama's groups (the root and each block), or recomputes the root, is

@@ -383,8 +383,9 @@ at::ScalarType imported_dtype(const std::string& imported_from) {
 void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, const ExportOptions& options) {
   const bool lead = comm.rank() == 0;
   const bool single_file = exports_single_file(path);
-  // Written whole beside PATH, then put in its place: an existing export is replaced, never mixed.
-  const std::string staged = path + ".tmp";
+  // Written whole beside PATH, then put in its place: an existing export is replaced (never mixed),
+  // or kept where the export may not replace it.
+  const std::string staged = path + ".tmp-" + options.writer;
   const auto& c = model.config;
   const std::string& imported_from = options.imported_from;
   if (lead) {
@@ -444,7 +445,11 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
     write_json(staged + "/model.safetensors.index.json", index);
   }
-  io::replace_with(staged, path);
+  if (options.replace) return io::replace_with(staged, path);
+  if (!io::publish_new(staged, path))
+    throw std::runtime_error("export: '" + path + "' appeared while this run exported (another run exported there): "
+                             "this run's model is left at '" + staged + "'; move it into place, or export again "
+                             "with --overwrite-export");
 }
 
 }  // namespace fsdp::model

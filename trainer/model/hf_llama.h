@@ -47,6 +47,12 @@ struct ExportOptions {
   // model.safetensors.index.json, as Hugging Face publishes them; one file is model.safetensors.
   int64_t max_file_bytes = int64_t(5) << 30;
   std::string imported_from;  // the directory --init-from read, or ""
+  // The writer's name (fsdp-train's run id): the model is staged at PATH.tmp-<writer>, where no
+  // other writer's staging is, and an earlier one of this writer is removed first.
+  std::string writer = "export";
+  // Whether a model already at PATH (or one another writer publishes there meanwhile) is replaced;
+  // without it the export is published only where nothing is, else it fails naming where it is left.
+  bool replace = false;
 };
 
 // The dtype config.json of a Hugging Face directory names ("torch_dtype", or transformers 5's

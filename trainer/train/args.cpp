@@ -32,6 +32,11 @@
 namespace fsdp::train {
 namespace {
 
+// Bounds that keep a number's arithmetic sane: a week of waiting for one collective (a deadline in
+// nanoseconds must not overflow), and a million GB per export file (its bytes must fit in int64).
+constexpr double kMaxTimeoutS = 7 * 24 * 3600;
+constexpr double kMaxExportShardGb = 1e6;
+
 // What a flag does to its field, and the field's value when the table is made: for a table of
 // default TrainArgs, the default --help shows (so no help string restates one).
 struct Setter {
@@ -307,9 +312,15 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "the model already at --export may be replaced (whole, once the new one is "
         "written); without it an existing export is refused",
         set_true(a.overwrite_export), false}},
+      {"--overwrite-log",
+       {Topic::Logs,
+        "an existing --log that holds steps of another run (or of none) is emptied first; without it such a "
+        "log is refused (a resumed run of the log's own run appends to it)",
+        set_true(a.overwrite_log), false}},
       {"--overwrite",
-       {Topic::Checkpoints, "both --overwrite-checkpoints and --overwrite-export",
-        Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = true; }, ""}, false}},
+       {Topic::Checkpoints, "--overwrite-checkpoints, --overwrite-export and --overwrite-log",
+        Setter{[&a](const std::string&) { a.overwrite_checkpoints = a.overwrite_export = a.overwrite_log = true; }, ""},
+        false}},
       {"--allow-resume-changes",
        {Topic::Checkpoints,
         "resume even though --data or --seed differ from what the checkpoint recorded (else refused: the run "
@@ -362,7 +373,9 @@ void check_flags_that_need_another(const TrainArgs& a) {
       {"--reduce-bucket-max-wait", a.runtime.bucket_mb > 0, "--bucket-mb (the buckets it caps)"},
       {"--max-pending-host-steps", a.cpu_offload && a.optimizer_in_backward,
        "--cpu-offload and --optimizer-in-backward (the host steps it caps)"},
-      {"--overwrite", !a.save_dir.empty() || !a.export_path.empty(), "--save-dir or --export (what it replaces)"},
+      {"--overwrite", !a.save_dir.empty() || !a.export_path.empty() || !a.log.empty(),
+       "--save-dir, --export or --log (what it replaces)"},
+      {"--overwrite-log", !a.log.empty(), "--log (the log it replaces; the default log is a new file)"},
       {"--overwrite-checkpoints", !a.save_dir.empty(), "--save-dir (whose checkpoints it replaces)"},
       {"--overwrite-export", !a.export_path.empty(), "--export (the model it replaces)"},
       {"--export-dtype", !a.export_path.empty(), "--export (the model it writes)"},
@@ -385,7 +398,9 @@ void check_ranges(const TrainArgs& a) {
           "--steps must be at least 1 (0 only to convert: --steps 0 --init-from or --resume, and --export)");
   require(a.export_dtype == "auto" || a.export_dtype == "fp32" || a.export_dtype == "bf16",
           "--export-dtype must be fp32, bf16 or auto, not '" + a.export_dtype + "'");
-  require(a.export_shard_gb > 0, "--export-shard-gb must be positive");
+  require(a.export_shard_gb > 0 && a.export_shard_gb <= kMaxExportShardGb,
+          "--export-shard-gb must be positive and at most " + std::to_string(int(kMaxExportShardGb)) +
+              " (a million GB: one file for any model)");
   require(a.batch >= 1, "--batch must be at least 1");
   require(a.seq >= 1 && a.seq <= (1 << 20), "--seq must be between 1 and 1048576");
   require(a.lr > 0, "--lr must be positive");
@@ -394,7 +409,9 @@ void check_ranges(const TrainArgs& a) {
   require(a.weight_decay >= 0, "--weight-decay must be 0 or more");
   require(a.clip >= 0, "--clip must be 0 (off) or positive");
   // Below a millisecond the timeout would be 0 ms: every collective would fail at once.
-  require(a.timeout_s == 0 || a.timeout_s >= 0.001, "--timeout must be 0 (default) or at least 0.001 seconds (1 ms)");
+  require(a.timeout_s == 0 || (a.timeout_s >= 0.001 && a.timeout_s <= kMaxTimeoutS),
+          "--timeout must be 0 (default) or from 0.001 seconds (1 ms) to " + std::to_string(int(kMaxTimeoutS)) +
+              " (a week)");
   for_each_runtime_option([&](const char* name, auto member, const char* meaning) {
     require(a.runtime.*member >= 0, runtime_flag(name) + " must be 0 or more (" + meaning + ")");
   });
@@ -538,24 +555,53 @@ void check_export_path(const TrainArgs& a) {
   require(!io::exists(a.export_path) || empty_directory || a.overwrite_export,
           "--export: '" + a.export_path + "' already " + (single_file ? "exists" : "holds files") +
               ": pass --overwrite-export to replace it, or export elsewhere");
-  // The export replaces its path whole: nothing else the run reads or writes may be it or lie in it.
-  struct OtherPath {
-    const char* flag;
-    std::string path;
-  };
-  const OtherPath others[] = {{"--save-dir", a.save_dir},
-                              {"--resume", a.resume},
-                              {"--log's directory", a.log.empty() ? std::string("runs") : io::parent_of(a.log)},
-                              {"--init-from", a.init_from},
-                              {"--data", a.data == "synthetic" ? std::string() : a.data},
-                              {"--eval-data", a.eval_data},
-                              {"--save-init", a.save_init}};
-  for (const auto& other : others)
-    require(other.path.empty() || !io::is_within(other.path, a.export_path),
-            "--export: '" + a.export_path + "' would replace " + other.flag + " '" + other.path +
-                "' (the export is written whole over its path): export to a path of its own");
   // Written as PATH.tmp beside it, then renamed: its parent must take new names.
   require_writable("--export", a.export_path + ".tmp");
+}
+
+// One rule for every path the run writes: a file written is no other path of the run and never
+// lies inside a model or checkpoint the run reads; a directory written into (--save-dir, which
+// --resume may read from) is no file of the run; nothing lies inside what is replaced whole (a
+// directory --export). Checked before anything is opened: a run refused here has touched no file.
+void check_outputs_apart(const TrainArgs& a) {
+  enum class Use { ReadFile, ReadTree, WriteFile, WriteInTree, ReplaceTree };
+  struct RunPath {
+    std::string flag, path;
+    Use use;
+  };
+  std::vector<RunPath> paths = {
+      {"--data", a.data == "synthetic" ? "" : a.data, Use::ReadFile},
+      {"--eval-data", a.eval_data, Use::ReadFile},
+      {"--config", a.config, Use::ReadFile},
+      {"--init-from", a.init_from, Use::ReadTree},
+      {"--resume", a.resume, Use::ReadTree},
+      {"--log", a.log, Use::WriteFile},
+      {"--log's directory", a.log.empty() ? "runs" : "", Use::WriteInTree},  // the default log's
+      {"--save-init", a.save_init, Use::WriteFile},
+      {"--save-dir", a.save_dir, Use::WriteInTree},
+      {"--tensorboard", a.tensorboard, Use::WriteInTree},
+      {"--export", a.export_path,
+       a.export_path.empty() || model::exports_single_file(a.export_path) ? Use::WriteFile : Use::ReplaceTree},
+  };
+  for (const auto& [flag, prefix, extension] : per_rank_outputs(a))
+    if (!prefix.empty()) paths.push_back({flag, rank_path(prefix, 0, extension), Use::WriteFile});
+  const auto writes = [](Use use) { return use == Use::WriteFile || use == Use::WriteInTree || use == Use::ReplaceTree; };
+  for (const auto& out : paths) {
+    if (out.path.empty() || !writes(out.use)) continue;
+    for (const auto& other : paths) {
+      if (other.path.empty() || &other == &out) continue;
+      const bool is_file = other.use == Use::ReadFile || other.use == Use::WriteFile;
+      const bool same = (out.use != Use::WriteInTree || is_file) &&
+                        io::canonical_path(out.path) == io::canonical_path(other.path);
+      const bool inside_read = out.use == Use::WriteFile && other.use == Use::ReadTree &&
+                               io::is_within(out.path, other.path);
+      const bool replaced = out.use == Use::ReplaceTree && io::is_within(other.path, out.path);
+      require(!same && !inside_read && !replaced,
+              out.flag + " '" + out.path + "' would " + (replaced ? "replace" : writes(other.use) ? "write over" : "destroy") +
+                  " " + other.flag + " '" + other.path + "'" + (inside_read && !same ? " (it lies inside it)" : "") +
+                  ": give each output a path of its own, apart from what the run reads");
+    }
+  }
 }
 
 // --resume: a directory of checkpoints (the newest complete one is taken) or one checkpoint. The
@@ -713,11 +759,28 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
 // given false is left out), in the file's order.
 std::vector<std::string> config_words(const std::string& path, const std::map<std::string, Flag>& table) {
   if (path.empty()) throw UsageError("--config needs a value");
+  if (io::is_directory(path)) throw UsageError("--config: '" + path + "' is a directory, not a JSON file of flags");
   std::ifstream in(path);
   if (!in) throw UsageError("--config: cannot read '" + path + "': " + std::strerror(errno));
-  const auto j = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  // A flag given twice is refused, as on the command line: the file's top-level keys are counted.
+  std::set<std::string> keys;
+  std::string twice;
+  const auto count_keys = [&](int depth, nlohmann::ordered_json::parse_event_t event, nlohmann::ordered_json& parsed) {
+    if (event == nlohmann::ordered_json::parse_event_t::key && depth == 1 && !keys.insert(parsed.get<std::string>()).second &&
+        twice.empty())
+      twice = parsed.get<std::string>();
+    return true;
+  };
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(in, count_keys, /*allow_exceptions=*/false);
+  } catch (const std::exception& e) {  // a read that fails midway
+    throw UsageError("--config: cannot read '" + path + "': " + e.what());
+  }
   if (!j.is_object())
     throw UsageError("--config: '" + path + "' is not a JSON object of flags and values ({\"steps\": 100, ...})");
+  if (!twice.empty())
+    throw UsageError("--config: '" + path + "' gives '" + twice + "' twice: give each flag once");
   std::vector<std::string> words;
   for (const auto& [key, value] : j.items()) {
     const std::string flag = "--" + key;
@@ -861,7 +924,8 @@ std::string train_help_text() {
       "usage: fsdp-train [flags]   (launch with fsdp-run, mpirun or torchrun; --flag V or --flag=V)\n"
       "Trains a Llama-style decoder with fully sharded data parallelism: each block\n"
       "and the root are fully_shard()ed, fused AdamW, warmup + cosine learning rate.\n"
-      "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run.\n\n";
+      "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run, 3 stopped by a\n"
+      "signal with its state saved (run the same command with --resume to finish it).\n\n";
   const auto table = flags(defaults);
   for (int topic = 0; topic < static_cast<int>(std::size(kTopicTitles)); ++topic) {
     out += std::string(topic ? "\n" : "") + kTopicTitles[topic] + ":\n";
@@ -931,6 +995,7 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
     require(a.batch * a.seq % 16 == 0, "--fp8: float8 GEMMs need --batch x --seq a multiple of 16 (" +
                                            std::to_string(a.batch * a.seq) + " now)");
   }
+  check_outputs_apart(a);
   if (!a.export_path.empty()) check_export_path(a);
   const auto resumed = check_resume(a);
   if (!a.save_dir.empty()) check_save_dir(a, resumed);
@@ -941,15 +1006,8 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
   else
     require_writable("--log", a.log);
   if (!a.save_init.empty()) require_writable("--save-init", a.save_init);
-  struct PerRankOutput {
-    const char* flag;
-    const std::string& prefix;
-    const char* extension;
-  };
-  for (const auto& out : {PerRankOutput{"--trace", a.trace, ".json"}, PerRankOutput{"--profile", a.profile, ".json"},
-                          PerRankOutput{"--memory-log", a.memory_log, ".jsonl"},
-                          PerRankOutput{"--memory-snapshot", a.memory_snapshot, ".pickle"}})
-    if (!out.prefix.empty()) require_writable(out.flag, rank_path(out.prefix, 0, out.extension));
+  for (const auto& [flag, prefix, extension] : per_rank_outputs(a))
+    if (!prefix.empty()) require_writable(flag, rank_path(prefix, 0, extension));
   check_memory(a, config, gpu);
 }
 
@@ -963,6 +1021,13 @@ std::string default_log_path(const std::string& run_id) {
 }
 
 std::string recorded_data(const std::string& data) { return data == "synthetic" ? data : io::canonical_path(data); }
+
+std::vector<PerRankOutput> per_rank_outputs(const TrainArgs& a) {
+  return {{"--trace", a.trace, ".json"},
+          {"--profile", a.profile, ".json"},
+          {"--memory-log", a.memory_log, ".jsonl"},
+          {"--memory-snapshot", a.memory_snapshot, ".pickle"}};
+}
 
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension) {
   return prefix + "-rank" + std::to_string(rank) + extension;

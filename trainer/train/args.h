@@ -76,6 +76,7 @@ struct TrainArgs {
   bool dry_run = false;  // check everything, print the plan, train nothing
   bool overwrite_checkpoints = false;  // other runs' checkpoints in --save-dir may go (never this run's lineage)
   bool overwrite_export = false;       // the model at --export may be replaced
+  bool overwrite_log = false;          // an existing --log holding another run's steps may be emptied
   bool allow_resume_changes = false;   // --resume with another --data or --seed than the checkpoint's
   int max_skipped_steps = 0;  // steps with a non-finite loss or gradient norm skipped before the run stops
   bool help = false;     // --help: print the flags and exit
@@ -140,5 +141,10 @@ std::string recorded_data(const std::string& data);
 
 // The path a rank writes for a per-rank output PREFIX (trace, profile, snapshot, memory log).
 std::string rank_path(const std::string& prefix, int rank, const std::string& extension);
+// The outputs each rank writes to its own rank_path: flag, PREFIX ("" when not asked for), extension.
+struct PerRankOutput {
+  std::string flag, prefix, extension;
+};
+std::vector<PerRankOutput> per_rank_outputs(const TrainArgs& a);
 
 }  // namespace fsdp::train

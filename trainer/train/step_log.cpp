@@ -2,8 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "train/args.h"
 
@@ -33,13 +36,56 @@ std::string eta_text(double step_ms, int steps_left) {
   return text;
 }
 
-StepLog::StepLog(const std::string& path, int print_every) : print_every_(print_every) {
+namespace {
+
+// What a log file already holds: its lines and the last run mark among them.
+struct LoggedRuns {
+  int lines = 0, first_step = 0, last_step = 0;
+  std::string last_run;  // "" where no line records a run (a log of another program, or not a log)
+};
+
+LoggedRuns logged_runs(const std::string& path) {
+  LoggedRuns found;
+  std::ifstream in(path);
+  for (std::string text; std::getline(in, text);) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    ++found.lines;
+    const auto line = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!line.is_object()) continue;
+    if (line.contains("run") && line["run"].is_string()) found.last_run = line["run"];
+    if (line.contains("step") && line["step"].is_number_integer()) {
+      found.last_step = line["step"];
+      if (!found.first_step) found.first_step = found.last_step;
+    }
+  }
+  return found;
+}
+
+}  // namespace
+
+StepLog::StepLog(const std::string& path, const LogOwner& owner, int print_every)
+    : owner_(owner), print_every_(print_every) {
   const std::string dir = io::parent_of(path);
   if (!io::is_directory(dir)) io::make_directories(dir);  // the default runs/<date-time>-<run>/
   file_ = io::LockedFile::open(path);
   if (!file_)
     throw UsageError("--log: '" + path + "' is being written by another run (it holds the file's lock): give this "
                      "run a --log of its own");
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0) return;  // new, empty, a pipe
+  if (owner.overwrite) {
+    file_->rewrite("");
+    return;
+  }
+  const LoggedRuns found = logged_runs(path);
+  if (owner.resumed_from && !found.last_run.empty() && found.last_run == owner.run) return;  // this lineage's log
+  const std::string holds =
+      found.last_step ? "steps " + std::to_string(found.first_step) + "-" + std::to_string(found.last_step) +
+                            (found.last_run.empty() ? "" : " of run " + found.last_run)
+                      : std::to_string(found.lines) + " lines that are no step log";
+  throw UsageError("--log: '" + path + "' already holds " + holds + (owner.resumed_from ? ", not of the run this "
+                   "checkpoint continues (" + owner.run + ")" : "") + "; a log is never emptied: --resume a "
+                   "checkpoint of its run to append to it, pass --overwrite-log to replace it, or give another --log");
 }
 
 void StepLog::add_writer(const MetricsWriter& writer, const std::string& target,
@@ -105,6 +151,11 @@ void StepLog::write(const StepRecord& r) {
   if (r.eval) {
     line["eval_loss"] = r.eval->loss;
     line["eval_ppl"] = r.eval->perplexity;
+  }
+  if (!marked_) {  // the run mark: whose lines follow, and from which checkpoint
+    marked_ = true;
+    line["run"] = owner_.run;
+    if (owner_.resumed_from) line["resumed_from"] = *owner_.resumed_from;
   }
   const std::string text = line.dump();
   file_->write(text + "\n");

@@ -41,13 +41,24 @@ RuntimeStats counted_between(const RuntimeStats& before, const RuntimeStats& aft
 // "3m12s", "2h05m".
 std::string eta_text(double step_ms, int steps_left);
 
+// Whose steps a log takes: the run writing it and, for a resumed run, the step it resumed from.
+struct LogOwner {
+  std::string run;                  // the lineage's id (lineage.h)
+  std::optional<int> resumed_from;  // the step of the checkpoint a resumed run continues
+  bool overwrite = false;           // --overwrite-log: an existing log is emptied first
+};
+
 // The JSONL log (rank 0), held under an exclusive lock for the run (io::LockedFile): two runs
-// given one --log never interleave their lines. Throws naming the file when it cannot be written,
-// and UsageError when another run is writing it.
+// given one --log never interleave their lines. A log is never emptied unless `owner.overwrite`:
+// a new or empty file is this run's; one holding lines is appended to only by a resumed run of the
+// lineage whose id its last run mark records, any other run is refused (UsageError). The first line
+// a run writes carries "run" (its id) and, resumed, "resumed_from" (the checkpoint's step): the
+// lines after such a mark replace those of the same steps before it. Throws naming the file when
+// it cannot be written, and UsageError when another run is writing it.
 class StepLog {
  public:
   // `print_every`: steps between progress lines (--log-every); the log gets every step.
-  StepLog(const std::string& path, int print_every = 1);
+  StepLog(const std::string& path, const LogOwner& owner, int print_every = 1);
   // Hands each later line to `writer` too (--tensorboard, --wandb): MetricsBridge's arguments.
   void add_writer(const MetricsWriter& writer, const std::string& target, const std::vector<std::string>& options = {});
   // Appends the step's JSON line; prints its progress line every print_every steps, and for the
@@ -60,6 +71,8 @@ class StepLog {
 
  private:
   std::unique_ptr<io::LockedFile> file_;
+  LogOwner owner_;
+  bool marked_ = false;  // this run's first line, with its run mark, is written
   std::vector<std::unique_ptr<MetricsBridge>> writers_;
   int print_every_;
   bool printed_ = false;

@@ -117,7 +117,7 @@ void install_stop_handlers() {
   struct sigaction action{};
   action.sa_handler = stop_at_next_step;
   sigemptyset(&action.sa_mask);
-  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &action, nullptr);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1, SIGHUP}) sigaction(sig, &action, nullptr);
 }
 
 Trainer::Trainer(const TrainArgs& args)
@@ -215,8 +215,9 @@ void Trainer::shard_model() {
 
 // Rank 0 claims what the run writes before any work: the --save-dir (its lock file names this
 // run) and the log, each under an exclusive lock held until the process ends. If another run holds
-// either, every rank stops with that usage error (exit 2): two runs never overwrite each other's
-// step-N or interleave one log.
+// either, or the log holds another run's steps, every rank stops with that usage error (exit 2):
+// two runs never overwrite each other's step-N or interleave one log, and a log is never emptied
+// (a resumed run of its lineage appends).
 void Trainer::claim_outputs() {
   std::string refusal;
   if (lead_) {
@@ -230,7 +231,9 @@ void Trainer::claim_outputs() {
                            "): wait for it to end, or save elsewhere");
         save_dir_lock_->rewrite(holder_description(run_id_) + "\n");
       }
-      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, args_.log_every);
+      LogOwner owner{run_id_, std::nullopt, args_.overwrite_log};
+      if (!resume_from_.empty()) owner.resumed_from = std::atoi(checkpoint_extra(resume_from_)["step"].c_str());
+      step_log_.emplace(args_.log.empty() ? default_log_path(run_id_) : args_.log, owner, args_.log_every);
       const std::string flags_file = write_given_flags(args_, step_log_->path());
       if (!flags_file.empty())
         std::printf("fsdp-train: the flags given are in %s (--config reads them back)\n", flags_file.c_str());
@@ -342,8 +345,10 @@ int Trainer::train() {
         exit_code_ = 1;
         break;
       }
-      // Stopped by a signal with nothing saved: the signal's exit code, as if it had ended us.
-      exit_code_ = outcome.stop_requested && args_.save_dir.empty() ? 128 + (g_stop_signal ? g_stop_signal : SIGTERM) : 0;
+      // Stopped by a signal: with its state saved, kStoppedResumable (requeue the command with
+      // --resume); with nothing saved, the signal's exit code, as if it had ended us.
+      if (outcome.stop_requested)
+        exit_code_ = args_.save_dir.empty() ? 128 + (g_stop_signal ? g_stop_signal : SIGTERM) : kStoppedResumable;
       break;
     }
   }
@@ -524,12 +529,21 @@ int Trainer::finish() {
   }
   const bool failed = exit_code_ == 1 || exit_code_ == 2;  // diverged, a budget refused, the log lost
   if (!args_.export_path.empty() && !failed) {
-    if (state_is_finite(steps_done_, "exported")) {
+    if (steps_done_ < args_.steps) {
+      // A stop before --steps (a signal, --stop-at-step) is no finished model: the export is the
+      // one the run that finishes writes, the requeued command with --resume.
+      if (lead_)
+        std::printf("fsdp-train: not exported: the run stopped at step %d of %d; the same command with --resume "
+                    "finishes it and exports to %s\n",
+                    steps_done_, args_.steps, args_.export_path.c_str());
+    } else if (state_is_finite(steps_done_, "exported")) {
       model::ExportOptions options;
       options.imported_from = args_.init_from;
       options.dtype = args_.export_dtype == "auto" ? model::imported_dtype(args_.init_from)
                                                    : dtype_named(args_.export_dtype, /*on_gpu=*/false);
       options.max_file_bytes = static_cast<int64_t>(args_.export_shard_gb * 1e9);
+      options.writer = run_id_;
+      options.replace = args_.overwrite_export;
       model::export_hf(*model_, *comm_, args_.export_path, options);
       if (lead_)
         std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names, %s)\n", args_.export_path.c_str(),
@@ -543,7 +557,8 @@ int Trainer::finish() {
   if (sampler_) sampler_->close();
   if (step_log_) {
     const std::string wrote = step_log_->close_writers();
-    std::printf("fsdp-train: %s, log in %s%s\n", exit_code_ == 0 ? "done" : "stopped", step_log_->path().c_str(),
+    std::printf("fsdp-train: %s, log in %s%s\n", exit_code_ == 0 && steps_done_ >= args_.steps ? "done" : "stopped",
+                step_log_->path().c_str(),
                 wrote.c_str());
   }
   shutdown();

@@ -24,8 +24,14 @@
 
 namespace fsdp::train {
 
-// SIGTERM, SIGINT or SIGUSR1 (a job scheduler's notice) make the run finish its step, save and stop.
+// SIGTERM, SIGINT, SIGUSR1 (a job scheduler's notice) or SIGHUP make the run finish its step, save
+// and stop.
 void install_stop_handlers();
+
+// fsdp-train's exit code for a run a signal stopped before --steps with its state saved: not
+// finished, nothing exported; the same command with --resume continues it (a scheduler's "requeue
+// me"). fsdp-run passes it on without a message.
+constexpr int kStoppedResumable = 3;
 
 class Trainer {
  public:

@@ -1,0 +1,91 @@
+"""fsdp-prepare-data (tools/fsdp_prepare_data.py) as users run it, with a tokenizer made here: what it
+refuses before any work (an output that is an input or a directory, a tokenizer directory that is
+not there), text that is not UTF-8 named with its byte offset, and a document of one long line
+tokenised a piece at a time into the ids one call gives.
+
+    build/python -m pytest tests/tools/test_prepare_data.py    (ctest prepare_data)
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "..", "tools", "fsdp_prepare_data.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    import tokenizers
+    import transformers
+    directory = str(tmp_path_factory.mktemp("tokenizer"))
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, bos_token="t7", eos_token="t9").save_pretrained(
+        directory)
+    return directory
+
+
+def prepare(*args, cwd=None):
+    done = subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          cwd=cwd, env=dict(os.environ, HF_HUB_OFFLINE="0"))
+    return done.returncode, done.stdout + done.stderr
+
+
+def tokens_of(path):
+    data = open(path, "rb").read()
+    header = np.frombuffer(data[:1024], dtype="<i4")
+    return header[:3].tolist(), np.frombuffer(data[1024:], dtype="<u2").tolist()
+
+
+def test_an_output_that_is_an_input_is_refused_whatever_the_flags(tokenizer_dir, tmp_path):
+    text = tmp_path / "notes.bin"
+    text.write_text("t1 t2 t3")
+    code, out = prepare("--tokenizer", tokenizer_dir, text, "--out", text, "--overwrite")
+    assert code == 2 and f"--out '{text}' is the input" in out, out
+    assert text.read_text() == "t1 t2 t3"
+
+
+def test_an_output_directory_is_refused_before_the_work(tokenizer_dir, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("t1 t2")
+    (tmp_path / "out.bin").mkdir()
+    code, out = prepare("--tokenizer", tokenizer_dir, text, "--out", tmp_path / "out.bin", "--overwrite")
+    assert code == 2 and "is a directory: name the token file" in out, out
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_missing_tokenizer_directory_is_not_looked_up_on_the_hub(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("t1 t2")
+    code, out = prepare("--tokenizer", "no-such-tokenizer", text, "--out", tmp_path / "x.bin", cwd=tmp_path)
+    assert code == 2 and "'no-such-tokenizer': no such directory (pass --hub" in out, out
+
+
+def test_text_that_is_not_utf8_is_named_with_its_offset(tokenizer_dir, tmp_path):
+    plain = tmp_path / "latin1.txt"
+    plain.write_bytes("t1 t2 caf\xe9".encode("latin-1"))
+    code, out = prepare("--tokenizer", tokenizer_dir, plain, "--out", tmp_path / "a.bin")
+    assert code == 1 and f"{plain}: not UTF-8 text at byte 9" in out and "Traceback" not in out, out
+    lines = tmp_path / "docs.jsonl"
+    lines.write_bytes(b'{"text": "t1"}\n{"text": "t2 \xff"}\n')
+    code, out = prepare("--tokenizer", tokenizer_dir, lines, "--out", tmp_path / "b.bin")
+    assert code == 1 and f"{lines}: not UTF-8 text at byte 28" in out, out
+
+
+def test_a_long_line_gives_the_ids_of_one_call(tokenizer_dir, tmp_path):
+    import transformers
+    sys.path.insert(0, os.path.dirname(TOOL))
+    import fsdp_prepare_data
+    text = " ".join(f"t{(i * 7) % 256}" for i in range(500_000))  # 2.2 MB on one line: three pieces
+    assert len(list(fsdp_prepare_data.pieces(text))) == 3
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    code, out = prepare("--tokenizer", tokenizer_dir, path, "--out", tmp_path / "long.bin")
+    assert code == 0, out
+    header, got = tokens_of(tmp_path / "long.bin")
+    want = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)(text)["input_ids"] + [9]
+    assert header == [20240520, 1, len(want)] and got == want
