@@ -1,4 +1,4 @@
-"""Is a checkpoint's save and load bound by the disk? (issue #50 item 4)
+"""Is a checkpoint's save and load bound by the disk?
 
 fsdp-train saves a model's state once (weights, AdamW's moments: `--save-every 1`) and resumes from
 it; then `dd` reads the checkpoint's files (one reader a file) and writes as many bytes from as

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #10's GPU record, in two device calls of under 10 minutes each (the build stays between them):
+# The reliability GPU record, in two device calls of under 10 minutes each (the build stays between them):
 #   bash bench/gpu_reliability.sh suite OUT COMMIT   build, the whole ctest suite (GPU tests, fsdp-train on
 #                                                    1 and all GPUs, SIGTERM on GPUs)
 #   bash bench/gpu_reliability.sh long OUT COMMIT [STEPS]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2- and 4-GPU record of a commit (issue #48, item 6) on a machine of 4 GPUs, one phase per
+# The 2- and 4-GPU record of a commit on a machine of 4 GPUs, one phase per
 # device call (each under 10 minutes; back to back, the machine stays warm and the build is kept):
 #   bash bench/gpu_scaling.sh bench OUT COMMIT [CONFIGS] [REPEATS]
 #        build; bench/run_bench.py on 2 and 4 GPUs (default configs 1b,1b-ac,3b,8b,8b-ac, each against
@@ -17,7 +17,7 @@
 #   bash bench/gpu_scaling.sh projection OUT COMMIT [MODELS]  each model's (default 8b) cost model
 #        profiled on 2 and on 4 GPUs (--plan-only --cost-model) and the step it projects (the default
 #        schedule with --recompute) measured there; both cost models projected to 2-512 GPUs
-#        (fsdp-train --project; issue #48 item 7) and set beside the measured steps
+#        (fsdp-train --project) and set beside the measured steps
 #   bash bench/gpu_scaling.sh projection-70b OUT COMMIT   Llama-3.1-70B's shapes with 4 of its 80 blocks
 #        (bench/llama_slice.py) profiled on 2 GPUs and its step (--recompute) measured there and
 #        projected; the cost model stretched to 80 blocks (bench/stretch_cost_model.py) and projected
@@ -26,7 +26,7 @@
 #        to 80) cost models profiled on 2 GPUs at sequence length SEQ, batch 2, projected to 8-512
 #        GPUs with every block recomputed: torchtitan's published runs use seq 8192
 #   bash bench/gpu_scaling.sh holes OUT COMMIT [GPUS] [MODEL]   where a recomputed model's (default 8b;
-#        3b) reserved-but-free memory sits at its peak (issue #48 item 5), bf16 and float8: an
+#        3b) reserved-but-free memory sits at its peak, bf16 and float8: an
 #        allocator snapshot of step 5 on GPUS (default 4) GPUs through bench/snapshot_holes.py
 # Logs and JSON lines to OUT; weights, checkpoints and profiles of ranks other than 0 stay in
 # /tmp (the device brings back only a few files: archive OUT yourself).
@@ -41,7 +41,7 @@ train() {  # GPUS, then fsdp-train's flags
   local gpus=$1; shift
   build/fsdp-run --gpu -n "$gpus" build/fsdp-train --param-dtype bf16 --reduce-dtype fp32 "$@"
 }
-# The 70B's projection (issue #48 item 7): Llama-3.1-70B's shapes with 4 of its 80 blocks, written to
+# The 70B's projection: Llama-3.1-70B's shapes with 4 of its 80 blocks, written to
 # /tmp (random weights: bench/llama_slice.py); the slice's cost model carried to 80 blocks and
 # projected to 8-512 GPUs, every block recomputed.
 slice_70b=/tmp/llama-70b-4 far_worlds=8,16,32,64,128,256,512

@@ -1,6 +1,6 @@
 """A Hugging Face Llama folder with a released model's shapes but only a few of its blocks, random
 weights: what fsdp-train --init-from profiles when the whole model does not fit the GPUs at hand
-(issue #48 item 7: a 70B's blocks measured on 2 GPUs, then bench/stretch_cost_model.py carries the
+(a 70B's blocks measured on 2 GPUs, then bench/stretch_cost_model.py carries the
 cost model to all 80). transformers lays out the tensors (their names and shapes); the values are
 normal(0, 0.02), norms 1, written as bf16 safetensors.
 

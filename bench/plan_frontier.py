@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The planner's proof (issue #13) from `fsdp-train --plan-check FILE`'s lines:
+"""The planner's proof from `fsdp-train --plan-check FILE`'s lines:
 
   - prediction error: each schedule's predicted against measured step time and peak allocated;
   - the frontier: measured time against peak for no recomputation, full recomputation and each

@@ -39,7 +39,7 @@ import trace_overlap
 H200_BF16_DENSE_FLOPS = 989.4e12  # per GPU, the MFU denominator
 WARMUP = 3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-# fsdp-train turns expandable segments on unless the environment says otherwise (issue #48: what
+# fsdp-train turns expandable segments on unless the environment says otherwise (what
 # keeps reserved near allocated, the allocator's segments or the runtime's stream order).
 FIXED_SEGMENTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 SLOW_NCCL = {"NCCL_MAX_NCHANNELS": "1", "NCCL_MIN_NCHANNELS": "1", "NCCL_PROTO": "Simple"}
@@ -60,14 +60,14 @@ CONFIGS = {
     "1b-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], {}),
     "1b-depth4": ("1b", 2048, 4, ["--prefetch-depth", "4"], {}),
     "1b-depth4-nolimit": ("1b", 2048, 4, ["--prefetch-depth", "4", "--max-inflight-allgathers", "0"], {}),
-    # The all-gather cap where the CPU has the most room to run ahead (issue #48): NCCL held to one
+    # The all-gather cap where the CPU has the most room to run ahead: NCCL held to one
     # channel and its simple protocol, so each block's all-gather outlasts its compute and the GPU
     # falls behind the CPU; at prefetch depth 1 and 4, capped (default 2) and not (0).
     "1b-slow": ("1b", 2048, 4, [], SLOW_NCCL),
     "1b-slow-nolimit": ("1b", 2048, 4, ["--max-inflight-allgathers", "0"], SLOW_NCCL),
     "1b-slow-depth4": ("1b", 2048, 4, ["--prefetch-depth", "4"], SLOW_NCCL),
     "1b-slow-depth4-nolimit": ("1b", 2048, 4, ["--prefetch-depth", "4", "--max-inflight-allgathers", "0"], SLOW_NCCL),
-    # Where else running ahead could hurt (issue #48): many small groups (the small model's 24
+    # Where else running ahead could hurt: many small groups (the small model's 24
     # blocks of 3.2 M parameters), and CPU offload (each all-gather waits on a host-to-device copy).
     "small-nolimit": ("small", 512, 2, ["--max-inflight-allgathers", "0"], {}),
     "1b-offload": ("1b", 2048, 4, ["--cpu-offload"], {}),
@@ -81,17 +81,17 @@ CONFIGS = {
     "small-flash": ("small", 512, 2, ["--attention", "flash"], {}),
     "small-bucket16": ("small", 512, 2, ["--bucket-mb", "16"], {}),
     "tiny": ("tiny", 64, 4, [], {}),  # the CPU smoke test of this script (--cpu)
-    # The scaling run (issue #5): these and the 1B ones on 2, 4 and 8 GPUs.
+    # The scaling run: these and the 1B ones on 2, 4 and 8 GPUs.
     "3b": ("3b", 2048, 2, [], {}),
     "8b": ("8b", 2048, 2, [], {}),
     "8b-ac": ("8b", 2048, 2, ["--recompute"], {}),
     "8b-ac-nolimit": ("8b", 2048, 2, ["--recompute", "--max-inflight-allgathers", "0"], {}),
     "8b-ac-noes": ("8b", 2048, 2, ["--recompute"], FIXED_SEGMENTS),
-    # Reserved over allocated with recomputation, bf16 and float8 (issue #48's target of 1.05).
+    # Reserved over allocated with recomputation, bf16 and float8 (the target of 1.05).
     "3b-ac": ("3b", 2048, 2, ["--recompute"], {}),
     "3b-ac-fp8": ("3b", 2048, 2, ["--recompute", "--fp8", "tensorwise"], {}),
     "8b-ac-fp8": ("8b", 2048, 2, ["--recompute", "--fp8", "tensorwise"], {}),
-    # transformers' own Llama of the 1B's shapes under FSDP2 and fsdpcpp (issue #46); with
+    # transformers' own Llama of the 1B's shapes under FSDP2 and fsdpcpp; with
     # --recompute, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
     "1b-hf": ("1b", 2048, 4, [], {}),
     "1b-hf-ac": ("1b", 2048, 4, ["--recompute"], {}),
@@ -104,7 +104,7 @@ PYTORCH_SYSTEMS = {
     # FSDP1 with its rate limiter on (its default) and off: the cap fairscale #1052 asked for.
     "pytorch-fsdp1": ("fsdp1", ["--fsdp1"]),
     "pytorch-fsdp1-nolimit": ("fsdp1nl", ["--fsdp1", "--no-limit-all-gathers"]),
-    # The same script sharded by fsdp.cpp's Python package (issue #31): only the import changes.
+    # The same script sharded by fsdp.cpp's Python package: only the import changes.
     "fsdpcpp-python": ("fsdpcppy", ["--runtime", "fsdpcpp"]),
     "fsdpcpp-python-compile": ("fsdpcppyc", ["--runtime", "fsdpcpp", "--compile"]),
     # transformers' LlamaForCausalLM instead of the script's model, under each runtime.

@@ -1,5 +1,5 @@
 """A cost model of a few blocks (fsdp-train --cost-model on a bench/llama_slice.py folder) carried to
-the whole model's block count, for fsdp-train --project (issue #48 item 7: the 70B's 80 blocks from
+the whole model's block count, for fsdp-train --project (the 70B's 80 blocks from
 4 measured on 2 GPUs).
 
     python3 bench/stretch_cost_model.py COST.json --blocks 80 --out COST-80.json

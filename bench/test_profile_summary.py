@@ -32,7 +32,7 @@ assert s["gaps"] == [], s["gaps"]
 want = {"communication": 0.05, "matrix products": 0.04, "elementwise and other": 0.01, "copies and casts": 0.005}
 assert s["kinds"].keys() == want.keys() and all(abs(s["kinds"][k] - v) < 1e-9 for k, v in want.items()), s["kinds"]
 assert list(s["kinds"]) == list(want), "largest first"
-# Names from the 8B's profiles (record `2026-11-27-h100x4-ab96f7f`): each kind once.
+# Names from the 8B's profiles on 4 H100s: each kind once.
 for name, want in [("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
                    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
                    ("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor<float,", "optimizer"),

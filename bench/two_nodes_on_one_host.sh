@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two "nodes" on one host (issue #14, multi-node readiness): two torchrun agents started as on two
+# Two "nodes" on one host: two torchrun agents started as on two
 # machines (--nnodes 2, --node-rank 0 and 1, static rendezvous at node 0's address), each seeing
 # only its own GPUs through CUDA_VISIBLE_DEVICES, as a second machine would. Every rank prints its
 # launch variables, then runs the command; exits non-zero if either node does.

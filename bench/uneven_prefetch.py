@@ -1,4 +1,4 @@
-"""A prefetch depth of a group's own where module times vary (issue #48 item 4), measured: a stack
+"""A prefetch depth of a group's own where module times vary, measured: a stack
 of MLP blocks where every --period-th is --large times wider than the others, each block and the
 root sharded by fsdpcpp, planned by fsdpcpp.plan_memory_budget for --budget-gib, then trained in
 alternating rounds under the plan as made and under the plan with every block back on the root's

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   // Before anything touches CUDA: expandable segments let the caching
   // allocator grow one mapping instead of keeping fixed segments, so memory
   // activations free is reused at any size (1B model: reserved/allocated
-  // 1.069 -> 1.023, record `2026-11-22-h200x2-3cf0cd8`). A value in the
+  // 1.069 -> 1.023; docs/results.md). A value in the
   // environment, even empty, wins.
   setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
   // A stop request (SIGTERM, SIGINT, SIGUSR1) during start-up is kept for the first step boundary,

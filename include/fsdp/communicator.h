@@ -41,7 +41,7 @@ class Communicator {
   int world_size() const { return world_size_; }  ///< the group's ranks
   const std::string& group_name() const { return group_name_; }  ///< how errors name the group
   std::chrono::milliseconds timeout() const { return timeout_; }  ///< how long a collective may take
-  /// "mpi" or "nccl".
+  /// "mpi", "nccl" or "gloo" (a torch.distributed process group's, fsdp::init_from_process_group).
   virtual const char* backend() const = 0;
   /// The device of the tensors this communicator moves (cpu, or this rank's GPU).
   virtual at::Device device() const = 0;

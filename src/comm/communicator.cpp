@@ -131,7 +131,7 @@ void Communicator::check_same_on_all_ranks(Describe&& signature_of) {
 
 // A group of one rank needs no backend: every collective is a local copy or
 // nothing. (NCCL 2.28's one-rank reduce-scatter also left the last element of
-// an odd-sized output unwritten on H200: record `2026-11-22-gpu-tests.md`, docs/results.md.)
+// an odd-sized output unwritten on H200.)
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
                                         const std::vector<at::Tensor>& inputs, const std::string& tag) {
   auto ops = checked("all_gather", outputs, inputs, /*output_gathered=*/true);

@@ -1,4 +1,4 @@
-// Several sharded roots in one process (issue #16): each root keeps its own step, execution order
+// Several sharded roots in one process: each root keeps its own step, execution order
 // and in-flight queues, so a frozen teacher's forward between a student's forward and backward,
 // two models stepping alternately or one inside the other's step, an EMA copy, and roots on
 // different communicators each train exactly as their single-process references do.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The package as a user installs it (issue #50): a wheel built from a fresh clone of this checkout
+# The package as a user installs it: a wheel built from a fresh clone of this checkout
 # with `pip wheel --no-build-isolation` (the python with torch, scripts/setup.sh's), installed into
 # an empty prefix; then the installed `fsdp-train` and `fsdp-run` commands (--version, a 2-rank
 # run of the tiny model) and `import fsdpcpp` from there. Builds the library once more (about 8

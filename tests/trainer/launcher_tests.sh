@@ -132,7 +132,7 @@ resume)
   echo "resume: ok"
   ;;
 overlap)
-  # Issue #48's regression test, on 2 GPUs: fsdp-train's 1B traced over steps 2-3 (bench/trace_overlap.py
+  # The overlap's regression test, on 2 GPUs: fsdp-train's 1B traced over steps 2-3 (bench/trace_overlap.py
   # reads the trace). (1) NCCL as it comes: the all-gathers run beside the blocks' compute (95% of
   # their time on 4 H100s). NCCL held to one channel, so each all-gather outlasts its block and the GPU
   # falls 200 ms a step behind the CPU: (2) with the all-gather cap (2, the default) the CPU never has

@@ -28,7 +28,7 @@ at::Tensor swiglu(const at::Tensor& gate_up);
 // Flash: FlashAttention-2 where it takes the inputs (CUDA sm80+, bf16/fp16, head_dim a multiple of
 // 8 up to 256, as many k/v heads as q heads), ATen's choice elsewhere. ATen's choice is the
 // default: on H200 cuDNN is 1.6-1.9x faster than flash at head_dim 128, and at 64 neither won
-// twice in a row (bench/sdpa_backends.py, record `2026-11-22-h200x2-be5eb77`).
+// twice in a row (bench/sdpa_backends.py measures it; docs/results.md).
 enum class AttentionKernel { Aten, Flash };
 AttentionKernel attention_kernel_named(const std::string& name);  // "aten", "flash"
 

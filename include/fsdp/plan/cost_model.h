@@ -1,4 +1,4 @@
-// What one training step of a sharded model costs, group by group (issue #13): the input of the
+// What one training step of a sharded model costs, group by group: the input of the
 // schedule simulator and the planner. Plain numbers, no torch: measured on a real step, or
 // written by hand in tests.
 #pragma once

@@ -1,4 +1,4 @@
-// Picks the fastest schedule whose predicted peak memory fits a budget (issue #13), by simulating
+// Picks the fastest schedule whose predicted peak memory fits a budget, by simulating
 // every schedule of a search space on the cost model:
 //   - recompute the k recomputable groups that free the most activation bytes per millisecond
 //     of recompute, for every k from none to all;

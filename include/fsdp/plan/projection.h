@@ -1,4 +1,4 @@
-// A cost model measured on a few GPUs of one host, carried to more GPUs and hosts (issue #48):
+// A cost model measured on a few GPUs of one host, carried to more GPUs and hosts:
 // the step the simulator predicts there, FSDP and HSDP shapes.
 //
 // The model of the interconnect, stated once here:
