@@ -10,6 +10,7 @@
       held-out loss of float8 against bf16, and a plot (loss-curves.png)
 """
 import glob
+import json
 import math
 import os
 import re
@@ -20,10 +21,12 @@ import step_log
 
 PRECISIONS = ("off", "tensorwise", "tensorwise-cast", "rowwise")  # the loss runs' variants, in order
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of SXM Hopper parts
-# Model dims (fsdp-train's presets) for the FLOPs of FSDP2 runs, whose logs lack flops_per_token.
-DIMS = {"1b": dict(vocab=32000, dim=2048, layers=16, kv=16, heads=16, ffn=5632),
-        "3b": dict(vocab=128256, dim=3072, layers=28, kv=8, heads=24, ffn=8192),
-        "small": dict(vocab=32000, dim=512, layers=24, kv=8, heads=8, ffn=1408)}
+# Model dims (fsdp-train's presets, trainer/model/presets.json) for the FLOPs of FSDP2 runs, whose
+# logs lack flops_per_token.
+DIMS = {name: dict(vocab=c["vocab_size"], dim=c["hidden_size"], layers=c["num_hidden_layers"],
+                   kv=c["num_key_value_heads"], heads=c["num_attention_heads"], ffn=c["intermediate_size"])
+        for name, c in json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer",
+                                                   "model", "presets.json"))).items() if name != "about"}
 
 
 def flops_per_token(model, seq):

@@ -50,15 +50,26 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, FullyShardedDa
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
-PRESETS = {
-    "tiny": dict(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn=176, theta=1e4),
-    "small": dict(vocab=32000, dim=512, n_layers=24, n_heads=8, n_kv_heads=8, ffn=1408, theta=1e4),
-    "1b": dict(vocab=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=5632, theta=1e4),
-    # Llama-3.2-3B: tied embeddings, Llama 3's RoPE scaling (fsdp-train's 3b preset).
-    "3b": dict(vocab=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn=8192, theta=5e5, tie=True,
-               rope_scaling=dict(factor=32.0, low=1.0, high=4.0, original=8192)),
-    "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336, theta=5e5),
-}
+def _presets():
+    """fsdp-train's presets (trainer/model/presets.json, Hugging Face LlamaConfig fields) in this
+    script's short names."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer", "model", "presets.json")
+    presets = {}
+    for name, hf in json.load(open(path)).items():
+        if name == "about":
+            continue
+        c = dict(vocab=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                 n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
+                 ffn=hf["intermediate_size"], theta=hf["rope_theta"], tie=hf["tie_word_embeddings"])
+        if hf.get("rope_scaling"):
+            r = hf["rope_scaling"]
+            c["rope_scaling"] = dict(factor=r["factor"], low=r["low_freq_factor"], high=r["high_freq_factor"],
+                                     original=r["original_max_position_embeddings"])
+        presets[name] = c
+    return presets
+
+
+PRESETS = _presets()
 EPS = 1e-5
 
 

@@ -1,7 +1,7 @@
 """The Python front end's tests: each runs tests/python/cases.py on 1-4 CPU ranks under fsdp-run
 (real processes, MPI), as a user runs a script, and checks that every rank succeeded.
 
-    FSDP_BUILD=build build/python -m pytest tests/python    (ctest runs it as python_tests)
+    FSDP_BUILD=build build/python -m pytest tests/python    (ctest runs it as python_tests_compared and python_tests_rest)
 """
 
 import json

@@ -29,16 +29,17 @@ bool ends_with(const std::string& s, const std::string& tail) {
 
 std::string config_path(const std::string& dir) { return dir + "/config.json"; }
 
-std::invalid_argument config_error(const std::string& dir, const std::string& why) {
-  return std::invalid_argument("'" + config_path(dir) + "': " + why);
+std::invalid_argument config_error(const std::string& where, const std::string& why) {
+  return std::invalid_argument(where + ": " + why);
 }
 
 // DIR/config.json as a JSON object; throws naming the file if it is unreadable or not an object.
 nlohmann::json read_config_json(const std::string& dir) {
+  const std::string where = "'" + config_path(dir) + "'";
   std::ifstream in(config_path(dir));
-  if (!in) throw config_error(dir, "cannot be read");
+  if (!in) throw config_error(where, "cannot be read");
   nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) throw config_error(dir, "is not a JSON object");
+  if (!j.is_object()) throw config_error(where, "is not a JSON object");
   return j;
 }
 
@@ -163,8 +164,10 @@ std::vector<HfPart> hf_parts(const std::string& ours, const LlamaConfig& c) {
 
 bool has_hf_config(const std::string& path) { return io::is_directory(path) && io::exists(config_path(path)); }
 
-LlamaConfig read_hf_config(const std::string& dir) {
-  const nlohmann::json j = read_config_json(dir);
+namespace {
+
+// A config.json's fields as our config; `dir` names them in errors.
+LlamaConfig llama_config_from_hf(const nlohmann::json& j, const std::string& dir) {
   auto field = [&](const char* name) -> const nlohmann::json& {
     const auto it = j.find(name);
     if (it == j.end() || !it->is_number()) throw config_error(dir, std::string("no number '") + name + "'");
@@ -212,6 +215,19 @@ LlamaConfig read_hf_config(const std::string& dir) {
     throw config_error(dir, "sizes that do not make a Llama (heads must divide hidden_size, kv heads the heads)");
   return c;
 }
+
+}  // namespace
+
+LlamaConfig read_hf_config(const std::string& dir) {
+  return llama_config_from_hf(read_config_json(dir), "'" + config_path(dir) + "'");
+}
+
+LlamaConfig llama_config_from_json(const std::string& text, const std::string& where) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) throw config_error(where, "is not a JSON object");
+  return llama_config_from_hf(j, where);
+}
+
 
 void load_hf_weights(LlamaImpl& model, const std::string& path) {
   c10::NoGradGuard no_grad;

@@ -28,6 +28,8 @@ bool has_hf_config(const std::string& path);
 // for what the model cannot represent (biases, RoPE scaling other than Llama 3's, another
 // architecture).
 LlamaConfig read_hf_config(const std::string& dir);
+// The same from the text of a config.json's object; `where` names it in errors.
+LlamaConfig llama_config_from_json(const std::string& text, const std::string& where);
 
 // Collective. Loads the weights of a .safetensors file, or of every *.safetensors file in a
 // directory, into `model` (sharded or not): each rank reads the rows of its own shards, converted

@@ -14,33 +14,6 @@
 
 namespace fsdp::model {
 
-LlamaConfig LlamaConfig::preset(const std::string& name) {
-  LlamaConfig c;
-  if (name == "tiny") return c;
-  if (name == "small") {
-    c.vocab = 32000, c.dim = 512, c.n_layers = 24, c.n_heads = 8, c.n_kv_heads = 8, c.ffn = 1408;
-    c.max_seq = 2048;
-    return c;
-  }
-  if (name == "1b") {
-    c.vocab = 32000, c.dim = 2048, c.n_layers = 16, c.n_heads = 16, c.n_kv_heads = 16;
-    c.ffn = 5632, c.max_seq = 4096;
-    return c;
-  }
-  if (name == "3b") {  // Llama-3.2-3B
-    c.vocab = 128256, c.dim = 3072, c.n_layers = 28, c.n_heads = 24, c.n_kv_heads = 8;
-    c.ffn = 8192, c.max_seq = 131072, c.rope_theta = 500000.0, c.tie_embeddings = true;
-    c.rope_scaling = {32.0, 1.0, 4.0, 8192};
-    return c;
-  }
-  if (name == "8b") {
-    c.vocab = 128256, c.dim = 4096, c.n_layers = 32, c.n_heads = 32, c.n_kv_heads = 8;
-    c.ffn = 14336, c.max_seq = 8192, c.rope_theta = 500000.0;
-    return c;
-  }
-  throw std::invalid_argument("unknown model preset '" + name + "' (tiny, small, 1b, 3b, 8b)");
-}
-
 bool LlamaConfig::recomputes(int64_t block) const {
   return recompute_blocks ||
          std::find(recomputed_blocks.begin(), recomputed_blocks.end(), block) != recomputed_blocks.end();

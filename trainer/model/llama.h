@@ -44,7 +44,8 @@ struct LlamaConfig {
   bool float8_all_gather = false;  // tensorwise: their weights all-gathered in float8 (enable_float8_all_gather)
   uint64_t seed = 0;  // initial weights (reset_parameters)
 
-  // "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b", "3b" (Llama-3.2-3B's shapes), "8b".
+  // The presets of model/presets.json: "tiny" (tests, CPU demo), "small" (a CPU-bound GPU size), "1b",
+  // "3b" (Llama-3.2-3B's shapes), "8b". Throws naming the presets for another name.
   static LlamaConfig preset(const std::string& name);
   int64_t head_dim() const { return dim / n_heads; }
   // RoPE's angle per position of each pair of a head's dimensions, scaled: float64 [head_dim / 2].
