@@ -109,7 +109,8 @@ resume)
       cmp "$f" "$work/straight/step-000010/$(basename "$f")" || fail "the background save of step 10 differs"
     done
   fi
-  for w in $n $worlds; do
+  # Each world once (one GPU: 1 alone): a resumed run of the same lineage appends to its log.
+  for w in $(printf '%s\n' $n $worlds | awk '!seen[$0]++'); do
     "$run" "${launch[@]}" -n "$w" "$train" "${common[@]}" --batch $((global / w)) --resume "$work/half" \
       --save-dir "$work/resumed-$w" --log "$work/resumed-$w.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume on $w"; }
     grep -q "resumed from .*step-000010 (step 10, run [0-9a-f]*)" "$work/out" || fail "did not say where it resumed"
