@@ -10,7 +10,6 @@
       held-out loss of float8 against bf16, and a plot (loss-curves.png)
 """
 import glob
-import json
 import math
 import os
 import re
@@ -18,6 +17,7 @@ import statistics
 import sys
 
 import step_log
+from presets import hf_presets
 
 PRECISIONS = ("off", "tensorwise", "tensorwise-cast", "rowwise")  # the loss runs' variants, in order
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of SXM Hopper parts
@@ -25,8 +25,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core FLOP/s of
 # logs lack flops_per_token.
 DIMS = {name: dict(vocab=c["vocab_size"], dim=c["hidden_size"], layers=c["num_hidden_layers"],
                    kv=c["num_key_value_heads"], heads=c["num_attention_heads"], ffn=c["intermediate_size"])
-        for name, c in json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer",
-                                                   "model", "presets.json"))).items() if name != "about"}
+        for name, c in hf_presets().items()}
 
 
 def flops_per_token(model, seq):

@@ -50,14 +50,13 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, FullyShardedDa
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn.parallel import DistributedDataParallel
 
+from presets import hf_presets
+
 def _presets():
     """fsdp-train's presets (trainer/model/presets.json, Hugging Face LlamaConfig fields) in this
     script's short names."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer", "model", "presets.json")
     presets = {}
-    for name, hf in json.load(open(path)).items():
-        if name == "about":
-            continue
+    for name, hf in hf_presets().items():
         c = dict(vocab=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                  n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
                  ffn=hf["intermediate_size"], theta=hf["rope_theta"], tie=hf["tie_word_embeddings"])

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import fsdpcpp
-from common import Reference, build, check_torch_loop, expect_error, fully_shard_of, optimizer_for, torch_loop
+from common import (Reference, batch, build, check_torch_loop, expect_error, fully_shard_of, my_rows,
+                    optimizer_for, torch_loop)
 from models import MODELS, blocks_of, loss_of
 
 STEPS, CLIP = 3, 0.5
@@ -140,7 +141,6 @@ def evaluated_between_steps(fully_shard, mesh):
 
 
 def build_batch(step):
-    from common import batch, my_rows
     return my_rows(batch(step))
 
 
