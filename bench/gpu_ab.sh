@@ -41,6 +41,8 @@ for i in $(seq "$runs"); do
     tree=. side_env=()
     [ "$side" = base ] && tree=$base side_env=("${base_env[@]}")
     if [ "$front_end" = trainer ]; then
+      # The base may predate --overwrite-log: a rerun into OUT removes its own log first.
+      rm -f "$out/ab-$side-$i.jsonl"
       env "${side_env[@]}" build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model --param-dtype bf16 --steps 30 \
         --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
     else

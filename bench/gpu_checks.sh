@@ -51,8 +51,8 @@ if [[ $part != python ]]; then
   fi
   grep -hE "Test +#|tests passed" "$out/gpu-tests-sigterm.log" "$out/gpu-tests.log"
   one_gpu=(build/fsdp-run --gpu -n 1 build/fsdp-train --model 1b --seq 2048 --batch 4 --param-dtype bf16)
-  "${one_gpu[@]}" --steps 30 --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
-  "${one_gpu[@]}" --steps 10 --memory-budget 16 --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
+  "${one_gpu[@]}" --steps 30 --overwrite-log --log "$out/train-1b.jsonl" > "$out/train-1b.log" 2>&1 || status=1
+  "${one_gpu[@]}" --steps 10 --memory-budget 16 --overwrite-log --log "$out/budget-1b.jsonl" > "$out/budget-1b.log" 2>&1 || status=1
   grep -E "fsdp-train: plan for|predicted" "$out/budget-1b.log" | head -3
 fi
 if [[ $part != native ]]; then

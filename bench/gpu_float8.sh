@@ -47,7 +47,7 @@ case $phase in
       for model in ${FLOAT8_MODELS:-1b 3b}; do
         for variant in ${FLOAT8_VARIANTS-off tensorwise tensorwise-cast rowwise}; do
           variant_flags "$variant"
-          train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --log "$out/$model-$variant-$round.jsonl" \
+          train --model "$model" ${shape[$model]} --steps 15 "${flags[@]}" --overwrite-log --log "$out/$model-$variant-$round.jsonl" \
             > "$out/$model-$variant-$round.log" 2>&1 || status=1
         done
         [ "${FLOAT8_TORCHAO:-1}" = 0 ] || torchao "$model" tensorwise "$round"
@@ -55,14 +55,14 @@ case $phase in
     done
     for model in ${FLOAT8_PROFILES-1b 3b}; do  # FLOAT8_PROFILES="" skips the profiles
       train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --profile "$out/profile-$model-tensorwise" \
-        --log "$out/profile-$model.jsonl" > "$out/profile-$model.log" 2>&1 || status=1
+        --overwrite-log --log "$out/profile-$model.jsonl" > "$out/profile-$model.log" 2>&1 || status=1
       python3 bench/profile_summary.py "$out/profile-$model-tensorwise-rank0.json" --top 25 \
         > "$out/profile-$model-tensorwise.txt" 2>&1
       rm -f "$out/profile-$model-tensorwise-rank0.json"  # the summary is kept; the trace is ~100 MB
     done
     for model in ${FLOAT8_SNAPSHOTS-}; do
       train --model "$model" ${shape[$model]} --steps 6 --fp8 tensorwise --memory-snapshot "$out/snapshot-$model" \
-        --log "$out/snapshot-$model.jsonl" > "$out/snapshot-$model.log" 2>&1 || status=1
+        --overwrite-log --log "$out/snapshot-$model.jsonl" > "$out/snapshot-$model.log" 2>&1 || status=1
       python3 bench/snapshot_holes.py "$out/snapshot-$model-rank0.pickle" --step 5 --explain 6 \
         > "$out/snapshot-$model-holes.txt" 2>&1 || status=1
       rm -f "$out/snapshot-$model-rank0.pickle"  # the holes are kept; the history is large
@@ -83,7 +83,7 @@ case $phase in
     for fp8 in ${FLOAT8_LOSS_VARIANTS:-off tensorwise rowwise}; do
       variant_flags "$fp8"
       for model in "${models[@]}"; do
-        train --model "$model" ${run[$model]} "${data[@]}" "${flags[@]}" --log "$out/loss-$model-$fp8.jsonl" \
+        train --model "$model" ${run[$model]} "${data[@]}" "${flags[@]}" --overwrite-log --log "$out/loss-$model-$fp8.jsonl" \
           > "$out/loss-$model-$fp8.log" 2>&1 || status=1
       done
     done

@@ -18,7 +18,7 @@ case $phase in
   long)
     steps=${4:-3000}
     build/fsdp-run --gpu build/fsdp-train --model small --seq 512 --batch 2 --steps "$steps" \
-      --log "$out/long-small.jsonl" --memory-log "$out/long-small-memory" > "$out/long-small.log" 2>&1
+      --overwrite-log --log "$out/long-small.jsonl" --memory-log "$out/long-small-memory" > "$out/long-small.log" 2>&1
     ok=$?
     tail -3 "$out/long-small.log"
     [ $ok -eq 0 ] || exit $ok

@@ -55,7 +55,7 @@ cost_model() {  # GPUS NAME BUDGET_GIB, then the model's and shape's flags
   local gpus=$1 name=$2 budget=$3; shift 3
   rm -f "$out/cost-$name.json"
   train "$gpus" "$@" --steps 5 --memory-budget "$budget" --plan-only --cost-model "$out/cost-$name.json" \
-    --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1
+    --overwrite-log --log "$out/plan-$name.jsonl" > "$out/plan-$name.log" 2>&1
   [ -s "$out/cost-$name.json" ] || { tail -5 "$out/plan-$name.log"; return 1; }
 }
 project_70b() {  # SLICE_NAME NAME: OUT/cost-SLICE_NAME.json stretched to OUT/cost-NAME.json, projected
@@ -78,7 +78,7 @@ case $phase in
     status=0
     for replicas in 2 1; do
       train 4 --model 8b --seq 2048 --batch 2 --steps 15 --replicas $replicas --trace "/tmp/trace-8b-r$replicas" \
-        --trace-steps 1 --log "$out/hsdp-8b-r$replicas.jsonl" > "$out/hsdp-8b-r$replicas.log" 2>&1 || status=1
+        --trace-steps 1 --overwrite-log --log "$out/hsdp-8b-r$replicas.jsonl" > "$out/hsdp-8b-r$replicas.log" 2>&1 || status=1
       tail -2 "$out/hsdp-8b-r$replicas.log"
     done
     python3 - "$out" <<'PY'
@@ -92,7 +92,7 @@ for replicas, shape in ((2, "HSDP 2 x 2"), (1, "FSDP 1 x 4")):
 PY
     exit $status ;;
   plan-check)
-    train 4 "${one_b[@]}" --batch 4 --steps 5 --plan-check "$out/plan-check-1b.jsonl" --log "$out/plan-1b.jsonl" \
+    train 4 "${one_b[@]}" --batch 4 --steps 5 --plan-check "$out/plan-check-1b.jsonl" --overwrite-log --log "$out/plan-1b.jsonl" \
       > "$out/plan-check-1b.log" 2>&1 || { tail -20 "$out/plan-check-1b.log"; exit 1; }
     python3 bench/plan_frontier.py --check "$out/plan-check-1b.jsonl" --out "$out/frontier-1b" --world 4 ;;
   checkpoint)
@@ -101,13 +101,13 @@ PY
     status=0
     # 16 rows a step on any GPU count; a learning rate at which two 1B runs do not part (1b-lowlr).
     one_b+=(--lr 1e-4 --min-lr 1e-5)
-    train 4 "${one_b[@]}" --batch 4 --steps 20 --log "$out/straight-1b.jsonl" > "$out/straight-1b.log" 2>&1 || status=1
+    train 4 "${one_b[@]}" --batch 4 --steps 20 --overwrite-log --log "$out/straight-1b.jsonl" > "$out/straight-1b.log" 2>&1 || status=1
     for pair in "2 4" "4 2"; do
       read -r saved resumed <<<"$pair"
       train "$saved" "${one_b[@]}" --batch $((16 / saved)) --steps 20 --stop-at-step 10 --save-dir "$ck/$saved" \
-        --log "$out/saved-on-$saved.jsonl" > "$out/saved-on-$saved.log" 2>&1 || status=1
+        --overwrite-log --log "$out/saved-on-$saved.jsonl" > "$out/saved-on-$saved.log" 2>&1 || status=1
       train "$resumed" "${one_b[@]}" --batch $((16 / resumed)) --steps 20 --resume "$ck/$saved" \
-        --log "$out/resumed-on-$resumed.jsonl" > "$out/resumed-on-$resumed.log" 2>&1 || status=1
+        --overwrite-log --log "$out/resumed-on-$resumed.jsonl" > "$out/resumed-on-$resumed.log" 2>&1 || status=1
       grep -hE "saved|resumed|error" "$out/saved-on-$saved.log" "$out/resumed-on-$resumed.log"
       # bf16 on GPUs: the check is a loose bound; the report gives the largest difference.
       python3 tests/trainer/check_train_log.py "$out/resumed-on-$resumed.jsonl" --first-step 11 --steps 20 \
@@ -128,7 +128,7 @@ PY
       for gpus in 2 4; do
         name=$model-w$gpus
         cost_model $gpus "$name" 70 --model "$model" --seq 2048 --batch 2 || { status=1; continue; }
-        train $gpus --model "$model" --seq 2048 --batch 2 --steps 10 --recompute --log "$out/measured-$name.jsonl" \
+        train $gpus --model "$model" --seq 2048 --batch 2 --steps 10 --recompute --overwrite-log --log "$out/measured-$name.jsonl" \
           > "$out/measured-$name.log" 2>&1 || { tail -5 "$out/measured-$name.log"; status=1; }
         build/fsdp-train --project "$out/cost-$name.json" --project-worlds 2,4,8,16,32,64,128,256,512 --recompute \
           > "$out/projected-from-$name.txt" 2>&1 || status=1
@@ -163,7 +163,7 @@ PY
     shape=(--seq 2048 --batch 2)
     write_70b_slice || exit 1
     cost_model 2 70b4-w2 70 --init-from "$slice_70b" "${shape[@]}" || exit 1
-    train 2 --init-from "$slice_70b" "${shape[@]}" --steps 10 --recompute --log "$out/measured-70b4-w2.jsonl" \
+    train 2 --init-from "$slice_70b" "${shape[@]}" --steps 10 --recompute --overwrite-log --log "$out/measured-70b4-w2.jsonl" \
       > "$out/measured-70b4-w2.log" 2>&1 || { tail -5 "$out/measured-70b4-w2.log"; exit 1; }
     rm -rf "$slice_70b"
     python3 - "$out/measured-70b4-w2.jsonl" <<'PY'
@@ -194,7 +194,7 @@ PY
     for precision in bf16 fp8; do
       name=$model-ac-$precision-w$gpus flags=(); [ $precision = fp8 ] && flags=(--fp8 tensorwise)
       train "$gpus" --model "$model" --seq 2048 --batch $batch --recompute "${flags[@]}" --steps 6 \
-        --memory-snapshot "/tmp/snapshot-$name" --log "$out/snapshot-$name.jsonl" > "$out/snapshot-$name.log" 2>&1 ||
+        --memory-snapshot "/tmp/snapshot-$name" --overwrite-log --log "$out/snapshot-$name.jsonl" > "$out/snapshot-$name.log" 2>&1 ||
         { tail -5 "$out/snapshot-$name.log"; status=1; continue; }
       python3 bench/snapshot_holes.py "/tmp/snapshot-$name-rank0.pickle" --step 5 --explain 6 \
         > "$out/holes-$name.txt" 2>&1 || status=1

@@ -92,7 +92,9 @@ def main():
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={ranks}", os.path.join(os.path.dirname(__file__), "fsdp2_llama.py"),
                    *common, "--init", init]
-        cmd += [*flags, "--memory-log", memlog, "--jsonl" if system == "fsdp2" else "--log", steplog]
+        # --out is the report's own: a rerun there replaces fsdp-train's step logs (FSDP2's script always does).
+        log_flags = ["--jsonl"] if system == "fsdp2" else ["--overwrite-log", "--log"]
+        cmd += [*flags, "--memory-log", memlog, *log_flags, steplog]
         run(cmd, os.path.join(args.out, f"{name}.log"))
         samples, steps = load(f"{memlog}-rank0.jsonl")
         results[name] = dict(label=label, samples=samples, losses=[s["loss"] for s in steps],

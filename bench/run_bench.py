@@ -224,7 +224,8 @@ def run_config(config, world, args, repeat):
         SAVED_INITS.add(init)
     run([os.path.join(args.build, "fsdp-run"), "--cpu" if args.cpu else "--gpu", "-n", str(world),
          os.path.join(args.build, "fsdp-train"), *train, *flags,
-         *save_init, "--log", log + ".jsonl", "--profile", profile, "--trace", trace, "--trace-steps", "2"],
+         *save_init, "--overwrite-log", "--log", log + ".jsonl",  # --out is the benchmark's: a rerun replaces
+         "--profile", profile, "--trace", trace, "--trace-steps", "2"],
         log + ".log", extra_env)
     for system in REFERENCES.get(config, []):
         if args.systems and system not in args.systems.split(","):

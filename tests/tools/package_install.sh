@@ -47,7 +47,7 @@ if [ "$without_mpi" = 1 ]; then  # the CPU backend refuses, naming the fix
   CUDA_VISIBLE_DEVICES= fsdp-train --model tiny --steps 1 > "$work/cpu.log" 2>&1 && fail "a CPU run without MPI"
   grep -q "this build has no MPI backend" "$work/cpu.log" || { cat "$work/cpu.log"; fail "the CPU run's error"; }
 fi
-fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
+fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --overwrite-log --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
   { cat "$work/train.log"; fail "fsdp-run fsdp-train from the wheel"; }
 grep -q '"step": *3' "$work/train.jsonl" || fail "the installed fsdp-train did not log step 3"
 (cd "$work" && "$python" -c 'import fsdpcpp, sys; assert fsdpcpp.__file__.startswith(sys.argv[1]), fsdpcpp.__file__' "$site") ||
