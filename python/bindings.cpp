@@ -30,7 +30,7 @@ namespace {
 
 // A sharded group as Python holds it: the group and the token its registration lives as long as
 // (the module holds this object, so the group is forgotten with the module).
-struct PyGroup {
+struct PyGroupState {
   std::shared_ptr<fsdp::GroupState> state;
   std::shared_ptr<const void> lifetime;
 };
@@ -40,8 +40,8 @@ struct RecomputedForward {
 };
 
 // A root's groups as Python lists them (module path, group), for the planner's calls.
-using PyNamedGroups = std::vector<std::pair<std::string, PyGroup*>>;
-fsdp::PlanningRoot planning_root(const std::string& name, const PyNamedGroups& groups) {
+using PyNamedGroupStates = std::vector<std::pair<std::string, PyGroupState*>>;
+fsdp::PlanningRoot planning_root(const std::string& name, const PyNamedGroupStates& groups) {
   std::vector<std::pair<std::string, fsdp::GroupState*>> listed;
   for (const auto& [path, group] : groups) listed.emplace_back(path, group->state.get());
   return fsdp::PlanningRoot(name, std::move(listed));
@@ -139,45 +139,47 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def("__enter__", [](RecomputedForward& c) { c.scope = std::make_unique<fsdp::RecomputedForwardScope>(); })
       .def("__exit__", [](RecomputedForward& c, py::args) { c.scope.reset(); });
-  py::class_<PyGroup>(m, "Group")
-      .def_property_readonly("name", [](const PyGroup& g) { return fsdp::group_name(*g.state); })
-      .def("pre_forward", [](PyGroup& g) { fsdp::group_pre_forward(*g.state); })
-      .def("post_forward", [](PyGroup& g, const std::vector<at::Tensor>& outputs) {
+  py::class_<PyGroupState>(m, "GroupState")
+      .def_property_readonly("name", [](const PyGroupState& g) { return fsdp::group_name(*g.state); })
+      .def("pre_forward", [](PyGroupState& g) { fsdp::group_pre_forward(*g.state); })
+      .def("post_forward", [](PyGroupState& g, const std::vector<at::Tensor>& outputs) {
         fsdp::group_post_forward(*g.state, outputs);
       })
-      .def("abort_forward", [](PyGroup& g) { fsdp::group_abort_forward(*g.state); })
-      .def("set_requires_gradient_sync", [](PyGroup& g, bool sync) { fsdp::set_requires_gradient_sync(*g.state, sync); })
-      .def("set_reshard_after_forward", [](PyGroup& g, bool r) { fsdp::set_reshard_after_forward(*g.state, r); })
-      .def("set_prefetch_depth", [](PyGroup& g, int depth) { fsdp::set_prefetch_depth(*g.state, depth); })
-      .def("reshard", [](PyGroup& g) { fsdp::reshard(*g.state); })
-      .def("unshard", [](PyGroup& g) { fsdp::unshard(*g.state); })
-      .def("wait_for_unshard", [](PyGroup& g) { fsdp::wait_for_unshard(*g.state); })
-      .def_property_readonly("reshard_after_forward", [](const PyGroup& g) { return fsdp::reshard_after_forward(*g.state); })
-      .def_property_readonly("prefetch_depth", [](const PyGroup& g) { return fsdp::prefetch_depth(*g.state); })
-      .def("set_runtime_options", [](PyGroup& g, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*g.state, o); })
-      .def("runtime_options", [](const PyGroup& g) { return fsdp::runtime_options(*g.state); });
+      .def("abort_forward", [](PyGroupState& g) { fsdp::group_abort_forward(*g.state); })
+      .def("set_requires_gradient_sync", [](PyGroupState& g, bool sync) { fsdp::set_requires_gradient_sync(*g.state, sync); })
+      .def("set_reshard_after_forward", [](PyGroupState& g, bool r) { fsdp::set_reshard_after_forward(*g.state, r); })
+      .def("set_prefetch_depth", [](PyGroupState& g, int depth) { fsdp::set_prefetch_depth(*g.state, depth); })
+      .def("reshard", [](PyGroupState& g) { fsdp::reshard(*g.state); })
+      .def("unshard", [](PyGroupState& g) { fsdp::unshard(*g.state); })
+      .def("wait_for_unshard", [](PyGroupState& g) { fsdp::wait_for_unshard(*g.state); })
+      .def_property_readonly("reshard_after_forward", [](const PyGroupState& g) { return fsdp::reshard_after_forward(*g.state); })
+      .def_property_readonly("prefetch_depth", [](const PyGroupState& g) { return fsdp::prefetch_depth(*g.state); })
+      .def("set_runtime_options", [](PyGroupState& g, const fsdp::RuntimeOptions& o) { fsdp::set_runtime_options(*g.state, o); })
+      .def("runtime_options", [](const PyGroupState& g) { return fsdp::runtime_options(*g.state); });
 
-  // HSDP's communicators (fsdp/mesh.h): the ranks of this rank's replica, and those holding its shard.
+  // The dp communicators of (replicas, shards, tp) ranks (fsdp/mesh.h): the ranks of this rank's
+  // replica with its tp index, and those holding its shard.
   py::class_<fsdp::Mesh>(m, "Mesh").def_property_readonly("replicas", &fsdp::Mesh::replicas);
-  m.def("make_mesh", [](int replicas) { return fsdp::make_mesh(replicas); });
+  m.def("make_mesh", [](int replicas, int tp) { return fsdp::make_mesh(replicas, nullptr, tp); }, py::arg("replicas"),
+        py::arg("tp") = 1);
   m.def(
       "shard_group",
-      [](const std::string& name, const fsdp::NamedTensors& params, const std::vector<PyGroup*>& inner,
+      [](const std::string& name, const fsdp::NamedTensors& params, const std::vector<PyGroupState*>& inner,
          std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
          bool reshard_after_forward, bool cpu_offload, const fsdp::Mesh* mesh) {
         auto lifetime = std::make_shared<int>(0);
         fsdp::GroupSpec spec{name, params, {}, lifetime.get(), lifetime, "fsdpcpp.fully_shard"};
-        for (const PyGroup* g : inner) spec.inner.push_back(g->state);
+        for (const PyGroupState* g : inner) spec.inner.push_back(g->state);
         fsdp::ShardOptions options;
         if (mesh) {
           options.comm = mesh->shard;
-          options.replicate = mesh->replicate;
+          if (mesh->replicas() > 1) options.replicate = mesh->replicate;
         }
         options.reshard_after_forward = reshard_after_forward;
         options.cpu_offload = cpu_offload;
         options.mixed_precision.param_dtype = param_dtype;
         options.mixed_precision.reduce_dtype = reduce_dtype;
-        return PyGroup{fsdp::shard_group(std::move(spec), options), lifetime};
+        return PyGroupState{fsdp::shard_group(std::move(spec), options), lifetime};
       },
       py::arg("name"), py::arg("params"), py::arg("inner"), py::arg("param_dtype"), py::arg("reduce_dtype"),
       py::arg("reshard_after_forward"), py::arg("cpu_offload"), py::arg("mesh") = nullptr);
@@ -243,11 +245,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fsdp::plan::CostModel>(m, "CostModel")
       .def_readonly("profiled_peak_bytes", &fsdp::plan::CostModel::profiled_peak_bytes)
       .def_readonly("profiled_step_ms", &fsdp::plan::CostModel::profiled_step_ms);
-  m.def("set_schedule", [](const std::string& root, const PyNamedGroups& groups, const fsdp::plan::Schedule& s) {
+  m.def("set_schedule", [](const std::string& root, const PyNamedGroupStates& groups, const fsdp::plan::Schedule& s) {
     fsdp::set_schedule(planning_root(root, groups), s);
   });
   py::class_<fsdp::ProfilingSteps>(m, "ProfilingSteps")
-      .def(py::init([](const std::string& root, const PyNamedGroups& groups,
+      .def(py::init([](const std::string& root, const PyNamedGroupStates& groups,
                        std::function<void(const fsdp::plan::Schedule&)> apply, int micro_batches,
                        bool reduce_every_micro_batch) {
         return std::make_unique<fsdp::ProfilingSteps>(planning_root(root, groups), std::move(apply), micro_batches,
@@ -260,7 +262,7 @@ PYBIND11_MODULE(_C, m) {
       .def("profile", &fsdp::ProfilingSteps::profile, py::return_value_policy::copy);
   // The plan, or (message, smallest budget in bytes) when none fits: Python raises its
   // fsdpcpp.BudgetTooSmall with both.
-  m.def("plan_for_budget", [](const std::string& root, const PyNamedGroups& groups, int64_t budget_bytes,
+  m.def("plan_for_budget", [](const std::string& root, const PyNamedGroupStates& groups, int64_t budget_bytes,
                               const fsdp::plan::CostModel& profile, double margin) -> py::object {
     try {
       return py::cast(fsdp::plan_for_budget(planning_root(root, groups), budget_bytes, profile, margin));
@@ -274,7 +276,7 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(bytes.now, bytes.peak);
   });
   m.def("reset_peak_allocated", [](const std::string& device) { fsdp::reset_peak_allocated(c10::Device(device)); });
-  m.def("group_names", [](const std::string& root, const PyNamedGroups& groups) {
+  m.def("group_names", [](const std::string& root, const PyNamedGroupStates& groups) {
     std::vector<std::string> names;
     for (const auto& shape : fsdp::group_shapes(planning_root(root, groups))) names.push_back(shape.name);
     return names;
@@ -307,4 +309,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("newest_checkpoint", &fsdp::newest_checkpoint);
   m.def("checkpoint_name", &fsdp::checkpoint_name);
+  m.attr("BUFFER_PREFIX") = fsdp::kBufferPrefix;
+  m.attr("OPTIMIZER_PREFIX") = fsdp::kOptimizerPrefix;
+  m.def("is_optimizer_state", &fsdp::is_optimizer_state);
 }

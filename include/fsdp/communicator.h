@@ -1,6 +1,6 @@
-// Collective communication between the ranks of one group.
+// Collective communication between the ranks of one communicator.
 //
-// Every operation is collective: all ranks of the group call it in the same
+// Every operation is collective: all ranks of the communicator call it in the same
 // order with tensors of the same size and dtype. CPU tensors go through MPI,
 // CUDA tensors through NCCL (on the caller's current CUDA stream).
 #pragma once
@@ -23,23 +23,23 @@ class CollectiveError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Collective communication among the ranks of one group, over MPI (CPU tensors) or NCCL (CUDA
+/// Collective communication among the ranks of one communicator, over MPI (CPU tensors) or NCCL (CUDA
 /// tensors, on the caller's current stream). Every operation is collective. Not thread-safe: one
 /// thread issues a communicator's collectives (the runtime's hooks run on autograd's thread, one
 /// at a time).
 class Communicator {
  public:
-  /// For backends: this rank's place in a group of `world_size`, named `group_name` in errors;
+  /// For backends: this rank's place among `world_size` ranks, named `name` in errors;
   /// collectives outliving `timeout` fail with CollectiveError.
-  Communicator(int rank, int world_size, std::string group_name,
+  Communicator(int rank, int world_size, std::string name,
                std::chrono::milliseconds timeout);
   virtual ~Communicator() = default;
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  int rank() const { return rank_; }              ///< this rank's index in the group
-  int world_size() const { return world_size_; }  ///< the group's ranks
-  const std::string& group_name() const { return group_name_; }  ///< how errors name the group
+  int rank() const { return rank_; }              ///< this rank's index in the communicator
+  int world_size() const { return world_size_; }  ///< the communicator's ranks
+  const std::string& name() const { return name_; }  ///< how errors name it ("world", "world.replica0")
   std::chrono::milliseconds timeout() const { return timeout_; }  ///< how long a collective may take
   /// "mpi", "nccl" or "gloo" (a torch.distributed process group's, fsdp::init_from_process_group).
   virtual const char* backend() const = 0;
@@ -61,10 +61,10 @@ class Communicator {
   /// stop together when one of them fails.
   int count_ranks(bool condition);
   /// Collective. The ranks passing the same `color` (>= 0) form a new communicator, ordered by
-  /// `key` (ties by rank here), with this one's backend, device and timeout; `group_name` names it
-  /// in errors. A timed barrier comes first, so a missing peer fails with this group's timeout
+  /// `key` (ties by rank here), with this one's backend, device and timeout; `name` names it
+  /// in errors. A timed barrier comes first, so a missing peer fails with this communicator's timeout
   /// instead of hanging in the backend's split.
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& group_name);
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name);
   /// Several independent collectives issued together (one NCCL group, or
   /// concurrent non-blocking MPI requests), completed together. `tag` names
   /// what is moved (e.g. the parameter groups) for the cross-rank check.
@@ -83,7 +83,7 @@ class Communicator {
   /// and a wait for the device per collective.
   void set_check_collectives(bool on) { check_collectives_ = on; }
 
-  /// "rank 1 of group 'world' (2 ranks, mpi)": for error messages.
+  /// "rank 1 of communicator 'world' (2 ranks, mpi)": for error messages.
   std::string describe() const;
   /// What a backend reports when a collective outlives the timeout.
   std::string timeout_message(const std::string& what) const;
@@ -110,7 +110,7 @@ class Communicator {
   virtual void do_broadcast(const at::Tensor& tensor, int root) = 0;      ///< see broadcast
   virtual void do_barrier() = 0;                                          ///< see barrier
   /// See split: the backend's split, after the barrier.
-  virtual std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) = 0;
+  virtual std::shared_ptr<Communicator> do_split(int color, int key, std::string name) = 0;
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* role) const;
@@ -122,7 +122,7 @@ class Communicator {
 
   int rank_;
   int world_size_;
-  std::string group_name_;
+  std::string name_;
   std::chrono::milliseconds timeout_;
   bool check_collectives_ = false;
   uint64_t collectives_issued_ = 0;

@@ -15,7 +15,7 @@
 
 // Writing a front end (the Python package is one): the module-agnostic groups under fully_shard.
 #include "fsdp/group.h"
-#include "fsdp/communicator.h"        // collectives between the ranks of a group
+#include "fsdp/communicator.h"        // collectives between the ranks of a communicator
 
 // Planning under a memory budget: profile a step, choose a schedule, apply it.
 #include "fsdp/planning.h"

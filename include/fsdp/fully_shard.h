@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/group.h"
 #include "fsdp/options.h"
 #include "fsdp/runtime_options.h"
 
@@ -83,9 +84,6 @@ void set_runtime_options(M& root, const RuntimeOptions& options) {
   set_runtime_options(detail::as_module(root), options);
 }
 
-/// An optimizer step over some parameters, each holding its sharded gradient (set_step_in_backward).
-using GroupStep = std::function<void(const std::vector<at::Tensor>& params)>;
-
 /// The optimizer step in backward, group by group: once a sharded module's gradients are reduced
 /// (for an offloaded module, copied to the host), `step` runs with its parameters that have a
 /// gradient, and those gradients are freed right after, so only one group's sharded gradients
@@ -99,9 +97,9 @@ using GroupStep = std::function<void(const std::vector<at::Tensor>& params)>;
 /// (RuntimeOptions::max_pending_host_steps); `step` is never called twice at once, and backward
 /// returns only after every step. Applies to `root` and every sharded module under it; an empty
 /// `step` turns it off. Not collective.
-void set_step_in_backward(torch::nn::Module& root, GroupStep step);
+void set_step_in_backward(torch::nn::Module& root, StepInBackward step);
 template <class M>
-void set_step_in_backward(M& root, GroupStep step) {
+void set_step_in_backward(M& root, StepInBackward step) {
   set_step_in_backward(detail::as_module(root), std::move(step));
 }
 

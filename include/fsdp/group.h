@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -25,6 +26,10 @@ namespace fsdp {
 class GroupState;  ///< a sharded group (runtime/group_state.h)
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// An optimizer step over some parameters, each holding its sharded gradient (set_step_in_backward
+/// in fully_shard.h).
+using StepInBackward = std::function<void(const std::vector<at::Tensor>& params)>;
 
 /// What a front end knows of a group when it shards it.
 struct GroupSpec {

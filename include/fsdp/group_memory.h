@@ -1,5 +1,5 @@
 // The bytes of one parameter group's buffers: what the parameter group allocates over a step
-// (src/shard/param_group.h computes them), and what the planner's cost model and simulator count
+// (src/shard/group_params.h computes them), and what the planner's cost model and simulator count
 // (plan::GroupShape and plan::GroupCost hold one). Plain numbers, no torch.
 #pragma once
 

@@ -62,7 +62,7 @@ struct InitOptions {
   Backend backend = Backend::Auto;  ///< Auto: NCCL when CUDA is available, else MPI
   /// How long a collective may wait for its peers; FSDP_TIMEOUT_S overrides the default.
   std::optional<std::chrono::milliseconds> timeout;
-  std::string group_name = "world";  ///< how errors name the group
+  std::string communicator_name = "world";  ///< how errors name the world communicator
 };
 
 /// Creates the world communicator from the launch environment and makes it the
@@ -71,8 +71,8 @@ std::shared_ptr<Communicator> init(const InitOptions& options = {});
 /// Makes the default communicator, as init() does, over a torch.distributed process group the
 /// program already made, for CPU tensors: torch's Gloo, built into libtorch. How CPU ranks meet
 /// without mpirun (under torchrun: the Python front end's `fsdpcpp.init(backend="gloo")`). Takes
-/// options' timeout and group name; its collectives are Gloo's, slower than MPI's, and it cannot
-/// be split into a mesh's groups (HSDP).
+/// options' timeout and communicator name; its collectives are Gloo's, slower than MPI's, and it cannot
+/// be split into a mesh's communicators (HSDP).
 std::shared_ptr<Communicator> init_from_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                       const InitOptions& options = {});
 /// The communicator made by init(); throws if init() was not called.

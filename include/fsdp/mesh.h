@@ -1,4 +1,5 @@
-// HSDP (hybrid sharding): a 2-D layout of the ranks, replicas x shards. Each replica is a group of
+// HSDP (hybrid sharding): a 2-D layout of the ranks, replicas x shards (and with tensor
+// parallelism a third dimension, tp, innermost: docs/parallelism.md). Each replica is a group of
 // consecutive ranks that shards the model among themselves (ZeRO-3 within the group); the groups
 // hold identical copies. After a group's gradients are reduce-scattered within its replica, they
 // are averaged over the ranks holding the same shard in the other replicas.
@@ -22,17 +23,22 @@
 
 namespace fsdp {
 
-/// The two communicators of a rank under HSDP (make_mesh).
+/// A rank's communicators under HSDP and tensor parallelism (make_mesh).
 struct Mesh {
   std::shared_ptr<Communicator> shard;      ///< this rank's replica: ranks holding different shards
   std::shared_ptr<Communicator> replicate;  ///< the ranks holding this rank's shard, one per replica
+  /// The ranks that split each layer with this one (tensor parallelism); null where tp = 1.
+  std::shared_ptr<Communicator> tp;
   int replicas() const { return replicate->world_size(); }  ///< how many copies of the model
 };
 
-/// Collective over `world` (default: the communicator init() made): rank r belongs to replica
-/// r / (world / replicas) and holds shard r % (world / replicas). Throws std::invalid_argument
-/// when `replicas` does not divide the world size. replicas = 1 is plain FSDP, replicas = world
-/// plain data parallelism (every rank holds everything; the reduce-scatter becomes a copy).
-Mesh make_mesh(int replicas, std::shared_ptr<Communicator> world = nullptr);
+/// Collective over `world` (default: the communicator init() made), laid out as
+/// init_device_mesh lays out (replicas, shards, tp): rank r = (replica * shards + shard) * tp + t.
+/// `shard` joins the ranks of one replica with the same tp index t (each holds its tp part's
+/// rows), `replicate` those with the same shard and t, `tp` those with the same replica and shard.
+/// Throws std::invalid_argument when replicas * tp does not divide the world size. replicas = 1
+/// and tp = 1 is plain FSDP; replicas = world plain data parallelism (every rank holds
+/// everything; the reduce-scatter becomes a copy).
+Mesh make_mesh(int replicas, std::shared_ptr<Communicator> world = nullptr, int tp = 1);
 
 }  // namespace fsdp

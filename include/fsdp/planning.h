@@ -1,5 +1,7 @@
-// Planning a schedule under a GPU memory budget (docs/planner.md, "How the planner works"):
-// profile one step, let the planner choose, apply its choice.
+// The planner's public header: planning a schedule under a GPU memory budget (docs/planner.md,
+// "How the planner works"): profile one step, let the planner choose, apply its choice. Its
+// plain-data parts (cost model, schedule, simulator, planner, projection) are in fsdp/plan/,
+// included here; torch-free code may include a part alone.
 //
 //   auto apply = [&](const fsdp::plan::Schedule& s) {
 //     fsdp::set_schedule(model, s);                  // and recompute the groups s.recompute marks
@@ -29,6 +31,8 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/plan/measured_step.h"
 #include "fsdp/plan/planner.h"
+#include "fsdp/plan/projection.h"
+#include "fsdp/plan/schedule.h"
 
 namespace fsdp {
 

@@ -8,36 +8,18 @@
 namespace fsdp {
 
 /// The runtime's scheduling knobs, process-wide (set_runtime_options). Each trades memory for
-/// overlap: more prefetch and higher caps overlap more communication and hold more buffers.
+/// overlap: more prefetch and higher caps overlap more communication and hold more buffers. What
+/// each means is its line in for_each_runtime_option below (fsdp-train's --help prints the same).
 struct RuntimeOptions {
-  /// Groups all-gathered ahead of use, following the order recorded in the
-  /// previous step (forward and backward separately). 0: no prefetch.
   int prefetch_depth = 1;
-  /// All-gathers the CPU may issue before the GPU has released the memory of
-  /// earlier ones; past it the CPU waits on the oldest release instead of
-  /// letting the allocator grow. 0: unlimited.
   int max_inflight_allgathers = 2;
-  /// Reduce-scatters (and their gradient buffers) in flight; past it the
-  /// compute stream waits for the oldest (the CPU does not). 0: unlimited.
   int max_inflight_reduce_scatters = 2;
-  /// Bucketing: a group smaller than this (unsharded, in MB) is all-gathered
-  /// together with the small groups expected next (past larger groups, which
-  /// go alone), and reduce-scatters wait to go out together until this many
-  /// MB are ready (a large group takes the waiting ones with it), in one
-  /// coalesced collective each. 0: every group on its own.
   double bucket_mb = 0;
-  /// bucket_mb in bytes.
-  size_t bucket_bytes() const { return static_cast<size_t>(bucket_mb * 1024.0 * 1024.0); }
-  /// With bucketing: how many groups may join the reduce-scatter bucket after its first before it
-  /// goes out even if not full (a cap on the backward compute that gradients wait through, and so
-  /// on the compute between reduce-scatters). 0: until it is full or backward ends.
   int reduce_bucket_max_wait = 0;
-  /// With the optimizer step in backward (set_step_in_backward), an offloaded group's step runs on
-  /// a host thread of the root's while backward's thread goes on issuing the GPU's work; this
-  /// many steps may be pending there (each holds the group's gradients in host memory) before
-  /// backward waits for the oldest. 0: steps run on backward's thread, one group at a time.
   int max_pending_host_steps = 2;
 
+  /// bucket_mb in bytes.
+  size_t bucket_bytes() const { return static_cast<size_t>(bucket_mb * 1024.0 * 1024.0); }
   /// The same knobs everywhere.
   bool operator==(const RuntimeOptions& o) const;
 };
@@ -48,19 +30,25 @@ struct RuntimeOptions {
 template <class Visit>
 void for_each_runtime_option(Visit&& visit) {
   visit("prefetch_depth", &RuntimeOptions::prefetch_depth,
-        "groups all-gathered ahead of use, following the recorded order; 0 = no prefetch");
+        "groups all-gathered ahead of use, following the order recorded in the previous step (forward "
+        "and backward apart); 0 = no prefetch");
   visit("max_inflight_allgathers", &RuntimeOptions::max_inflight_allgathers,
-        "all-gathers the CPU may issue ahead of the GPU's releases; 0 = unlimited");
+        "all-gathers the CPU may issue before the GPU has released the memory of earlier ones (past it "
+        "the CPU waits for the oldest release instead of the allocator growing); 0 = unlimited");
   visit("max_inflight_reduce_scatters", &RuntimeOptions::max_inflight_reduce_scatters,
-        "reduce-scatters in flight before the compute stream waits for the oldest; 0 = unlimited");
-  visit("bucket_mb", &RuntimeOptions::bucket_mb, "groups below this size (MB) share one collective; 0 = off");
+        "reduce-scatters (and their gradient buffers) in flight before the compute stream waits for the "
+        "oldest (the CPU does not); 0 = unlimited");
+  visit("bucket_mb", &RuntimeOptions::bucket_mb,
+        "a group below this unsharded size (MB) is all-gathered with the small groups expected next (past "
+        "larger ones), and reduce-scatters wait until this many MB are ready (a large group takes the "
+        "waiting ones along), one coalesced collective each; 0 = every group alone");
   visit("reduce_bucket_max_wait", &RuntimeOptions::reduce_bucket_max_wait,
-        "with bucketing: groups whose backward may run while gradients wait in the reduce-scatter bucket; "
-        "0 = until it is full");
+        "with bucketing: groups that may join the reduce-scatter bucket after its first before it goes out "
+        "unfilled (a cap on the compute between reduce-scatters); 0 = until it is full or backward ends");
   visit("max_pending_host_steps", &RuntimeOptions::max_pending_host_steps,
-        "with CPU offload and the optimizer step in backward: host AdamW steps that may wait or run on the "
-        "step thread while backward goes on (each holds its group's gradients in host memory); 0 = step on "
-        "backward's thread");
+        "with CPU offload and the optimizer step in backward: host steps that may wait or run on the root's "
+        "step thread while backward goes on issuing GPU work (each holds its group's gradients in host "
+        "memory); 0 = step on backward's thread, one group at a time");
 }
 
 inline bool RuntimeOptions::operator==(const RuntimeOptions& o) const {

@@ -1,10 +1,10 @@
 // Sharded checkpoints: every rank writes only its own rows, rank 0 the metadata, last; a
 // checkpoint loads on any number of ranks (the rows are re-split), and is visible only once
-// complete. The format is in src/io/checkpoint_format.h and docs/checkpoints.md.
+// complete. The format is in src/checkpoint/checkpoint_format.h and docs/checkpoints.md.
 //
 //   fsdp::CheckpointState state = fsdp::model_state(*model);   // the parameters, by name
-//   state.add_sharded("adam.exp_avg." + name, moment, param);    // anything laid out like a parameter
-//   state.add_replicated("adam.step", step);                     // the same on every rank
+//   state.add_sharded("optimizer/" + name + "/exp_avg", moment, param);  // laid out like a parameter
+//   state.add_replicated("optimizer/" + name + "/step", step);           // the same on every rank
 //   state.extra["step"] = "120";                                  // bytes of the caller's own
 //   fsdp::save_checkpoint("run/step-000120", state);             // collective
 //   fsdp::load_checkpoint(fsdp::newest_checkpoint("run"), state); // collective, fills in place
@@ -25,6 +25,16 @@ class Module;
 }
 
 namespace fsdp {
+
+/// How a checkpoint names what is not a model parameter, the same from both front ends (offline
+/// conversion leaves optimizer state out of an export by these): a buffer "buffer/NAME", optimizer
+/// state "optimizer/PARAMETER/KEY" (the Python package's), or fsdp-train's FusedAdamW's
+/// "adam.KEY.PARAMETER".
+inline constexpr char kBufferPrefix[] = "buffer/";
+inline constexpr char kOptimizerPrefix[] = "optimizer/";
+inline constexpr char kAdamPrefix[] = "adam.";
+/// Whether a checkpoint's entry `name` is optimizer state (under either optimizer prefix).
+bool is_optimizer_state(const std::string& name);
 
 /// What save_checkpoint writes and load_checkpoint fills: sharded tensors (each rank's rows),
 /// replicated tensors and the caller's entries. Building it is local; saving and loading are

@@ -13,13 +13,15 @@ from torch.distributed.tensor import DTensor
 
 from . import _C
 from ._dtensor import managed, take_replacements_in
+from ._state import refuse_tp_parts
 from ._runtime import rank
 
 newest_checkpoint = _C.newest_checkpoint
 checkpoint_name = _C.checkpoint_name
-# How a checkpoint names what is not a parameter: "buffer/NAME", "optimizer/PARAMETER/KEY".
-BUFFER_PREFIX = "buffer/"
-OPTIMIZER_PREFIX = "optimizer/"
+# How a checkpoint names what is not a parameter (the format's: fsdp/sharded_checkpoint.h):
+# "buffer/NAME", "optimizer/PARAMETER/KEY".
+BUFFER_PREFIX = _C.BUFFER_PREFIX
+OPTIMIZER_PREFIX = _C.OPTIMIZER_PREFIX
 
 
 def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
@@ -59,6 +61,7 @@ def _entries(model: nn.Module, optimizer: torch.optim.Optimizer | None):
         if not _C.is_sharded_parameter(p):
             raise ValueError(f"fsdpcpp checkpoint: parameter '{name}' is not sharded: apply fully_shard to the root "
                              "module too")
+        refuse_tp_parts([(name, p)], "fsdpcpp checkpoint", "torch.distributed.checkpoint (DCP) with get_state_dict")
         sharded.append((name, p.data, p))
         names[p] = names[face] = name  # an optimizer holds either (made before fully_shard: the managed one)
     persistent = set(model.state_dict(keep_vars=True))  # non-persistent buffers are rebuilt, not saved

@@ -11,6 +11,13 @@ puts the managed tensor back for the forward (which the runtime all-gathers into
 the face again. At the end of each backward the managed gradients are mirrored as the faces'
 gradients (the same storage); an optimizer steps either object and both see it. An optimizer
 made before fully_shard holds the managed tensors and trains as before.
+
+With tensor parallelism (torch's parallelize_module on the "tp" dim of a (dp, tp) mesh, then
+fully_shard(mesh=mesh["dp"]), as FSDP2 composes them) a parameter arrives as a DTensor on the tp
+mesh. The runtime manages its local (tp) part, sharded over the dp ranks that hold the same tp
+part; its face is 2-D as FSDP2's ((_Strided)Shard(0) over dp, the tp placement over tp), and in
+forward the module holds DTensor.from_local of the gathered part on the tp mesh, whose gradient
+reaches the managed tensor (redistributed to the tp placement first, as FSDP2 does).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -33,8 +41,10 @@ from . import _C
 from . import _runtime
 from ._runtime import device, rank, world_size
 
-_mesh = None  # the DeviceMesh of every face
-_hsdp = None  # its C++ communicators where it is 2-D (HSDP), else None
+_mesh = None  # the dp DeviceMesh of every face (fully_shard's mesh=)
+_dp_comms = None  # the C++ communicators of its dims where they are not all ranks (HSDP, tp > 1), else None
+_tp = 1  # ranks each layer is split over (tensor parallelism): the world over the dp mesh's size
+_spmd_meshes = {}  # id(tp mesh) -> the (dp..., tp) mesh of the faces of its parameters
 _live_faces = weakref.WeakSet()  # the _Faces of every live sharded module
 _forward_depth = 0  # sharded forwards in progress: 0 outside the outermost
 _mirror_queued = False
@@ -136,33 +146,43 @@ def default_mesh():
 
 
 def use_mesh(mesh, caller: str):
-    """fully_shard's mesh=: a 1-D mesh over every rank (FSDP), or a 2-D one (replicate, shard)
-    laid out as init_device_mesh lays it out (HSDP: replica r holds ranks r*S .. r*S+S-1, as
-    fsdp::make_mesh). The first mesh given is every module's (one layout for all); None takes it,
-    or FSDP2's default 1-D mesh. Returns the C++ communicators to shard over under HSDP (None:
-    all ranks)."""
-    global _mesh, _hsdp
+    """fully_shard's mesh=: the ranks to shard over, laid out as init_device_mesh lays out
+    (replicate, shard, tp): a 1-D mesh over every rank (FSDP), a 2-D one (HSDP: replica r holds
+    ranks r*S .. r*S+S-1, as fsdp::make_mesh), or either as the dp dims of a mesh whose last dim
+    splits each layer (mesh["dp"], mesh["dp_replicate", "dp_shard"]: tensor parallelism, the tp
+    ranks of each dp rank consecutive). The first mesh given is every module's (one layout for
+    all); None takes it, or FSDP2's default 1-D mesh. Returns the C++ communicators to shard over
+    (None: all ranks)."""
+    global _mesh, _dp_comms, _tp
     if mesh is None:
         default_mesh()
-        return _hsdp
+        return _dp_comms
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{caller}: mesh must be a torch.distributed DeviceMesh, not {type(mesh).__name__}")
-    if mesh.ndim > 2 or mesh.mesh.flatten().tolist() != list(range(world_size())):
+    tp = world_size() // mesh.size() if world_size() % mesh.size() == 0 else 0
+    if mesh.ndim > 2 or not tp or mesh.mesh.tolist() != _dp_ranks(tuple(mesh.shape), tp):
         raise NotImplementedError(
             f"{caller}: a mesh of shape {tuple(mesh.shape)} over ranks {mesh.mesh.tolist()} is not supported: fsdpcpp "
-            f"shards over a 1-D mesh of all {world_size()} ranks, or a 2-D (replicate, shard) one laid out as "
-            "init_device_mesh lays it out")
+            f"shards over a 1-D mesh of all {world_size()} ranks, a 2-D (replicate, shard) one, or either as the dp "
+            "dims of a (dp..., tp) mesh (mesh['dp']), laid out as init_device_mesh lays them out")
     if mesh.device_type != device().type:
         raise ValueError(f"{caller}: the mesh is on {mesh.device_type}, fsdpcpp's ranks on {device().type}")
-    if _mesh is not None and mesh is not _mesh and tuple(mesh.shape) != tuple(_mesh.shape):
+    if _mesh is not None and mesh is not _mesh and (tuple(mesh.shape), tp) != (tuple(_mesh.shape), _tp):
         raise ValueError(f"{caller}: a mesh of shape {tuple(mesh.shape)} after one of shape {tuple(_mesh.shape)}: "
                          "shard every module over one mesh")
     if _mesh is None:
-        _mesh = mesh
-        if mesh.ndim == 2:
-            _hsdp = _C.make_mesh(mesh.shape[0])
-    return _hsdp
+        _mesh, _tp = mesh, tp
+        if mesh.ndim == 2 or tp > 1:
+            _dp_comms = _C.make_mesh(mesh.shape[0] if mesh.ndim == 2 else 1, tp)
+    return _dp_comms
+
+
+def _dp_ranks(shape, tp: int) -> list:
+    """The ranks of this rank's dp mesh of `shape` when `tp` consecutive ranks split each layer."""
+    t, shards, replicas = rank() % tp, shape[-1], shape[0] if len(shape) == 2 else 1
+    ranks = [[(replica * shards + shard) * tp + t for shard in range(shards)] for replica in range(replicas)]
+    return ranks if len(shape) == 2 else ranks[0]
 
 
 def release_dropped_gradients() -> None:
@@ -189,12 +209,21 @@ def managed(tensor: torch.Tensor) -> torch.Tensor:
 class _Slot:
     """One place a managed parameter is registered: module._parameters[name]. `face` is what the
     module holds there outside forward: the DTensor face, or (a scalar, which has no rows to shard
-    by) the managed tensor itself (spec None)."""
+    by) the managed tensor itself (spec None). `in_use`: what it holds in forward (the managed
+    tensor, or with tensor parallelism a DTensor of it on the tp mesh)."""
 
-    __slots__ = ("module", "name", "managed", "face", "spec")
+    __slots__ = ("module", "name", "managed", "face", "spec", "in_use")
 
     def __init__(self, module, name, managed, face, spec):
         self.module, self.name, self.managed, self.face, self.spec = module, name, managed, face, spec
+        self.in_use = managed
+
+    def use_managed(self) -> None:
+        tp_spec = tp_spec_of(self.managed)
+        self.in_use = self.managed if tp_spec is None else DTensor.from_local(
+            self.managed, tp_spec.mesh, tp_spec.placements, run_check=False, shape=tp_spec.shape,
+            stride=tp_spec.stride)
+        self.module._parameters[self.name] = self.in_use
 
     def path(self) -> str:
         """The parameter's name from the outermost sharded module that holds it (for errors)."""
@@ -210,7 +239,7 @@ class _Slot:
         """Whether the module still holds the face the runtime made, facing the runtime's shard (or
         the runtime's tensor itself: unshard() puts it in until the forward)."""
         visible = self.module._parameters.get(self.name)
-        if visible is self.managed:
+        if visible is self.managed or visible is self.in_use:
             return True
         if visible is not self.face:
             return False
@@ -240,8 +269,9 @@ class _Faces:
         return [m for m in (ref() for ref in self.modules) if m is not None]
 
     def use_managed(self) -> None:
+        """After the unshard: what the module computes with, in every slot."""
         for slot in self.slots:
-            slot.module._parameters[slot.name] = slot.managed
+            slot.use_managed()
 
     def use_managed_in_backward(self, grad):
         self.use_managed()
@@ -302,7 +332,7 @@ class _Faces:
                     continue  # nothing to put a face in
             elif mode != "apply":
                 with torch.no_grad():
-                    _copy_my_rows(source, replaced)
+                    copy_my_rows(source, replaced.managed, replaced.spec)
             if replaced.spec is None:
                 face = replaced.managed  # a scalar: the runtime's own tensor goes back in
             else:
@@ -366,22 +396,99 @@ def _replacement_problem(slot: _Slot, source, mode: str) -> str | None:
     return None
 
 
-def _copy_my_rows(source: torch.Tensor, slot: _Slot) -> None:
+def copy_my_rows(source: torch.Tensor, target: torch.Tensor, spec: DTensorSpec | None) -> None:
     """Copies this rank's rows of `source` (a full tensor, or a DTensor of any layout) into the
-    slot's shard."""
-    target = slot.managed
-    if slot.spec is None:
+    managed tensor `target`, whose face has `spec` (None: it has none, and is whole)."""
+    if spec is None:
         target.copy_(source.full_tensor() if isinstance(source, DTensor) else source)
         return
     first_row, rows, _ = _C.shard_rows(target)
-    if isinstance(source, DTensor):
+    if isinstance(source, DTensor) and source.placements == spec.placements and source._local_tensor.shape[0] == rows:
         local = source._local_tensor
-        if not (source.placements == slot.spec.placements and local.shape[0] == rows):
-            local = source.full_tensor().narrow(0, first_row, rows)
     else:
-        local = source.narrow(0, first_row, rows)
+        full = source.full_tensor() if isinstance(source, DTensor) else source
+        local = _tp_part(full, tp_spec_of(target)).narrow(0, first_row, rows)
     if rows > 0:
         target.narrow(0, 0, rows).copy_(local)
+
+
+def tp_spec_of(managed_tensor: torch.Tensor) -> DTensorSpec | None:
+    """The layout on the tp mesh of a managed parameter tensor parallelism split (None: not split)."""
+    return managed_tensor.__dict__.get("_fsdpcpp_tp_spec")
+
+
+def _tp_part(full: torch.Tensor, tp_spec: DTensorSpec | None) -> torch.Tensor:
+    """This rank's tp part of a full tensor: its chunk along a Shard placement's dim (torch.chunk,
+    as DTensor's Shard), the whole where it is replicated."""
+    if tp_spec is None:
+        return full
+    (placement,) = tp_spec.placements
+    if isinstance(placement, Shard):
+        return full.chunk(tp_spec.mesh.size(), dim=placement.dim)[tp_spec.mesh.get_local_rank()]
+    return full
+
+
+def take_tp_parts(modules, params, caller: str) -> list:
+    """`params` (name, tensor) with each DTensor that torch's tensor parallelism made (on the tp
+    mesh) replaced, in every slot of `modules` that holds it, by a plain parameter of its local
+    part: what the runtime manages, sharded over the dp ranks. Refuses, naming the parameter, a
+    DTensor on another mesh than the tp ranks of this rank's dp mesh, or placed otherwise than
+    Shard or Replicate, or split unevenly."""
+    parts, out = {}, []
+    for name, param in params:
+        if isinstance(param, DTensor) and tp_spec_of(param) is None and id(param) not in parts:
+            parts[id(param)] = _tp_part_of(param, name, caller)
+        out.append((name, parts.get(id(param), param)))
+    if parts:
+        for module in modules:
+            for sub in module.modules():
+                for slot, value in sub._parameters.items():
+                    if value is not None and id(value) in parts:
+                        sub._parameters[slot] = parts[id(value)]
+    return out
+
+
+def _tp_part_of(param: DTensor, name: str, caller: str) -> nn.Parameter:
+    spec = param._spec
+    tp_ranks = [rank() // _tp * _tp + t for t in range(_tp)]
+    problem = None
+    if _tp == 1:
+        problem = ("is a DTensor, but the mesh fully_shard shards over is every rank: pass the dp dims of the mesh "
+                   "its tensor parallelism used (mesh['dp'])")
+    elif spec.mesh.ndim != 1 or spec.mesh.mesh.tolist() != tp_ranks:
+        problem = (f"is a DTensor on ranks {spec.mesh.mesh.tolist()}, not this rank's tp ranks {tp_ranks} (the last dim "
+                   "of the mesh whose dp dims fully_shard shards over)")
+    elif not isinstance(spec.placements[0], (Shard, Replicate)) or isinstance(spec.placements[0], _StridedShard):
+        problem = f"is placed {spec.placements[0]!r} on the tp mesh; Shard or Replicate is supported"
+    elif isinstance(spec.placements[0], Shard) and spec.shape[spec.placements[0].dim] % _tp:
+        problem = (f"has {spec.shape[spec.placements[0].dim]} entries along its tp dim {spec.placements[0].dim}, not "
+                   f"divisible by the {_tp} tp ranks")
+    if problem:
+        raise NotImplementedError(f"{caller}: parameter '{name}' {problem}")
+    part = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
+    part.__dict__.update(param.__dict__)
+    part._fsdpcpp_tp_spec = spec
+    part._fsdpcpp_tp_original = param  # becomes its face (make_faces), so whoever holds it holds the face
+    return part
+
+
+def _face_spec(param: torch.Tensor) -> DTensorSpec:
+    """FSDP2's layout of a sharded parameter: Shard(0) over the dp mesh (HSDP: Replicate() over its
+    replicas first); with tensor parallelism, over the dp mesh and then the tp mesh, the tp
+    placement last and the dp one a _StridedShard(0) where the tp one splits dim 0 too."""
+    mesh, tp_spec = default_mesh(), tp_spec_of(param)
+    replicas = (Replicate(),) if mesh.ndim == 2 else ()
+    if tp_spec is None:
+        _, _, full_shape = _C.shard_rows(param)
+        meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
+        return DTensorSpec(mesh, (*replicas, Shard(0)), meta)
+    if id(tp_spec.mesh) not in _spmd_meshes:
+        from torch.distributed.device_mesh import DeviceMesh
+        _spmd_meshes[id(tp_spec.mesh)] = DeviceMesh._concatenate([mesh, tp_spec.mesh])
+    split = tp_spec.num_shards_map[0]
+    dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    return DTensorSpec(_spmd_meshes[id(tp_spec.mesh)], (*replicas, dp_placement, *tp_spec.placements),
+                       tp_spec.tensor_meta)
 
 
 def _face(param: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:
@@ -397,18 +504,19 @@ def make_faces(modules, params, inner_modules) -> _Faces:
     slot of the trees of `modules` (the group's: one, or a fully_shard list) outside the inner
     sharded modules that holds it; each module that holds one takes replacements after
     load_state_dict (_Faces.take_replacements)."""
-    mesh = default_mesh()
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # FSDP2's, FSDP and HSDP
     inner = {id(m) for sub in inner_modules for m in sub.modules()}
     faces = {}
     for _, param in params:
         if param.dim() == 0:
             faces[id(param)] = (param, None)  # no rows to shard by (the runtime keeps it whole): no face
             continue
-        _, _, full_shape = _C.shard_rows(param)
-        meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
-        spec = DTensorSpec(mesh, placements, meta)
-        faces[id(param)] = (_face(param, spec, param.requires_grad), spec)
+        spec = _face_spec(param)
+        face = _face(param, spec, param.requires_grad)
+        original = param.__dict__.pop("_fsdpcpp_tp_original", None)
+        if original is not None:  # the DTensor tensor parallelism made becomes the face, its identity kept
+            torch.utils.swap_tensors(original, face)
+            face = original
+        faces[id(param)] = (face, spec)
     slots = []
     for sub in dict.fromkeys(sub for module in modules for sub in module.modules()):
         if id(sub) in inner:
@@ -444,7 +552,6 @@ def enter_forward(faces: _Faces) -> None:
         for state in faces.under():
             state.forward_settings()
     _forward_depth += 1
-    faces.use_managed()
 
 
 def exit_forward(faces: _Faces, outputs) -> None:

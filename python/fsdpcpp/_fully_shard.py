@@ -271,6 +271,7 @@ def _pre_forward(module, args, kwargs):
             except BaseException:
                 _dtensor.exit_forward(state.faces, [])
                 raise
+            state.faces.use_managed()  # after the unshard: a tp part's DTensor views the gathered rows
         except BaseException:
             if state.module_list is not None:
                 state.module_list.abort()
@@ -380,7 +381,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     head); each becomes an FSDPModule.
     mesh: a 1-D DeviceMesh over every rank (FSDP2's default, made when none is given), or a 2-D
     (replicate, shard) one from init_device_mesh: HSDP, each replica shards the model over its
-    ranks and the gradients are averaged across replicas. One mesh for every module.
+    ranks and the gradients are averaged across replicas. Either may be the dp dims of a mesh whose
+    last dim torch's tensor parallelism split the model over (mesh["dp"] of a ("dp", "tp") mesh):
+    each DTensor parameter's tp part is sharded over the dp ranks, as FSDP2 does. One mesh for
+    every module.
     reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for
     backward; None (FSDP2's default) is True here for every module, the root's too (FSDP2 keeps a
     root's): its backward all-gather is prefetched, and the memory-budget planner decides which
@@ -400,16 +404,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         raise NotImplementedError(f"fsdpcpp.fully_shard({name}): reshard_after_forward={reshard_after_forward!r}: "
                                   "True, False or None (resharding to a smaller group of ranks is not supported)")
     _ensure_init()
-    hsdp = _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
+    dp_comms = _dtensor.use_mesh(mesh, f"fsdpcpp.fully_shard({name})")
     members = {id(m) for m in modules}
     inner_modules = list({id(sub): sub for m in modules for sub in m.modules()
                           if id(sub) not in members and isinstance(sub, FSDPModule)}.values())
     inner = list({id(sub._fsdpcpp.group): sub._fsdpcpp.group for sub in inner_modules}.values())
     params = _group_parameters(modules, name, {id(_dtensor.managed(p)) for p in ignored_params or ()})
     _check_placements(shard_placement_fn, params, name)
+    params = _dtensor.take_tp_parts(modules, params, f"fsdpcpp.fully_shard({name})")
     _off_meta(params)
     group = _C.shard_group(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
-                           reshard_after_forward is not False, offload, hsdp)
+                           reshard_after_forward is not False, offload, dp_comms)
     faces = _dtensor.make_faces(modules, params, inner_modules)
     module_list = _ModuleList(modules) if len(modules) > 1 else None
     for m in modules:

@@ -8,14 +8,24 @@ import torch
 from torch import nn
 
 from . import _C
-from ._dtensor import managed, take_replacements_in
+from ._dtensor import copy_my_rows, managed, take_replacements_in, tp_spec_of
 from ._runtime import rank
 
 
-def _named(parameters) -> list[tuple[str, torch.Tensor]]:
+def _named(parameters, caller: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [(f"parameter {i}", managed(p)) for i, p in enumerate(parameters)]
+    named = [(f"parameter {i}", managed(p)) for i, p in enumerate(parameters)]
+    refuse_tp_parts(named, caller, "torch.nn.utils.clip_grad_norm_ (or torchtitan's clip) over the DTensor parameters")
+    return named
+
+
+def refuse_tp_parts(named, caller: str, instead: str) -> None:
+    """fsdp.cpp's own whole-model calls reach the ranks of one dp mesh, not a tp part's peers."""
+    for name, tensor in named:
+        if tp_spec_of(tensor) is not None:
+            raise NotImplementedError(f"{caller}: '{name}' is split by tensor parallelism, which this call does not "
+                                      f"follow: use {instead}, as with FSDP2")
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -25,11 +35,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     ranks. Collective."""
     if norm_type != 2.0:
         raise NotImplementedError("fsdpcpp.clip_grad_norm_: only the L2 norm (norm_type=2) is supported")
-    return _C.clip_grad_norm_(_named(parameters), float(max_norm))
+    return _C.clip_grad_norm_(_named(parameters, "fsdpcpp.clip_grad_norm_"), float(max_norm))
 
 
 def full_parameter(param: torch.Tensor) -> torch.Tensor:
-    """A full (unsharded) copy of a sharded parameter, on the device. Collective over its group."""
+    """A full (unsharded) copy of a sharded parameter, on the device. Collective over its group
+    (with tensor parallelism, over every rank)."""
+    if tp_spec_of(managed(param)) is not None:
+        return param.full_tensor()
     return _C.full_parameter(managed(param))
 
 
@@ -47,9 +60,8 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = True,
     full = {}
     with torch.no_grad():
         for name, value in model.state_dict(keep_vars=True).items():
-            value = managed(value)
-            if _C.is_sharded_parameter(value):
-                value = _C.full_parameter(value)
+            if _C.is_sharded_parameter(managed(value)):
+                value = full_parameter(value)
             elif keep:
                 value = value.detach().clone()
             if keep:
@@ -62,7 +74,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     every sharded parameter, and whole tensors into the rest. Not collective. strict=True raises
     naming missing and unexpected keys and shapes that differ, as load_state_dict does."""
     take_replacements_in(model, "fsdpcpp.set_model_state_dict")
-    own = {name: managed(value) for name, value in model.state_dict(keep_vars=True).items()}
+    faces = model.state_dict(keep_vars=True)
+    own = {name: managed(value) for name, value in faces.items()}
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if strict and (missing or unexpected):
@@ -73,12 +86,11 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 continue
             source = state_dict[name]
             if _C.is_sharded_parameter(target):
-                first_row, rows, full_shape = _C.shard_rows(target)
-                if list(source.shape) != list(full_shape):
+                full_shape = list(faces[name].shape)
+                if list(source.shape) != full_shape:
                     raise ValueError(f"fsdpcpp.set_model_state_dict: '{name}' has shape {list(source.shape)} in the "
-                                     f"state dict but {list(full_shape)} in the model")
-                if rows > 0:
-                    target.narrow(0, 0, rows).copy_(source.narrow(0, first_row, rows))
+                                     f"state dict but {full_shape} in the model")
+                copy_my_rows(source, target, getattr(faces[name], "_spec", None))
             else:
                 if source.shape != target.shape:
                     raise ValueError(f"fsdpcpp.set_model_state_dict: '{name}' has shape {list(source.shape)} in the "

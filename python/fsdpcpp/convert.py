@@ -21,15 +21,8 @@ import sys
 import torch
 
 from . import _C
-from ._checkpoint import BUFFER_PREFIX, OPTIMIZER_PREFIX
-
-# fsdp-train's optimizer entries ("adam.exp_avg.NAME", "adam.exp_avg_sq.NAME", "adam.step.NAME").
-TRAINER_OPTIMIZER_PREFIX = "adam."
+from ._checkpoint import BUFFER_PREFIX
 DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _is_optimizer_state(name: str) -> bool:
-    return name.startswith(OPTIMIZER_PREFIX) or name.startswith(TRAINER_OPTIMIZER_PREFIX)
 
 
 def _remove(path: str) -> None:
@@ -104,7 +97,7 @@ def convert(checkpoint: str, out: str, to: str, dtype: torch.dtype | None = None
         writer = _SafetensorsWriter(staged, int(shard_gb * 1e9))
 
     def visit(name, tensor):
-        if _is_optimizer_state(name):
+        if _C.is_optimizer_state(name):
             if with_optimizer:
                 optimizer[name] = tensor
             return

@@ -13,9 +13,9 @@
 
 namespace fsdp {
 
-Communicator::Communicator(int rank, int world_size, std::string group_name,
+Communicator::Communicator(int rank, int world_size, std::string name,
                            std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), group_name_(std::move(group_name)), timeout_(timeout) {
+    : rank_(rank), world_size_(world_size), name_(std::move(name)), timeout_(timeout) {
   const char* check = std::getenv("FSDP_CHECK_COLLECTIVES");
   check_collectives_ = check && std::string(check) == "1";
 }
@@ -23,7 +23,7 @@ Communicator::Communicator(int rank, int world_size, std::string group_name,
 // Messages are built from strings, not iostreams: in the Python extension on the GPU machines'
 // image, formatting an integer into an ostream crashed inside libstdc++'s locale code.
 std::string Communicator::describe() const {
-  return "rank " + std::to_string(rank_) + " of group '" + group_name_ + "' (" + std::to_string(world_size_) +
+  return "rank " + std::to_string(rank_) + " of communicator '" + name_ + "' (" + std::to_string(world_size_) +
          " ranks, " + backend() + ")";
 }
 
@@ -129,7 +129,7 @@ void Communicator::check_same_on_all_ranks(Describe&& signature_of) {
                           "collectives in the same order (FSDP_CHECK_COLLECTIVES=1 found this).");
 }
 
-// A group of one rank needs no backend: every collective is a local copy or
+// A communicator of one rank needs no backend: every collective is a local copy or
 // nothing. (NCCL 2.28's one-rank reduce-scatter also left the last element of
 // an odd-sized output unwritten on H200.)
 void Communicator::all_gather_coalesced(const std::vector<at::Tensor>& outputs,
@@ -176,7 +176,7 @@ void Communicator::broadcast(const at::Tensor& tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   if (root < 0 || root >= world_size_)
     throw CollectiveError("fsdp: broadcast on " + describe() + ": root " + std::to_string(root) +
-                          " is not a rank of the group");
+                          " is not a rank of the communicator");
   check_same_on_all_ranks([&] { return signature("broadcast from rank " + std::to_string(root), {tensor}, ""); });
   if (world_size_ > 1) do_broadcast(tensor, root);
 }
@@ -192,12 +192,12 @@ int Communicator::count_ranks(bool condition) {
   return static_cast<int>(count.item<int64_t>());
 }
 
-std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& group_name) {
+std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
   if (color < 0)
-    throw std::invalid_argument("fsdp: split of " + describe() + " into '" + group_name + "': color " +
-                                std::to_string(color) + " is negative; every rank must join a group");
+    throw std::invalid_argument("fsdp: split of " + describe() + " into '" + name + "': color " +
+                                std::to_string(color) + " is negative; every rank must join a part");
   barrier();  // timed: every peer is there before the backend's untimed split
-  return do_split(color, key, group_name);
+  return do_split(color, key, name);
 }
 
 }  // namespace fsdp

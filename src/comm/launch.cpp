@@ -128,7 +128,7 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
                                                                : "RANK/WORLD_SIZE") +
           " alone cannot connect its MPI processes. Launch with `mpirun -n N PROGRAM` or `fsdp-run -n N "
           "PROGRAM` (which uses mpirun when there is no GPU).");
-    auto comm = std::make_shared<MpiCommunicator>(options.group_name, timeout);
+    auto comm = std::make_shared<MpiCommunicator>(options.communicator_name, timeout);
     if (comm->world_size() != env.world_size || comm->rank() != env.rank)
       throw std::invalid_argument("fsdp: MPI sees rank " + std::to_string(comm->rank()) + " of " +
                                   std::to_string(comm->world_size()) +
@@ -154,7 +154,7 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, const LaunchEnv
         "or launch with torchrun, OpenMPI's mpirun or fsdp-run");
   ncclUniqueId id = exchange_nccl_id(env, timeout);
   return std::make_shared<NcclCommunicator>(env.rank, env.world_size, env.local_rank, id,
-                                            options.group_name, timeout);
+                                            options.communicator_name, timeout);
 #else
   throw std::invalid_argument(
       "fsdp: this build has no NCCL backend (torch without CUDA, or NCCL not found at configure "
@@ -303,7 +303,7 @@ std::shared_ptr<Communicator> init(const InitOptions& options) {
 
 std::shared_ptr<Communicator> init_from_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                       const InitOptions& options) {
-  return make_default(std::make_shared<ProcessGroupCommunicator>(group, options.group_name, timeout_from(options)));
+  return make_default(std::make_shared<ProcessGroupCommunicator>(group, options.communicator_name, timeout_from(options)));
 }
 
 std::shared_ptr<Communicator> default_communicator() {

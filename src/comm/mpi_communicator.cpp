@@ -78,20 +78,20 @@ int size_of(MPI_Comm comm) {
 }
 }  // namespace
 
-MpiCommunicator::MpiCommunicator(std::string group_name, std::chrono::milliseconds timeout)
-    : MpiCommunicator(duplicate_world(), std::move(group_name), timeout) {}
+MpiCommunicator::MpiCommunicator(std::string name, std::chrono::milliseconds timeout)
+    : MpiCommunicator(duplicate_world(), std::move(name), timeout) {}
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string group_name, std::chrono::milliseconds timeout)
-    : Communicator(rank_in(comm), size_of(comm), std::move(group_name), timeout), comm_(comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, std::chrono::milliseconds timeout)
+    : Communicator(rank_in(comm), size_of(comm), std::move(name), timeout), comm_(comm) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
 }
 
-std::shared_ptr<Communicator> MpiCommunicator::do_split(int color, int key, std::string group_name) {
+std::shared_ptr<Communicator> MpiCommunicator::do_split(int color, int key, std::string name) {
   MPI_Comm part = MPI_COMM_NULL;
   const int rc = MPI_Comm_split(comm_, color, key, &part);
   if (rc != MPI_SUCCESS || part == MPI_COMM_NULL)
-    throw CollectiveError("fsdp: MPI_Comm_split of " + describe() + " into '" + group_name + "' failed");
-  return std::shared_ptr<Communicator>(new MpiCommunicator(part, std::move(group_name), timeout()));
+    throw CollectiveError("fsdp: MPI_Comm_split of " + describe() + " into '" + name + "' failed");
+  return std::shared_ptr<Communicator>(new MpiCommunicator(part, std::move(name), timeout()));
 }
 
 MpiCommunicator::~MpiCommunicator() {

@@ -47,9 +47,9 @@ ncclUniqueId make_nccl_unique_id() {
 }
 
 NcclCommunicator::NcclCommunicator(int rank, int world_size, int device_index,
-                                   const ncclUniqueId& id, std::string group_name,
+                                   const ncclUniqueId& id, std::string name,
                                    std::chrono::milliseconds timeout)
-    : Communicator(rank, world_size, std::move(group_name), timeout), device_(device_index) {
+    : Communicator(rank, world_size, std::move(name), timeout), device_(device_index) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   check(ncclCommInitRank(&comm_, world_size, id, rank), "ncclCommInitRank");
   watchdog_ = std::thread([this] { watchdog_loop(); });
@@ -68,17 +68,17 @@ int size_of(ncclComm_t comm) {
 }
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device_index, std::string group_name,
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device_index, std::string name,
                                    std::chrono::milliseconds timeout)
-    : Communicator(rank_in(comm), size_of(comm), std::move(group_name), timeout), comm_(comm), device_(device_index) {
+    : Communicator(rank_in(comm), size_of(comm), std::move(name), timeout), comm_(comm), device_(device_index) {
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 
-std::shared_ptr<Communicator> NcclCommunicator::do_split(int color, int key, std::string group_name) {
+std::shared_ptr<Communicator> NcclCommunicator::do_split(int color, int key, std::string name) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   ncclComm_t part = nullptr;
-  check(ncclCommSplit(comm_, color, key, &part, nullptr), "ncclCommSplit into '" + group_name + "'");
-  return std::shared_ptr<Communicator>(new NcclCommunicator(part, device_, std::move(group_name), timeout()));
+  check(ncclCommSplit(comm_, color, key, &part, nullptr), "ncclCommSplit into '" + name + "'");
+  return std::shared_ptr<Communicator>(new NcclCommunicator(part, device_, std::move(name), timeout()));
 }
 
 NcclCommunicator::~NcclCommunicator() {

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <thread>
 
-#include "fsdp/communicator.h"
+#include "comm/backend_hooks.h"
 
 namespace fsdp {
 
@@ -22,7 +22,7 @@ class NcclCommunicator : public Communicator {
  public:
   // Collective: every rank calls this with the id rank 0 made (ncclGetUniqueId).
   NcclCommunicator(int rank, int world_size, int device_index, const ncclUniqueId& id,
-                   std::string group_name, std::chrono::milliseconds timeout);
+                   std::string name, std::chrono::milliseconds timeout);
   ~NcclCommunicator() override;
 
   const char* backend() const override { return "nccl"; }
@@ -31,16 +31,11 @@ class NcclCommunicator : public Communicator {
   }
 
  protected:
-  void do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) override;
-  void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) override;
-  void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override;
-  void do_broadcast(const at::Tensor& tensor, int root) override;
-  void do_barrier() override;
-  std::shared_ptr<Communicator> do_split(int color, int key, std::string group_name) override;
+  FSDP_COMMUNICATOR_BACKEND_HOOKS
 
  private:
   // Takes ownership of `comm`, a communicator NCCL made (ncclCommSplit).
-  NcclCommunicator(ncclComm_t comm, int device_index, std::string group_name, std::chrono::milliseconds timeout);
+  NcclCommunicator(ncclComm_t comm, int device_index, std::string name, std::chrono::milliseconds timeout);
   struct InFlight {
     void* event;  // cudaEvent_t recorded after the collective; null while enqueuing
     std::string what;

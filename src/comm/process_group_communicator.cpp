@@ -13,8 +13,8 @@ namespace fsdp {
 // thread issuing the next collective holds while it waits: that collective would never run.
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                                   std::string group_name, std::chrono::milliseconds timeout)
-    : Communicator(group->getRank(), group->getSize(), std::move(group_name), timeout), group_(std::move(group)) {}
+                                                   std::string name, std::chrono::milliseconds timeout)
+    : Communicator(group->getRank(), group->getSize(), std::move(name), timeout), group_(std::move(group)) {}
 
 void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   bool done = false;

@@ -55,7 +55,7 @@ std::invalid_argument structure_error(const GroupSpec& spec, int64_t first_hash,
   return shard_error(spec, "the model differs across ranks: the parameters (names, shapes, dtypes, float8 "
                                "all-gather marks) hash to " +
                                std::string(hashes) + " on rank " + std::to_string(other_rank) + " of '" +
-                               comm.group_name() + "' (this is rank " + std::to_string(comm.rank()) + ", " +
+                               comm.name() + "' (this is rank " + std::to_string(comm.rank()) + ", " +
                                std::to_string(spec.params.size()) + " parameters here). Build the same model on "
                                "every rank, with the same weights marked by enable_float8_all_gather, before "
                                "sharding.");
@@ -74,8 +74,8 @@ void check_same_structure(Communicator& comm, const GroupSpec& spec) {
     if (h[r] != h[0]) throw structure_error(spec, h[0], h[r], r, comm);
 }
 
-// HSDP: a replicate group joins the ranks that hold the same shard of equally large shard groups,
-// with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
+// HSDP: a replicate communicator joins the ranks that hold the same shard of equally large shard
+// communicators, with the same parameters (one all-gather of [shard rank, shard count, structure hash]).
 void check_replicas(const Communicator& comm, Communicator& replicate, const GroupSpec& spec) {
   const std::string fix = ": make both communicators with fsdp::make_mesh";
   if (replicate.device() != comm.device())
@@ -90,11 +90,11 @@ void check_replicas(const Communicator& comm, Communicator& replicate, const Gro
   const int64_t first_hash = row[2];
   for (int r = 0; r < replicate.world_size(); ++r, row += 3) {
     if (row[0] != comm.rank() || row[1] != comm.world_size())
-      throw shard_error(spec, "rank " + std::to_string(r) + " of the replicate group '" + replicate.group_name() +
+      throw shard_error(spec, "rank " + std::to_string(r) + " of the replicate communicator '" + replicate.name() +
                                   "' holds shard " + std::to_string(row[0]) + " of " + std::to_string(row[1]) +
                                   ", this rank shard " + std::to_string(comm.rank()) + " of " +
                                   std::to_string(comm.world_size()) +
-                                  "; a replicate group joins the ranks holding the same shard" + fix);
+                                  "; a replicate communicator joins the ranks holding the same shard" + fix);
     if (row[2] != first_hash) throw structure_error(spec, first_hash, row[2], r, replicate);
   }
 }
@@ -155,11 +155,11 @@ void set_prefetch_depth(GroupState& state, int depth) {
 }
 int prefetch_depth(const GroupState& state) { return state.prefetch_depth(); }
 void reshard(GroupState& state) {
-  if (state.group().is_unsharded()) state.reshard();
+  if (state.params().is_unsharded()) state.reshard();
 }
 
 void unshard(GroupState& state) { state.prefetch(); }
-void wait_for_unshard(GroupState& state) { state.group().wait_for_unshard(); }
+void wait_for_unshard(GroupState& state) { state.params().wait_for_unshard(); }
 
 void set_runtime_options(GroupState& state, const RuntimeOptions& options) {
   check_runtime_options(options, "fsdp::set_runtime_options(" + group_name(state) + ")");
@@ -172,7 +172,7 @@ RuntimeOptions runtime_options(const GroupState& state) {
 
 at::Tensor full_parameter(const at::Tensor& param) {
   c10::NoGradGuard no_grad;
-  if (auto owner = Runtime::get().owner_of(param)) return owner->state->group().gather_full(owner->index);
+  if (auto owner = Runtime::get().owner_of(param)) return owner->state->params().gather_full(owner->index);
   return param.detach().clone();
 }
 
@@ -195,13 +195,13 @@ ShardedGradients sharded_gradients(const NamedTensors& params, const char* calle
     if (!owner)
       throw std::invalid_argument(std::string(caller) + ": parameter '" + name +
                                   "' is not sharded: apply fully_shard to the root module too");
-    if (owner->state->group().is_unsharded())
+    if (owner->state->params().is_unsharded())
       throw std::logic_error(std::string(caller) + ": call it after backward, not between "
                              "forward and backward ('" + name + "' is unsharded)");
     if (owner->state->steps_in_backward())
       throw std::logic_error(std::string(caller) + ": the optimizer steps in backward (set_step_in_backward), so the "
                              "gradients are applied and gone before the norm could be taken; clip without it");
-    out.comm = &owner->state->group().comm();
+    out.comm = &owner->state->params().comm();
     if (!p.grad().defined()) continue;
     auto& lists = out.by_device;
     auto it = std::find_if(lists.begin(), lists.end(), [&](const auto& g) { return g.first == p.grad().device(); });

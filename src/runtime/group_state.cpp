@@ -17,10 +17,16 @@
 namespace fsdp {
 namespace {
 
-// FSDP_TRACE=1 prints every runtime event to stderr (for debugging hooks).
-bool tracing() {
+// FSDP_EVENT_LOG=1 prints every runtime event to stderr (for debugging hooks). Its old name,
+// FSDP_TRACE, is still read, with a line saying the new one: "trace" is the Chrome trace.
+bool logging_events() {
   static const bool on = [] {
-    const char* v = std::getenv("FSDP_TRACE");
+    const char* old_name = std::getenv("FSDP_TRACE");
+    const char* v = std::getenv("FSDP_EVENT_LOG");
+    if (!v && old_name) {
+      std::fprintf(stderr, "fsdp: FSDP_TRACE is now called FSDP_EVENT_LOG (the event log); reading it\n");
+      v = old_name;
+    }
     return v && *v && std::string(v) != "0";
   }();
   return on;
@@ -48,16 +54,16 @@ GroupState::GroupState(std::string module_name,
                        std::vector<std::pair<std::string, at::Tensor>> params,
                        std::vector<std::shared_ptr<GroupState>> inner, const ShardOptions& options)
     : module_name_(std::move(module_name)),
-      group_(std::move(params), options),
+      params_(std::move(params), options),
       inner_(inner.begin(), inner.end()),
       reshard_after_forward_(options.reshard_after_forward) {
-  for (const auto& p : group_.params()) {
+  for (const auto& p : params_.sharded()) {
     if (p.param.requires_grad())
       ++trainable_params_;
     else
       has_frozen_params_ = true;
   }
-  accumulators_.resize(group_.params().size());
+  accumulators_.resize(params_.sharded().size());
 }
 
 std::vector<std::shared_ptr<GroupState>> GroupState::groups_under() {
@@ -82,17 +88,17 @@ void GroupState::pre_forward() {
   const Runtime& runtime = Runtime::get();
   RootState& root = this->root();
   root.enter_forward(*this);
-  trace("pre_forward", runtime.recomputing() ? "(recompute)" : is_root_ ? "(root)" : "");
+  log_event("pre_forward", runtime.recomputing() ? "(recompute)" : is_root_ ? "(root)" : "");
   try {
     if (runtime.recomputing()) {
       start_backward(/*recompute=*/true);  // a recompute is where this group's backward begins
-      group_.wait_for_unshard();
+      params_.wait_for_unshard();
     } else {
       unshard();
       for (GroupState* next : root.forward_prefetch_targets(*this)) next->prefetch();
-      group_.wait_for_unshard();
+      params_.wait_for_unshard();
       compute_span_ =
-          Trace::get().begin("forward " + group_.label(), Trace::Track::Compute, compute_stream());
+          Trace::get().begin("forward " + params_.label(), Trace::Track::Compute, compute_stream());
     }
   } catch (...) {
     root.exit_forward();
@@ -101,18 +107,18 @@ void GroupState::pre_forward() {
 }
 
 void GroupState::unshard() {
-  if (!group_.is_unsharded()) root().all_gather(*this);
+  if (!params_.is_unsharded()) root().all_gather(*this);
 }
 
 void GroupState::prefetch() {
-  if (group_.is_unsharded()) return;
-  trace("prefetch", "");
+  if (params_.is_unsharded()) return;
+  log_event("prefetch", "");
   unshard();
   Runtime::get().count_prefetch();
 }
 
 void GroupState::reshard() {
-  auto last_use = group_.reshard();
+  auto last_use = params_.reshard();
   if (root_) root_->after_reshard(std::move(last_use));
   Trace::get().mark();  // the parameters' memory is back (cost model)
 }
@@ -122,7 +128,7 @@ void GroupState::abort_forward() { root().exit_forward(); }
 RootState& GroupState::root() { return root_ ? *root_ : Runtime::get().root_of(*this); }
 
 std::optional<c10::Stream> GroupState::compute_stream() const {
-  const auto& streams = DeviceStreams::of(group_.device());
+  const auto& streams = DeviceStreams::of(params_.device());
   if (!streams.active()) return std::nullopt;
   return streams.compute();
 }
@@ -131,7 +137,7 @@ void GroupState::post_forward(const std::vector<at::Tensor>& outputs) {
   Trace::get().end(compute_span_, compute_stream());
   // A recompute is traced apart from the backward that follows it (the cost model tells them apart).
   if (Runtime::get().recomputing())
-    compute_span_ = Trace::get().begin("backward " + group_.label(), Trace::Track::Compute, compute_stream());
+    compute_span_ = Trace::get().begin("backward " + params_.label(), Trace::Track::Compute, compute_stream());
   root().exit_forward();
   bool needs_backward = false;
   if (c10::GradMode::is_enabled()) {
@@ -161,7 +167,7 @@ void GroupState::post_forward(const std::vector<at::Tensor>& outputs) {
 // dtype (mixed precision) makes autograd create a fresh one, so each forward
 // checks that the one this graph uses carries our hook.
 void GroupState::hook_gradient_accumulators() {
-  const auto& params = group_.params();
+  const auto& params = params_.sharded();
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].param.requires_grad()) continue;
     auto accumulator = torch::autograd::impl::grad_accumulator(params[i].param);
@@ -171,16 +177,16 @@ void GroupState::hook_gradient_accumulators() {
   }
 }
 
-void GroupState::trace(const char* event, const char* detail) const {
-  if (!tracing()) return;
-  std::fprintf(stderr, "fsdp trace: rank %d step %llu group %d (%s) %s %s (thread %zx)\n",
-               group_.comm().rank(), static_cast<unsigned long long>(step_), id_,
+void GroupState::log_event(const char* event, const char* detail) const {
+  if (!logging_events()) return;
+  std::fprintf(stderr, "fsdp event: rank %d step %llu group %d (%s) %s %s (thread %zx)\n",
+               params_.comm().rank(), static_cast<unsigned long long>(step_), id_,
                module_name_.c_str(), event, detail,
                std::hash<std::thread::id>{}(std::this_thread::get_id()));
 }
 
 void GroupState::pre_backward() {
-  trace("pre_backward", backward_started_ ? "(again)" : "");
+  log_event("pre_backward", backward_started_ ? "(again)" : "");
   start_backward(/*recompute=*/false);
 }
 
@@ -190,26 +196,26 @@ void GroupState::start_backward(bool recompute) {
   root().enter_backward(*this);
   unshard();
   for (GroupState* next : root().backward_prefetch_targets(*this)) next->prefetch();
-  group_.wait_for_unshard();
+  params_.wait_for_unshard();
   const char* phase = recompute ? "recompute " : "backward ";
-  compute_span_ = Trace::get().begin(phase + group_.label(), Trace::Track::Compute, compute_stream());
+  compute_span_ = Trace::get().begin(phase + params_.label(), Trace::Track::Compute, compute_stream());
 }
 
 // AccumulateGrad runs once per parameter per backward, after every use of the
 // parameter in the graph: once all trainable parameters have their
 // gradients, none of the group's backward work that needs them remains.
 void GroupState::on_gradient(size_t index) {
-  trace("gradient", group_.params()[index].name.c_str());
+  log_event("gradient", params_.sharded()[index].name.c_str());
   if (!backward_started_ || reduced_) return;
   if (++gradients_ready_ == trainable_params_) post_backward();
 }
 
 void GroupState::post_backward() {
-  if (tracing()) {
+  if (logging_events()) {
     std::string missing;
-    for (const auto& p : group_.params())
+    for (const auto& p : params_.sharded())
       if (p.param.requires_grad() && !p.param.grad().defined()) missing += " " + p.name;
-    trace("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
+    log_event("post_backward", missing.empty() ? "" : ("without gradient:" + missing).c_str());
   }
   Trace::get().end(compute_span_, compute_stream());
   // Frozen parameters get no AccumulateGrad, so nothing tells us when their
@@ -226,14 +232,14 @@ void GroupState::post_backward() {
 void GroupState::step_committed_gradients() {
   if (!step_in_backward_) return;
   std::vector<at::Tensor> stepped;
-  for (const auto& p : group_.params())
+  for (const auto& p : params_.sharded())
     if (p.param.grad().defined()) stepped.push_back(p.param);
   if (stepped.empty()) return;
-  const int span = Trace::get().begin("step " + group_.label(), Trace::Track::HostStep);
+  const int span = Trace::get().begin("step " + params_.label(), Trace::Track::HostStep);
   try {
     step_in_backward_(stepped);
   } catch (const std::exception& e) {
-    throw std::runtime_error("fsdp: the optimizer step in backward of '" + group_.label() + "' failed: " + e.what());
+    throw std::runtime_error("fsdp: the optimizer step in backward of '" + params_.label() + "' failed: " + e.what());
   }
   Trace::get().end(span);
   for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
@@ -242,20 +248,20 @@ void GroupState::step_committed_gradients() {
 // The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
 // the cost model times apart from the backward (GroupCost::handoff_ms).
 void GroupState::hand_off_gradients(bool reshard_first) {
-  std::vector<at::Tensor> grads = group_.take_gradients();
+  std::vector<at::Tensor> grads = params_.take_gradients();
   if (reshard_first) reshard();
-  const int span = Trace::get().begin("hand-off " + group_.label(), Trace::Track::Compute, compute_stream());
+  const int span = Trace::get().begin("hand-off " + params_.label(), Trace::Track::Compute, compute_stream());
   if (gradient_sync_)
-    group_.prepare_reduce_scatter(std::move(grads));
+    params_.prepare_reduce_scatter(std::move(grads));
   else
-    group_.hold_unsynced_gradients(std::move(grads));
+    params_.hold_unsynced_gradients(std::move(grads));
   Trace::get().end(span, compute_stream());
-  if (gradient_sync_) root().reduce_scatter(group_);
+  if (gradient_sync_) root().reduce_scatter(params_);
   reduced_ = true;
 }
 
 void GroupState::finish_backward() {
-  trace("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
+  log_event("finish_backward", backward_started_ && !reduced_ ? "(reduce-scatter outstanding)" : "");
   if (backward_started_ && !reduced_) hand_off_gradients(/*reshard_first=*/true);
   reshard();
   backward_started_ = false;

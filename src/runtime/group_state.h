@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/fully_shard.h"
+#include "fsdp/group.h"
 #include "fsdp/options.h"
 #include "fsdp/runtime_options.h"
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 
 namespace fsdp {
 
@@ -43,7 +43,7 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   // Groups all-gathered ahead at this group's start; -1: its root's prefetch_depth.
   int prefetch_depth() const { return prefetch_depth_; }
   void set_prefetch_depth(int depth) { prefetch_depth_ = depth; }
-  ParamGroup& group() { return group_; }
+  GroupParams& params() { return params_; }
   // This group and those sharded inside it (that still exist).
   std::vector<std::shared_ptr<GroupState>> groups_under();
   // This group's scheduling options when it runs as a root (set_runtime_options); none: the
@@ -52,7 +52,7 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   void set_runtime_options(const RuntimeOptions& options) { runtime_options_ = options; }
   // The root it runs under; nullptr before its first forward.
   const RootState* root_state() const { return root_.get(); }
-  const ParamGroup& group() const { return group_; }
+  const GroupParams& params() const { return params_; }
 
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs);
@@ -66,11 +66,11 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   void finish_backward();
 
   // false: backward keeps the gradients unsharded and sums them over backward passes
-  // (ParamGroup::hold_unsynced_gradients) instead of reduce-scattering them; the first backward
+  // (GroupParams::hold_unsynced_gradients) instead of reduce-scattering them; the first backward
   // with true reduce-scatters the sum.
   void set_gradient_sync(bool sync) { gradient_sync_ = sync; }
   // fsdp::set_step_in_backward; empty: off.
-  void set_step_in_backward(GroupStep step) { step_in_backward_ = std::move(step); }
+  void set_step_in_backward(StepInBackward step) { step_in_backward_ = std::move(step); }
   bool steps_in_backward() const { return static_cast<bool>(step_in_backward_); }
   // With a step in backward: steps the parameters whose sharded gradients are committed, then
   // frees those gradients (the end-of-backward callback calls it after committing the rest).
@@ -89,9 +89,9 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   void start_backward(bool recompute);
   void post_backward();
   // This backward's gradients leave the unsharded parameters: reduce-scatter, or held unsynced.
-  // `reshard_first`: the group reshards before the hand-off allocates (ParamGroup::take_gradients).
+  // `reshard_first`: the group reshards before the hand-off allocates (GroupParams::take_gradients).
   void hand_off_gradients(bool reshard_first);
-  void trace(const char* event, const char* detail) const;
+  void log_event(const char* event, const char* detail) const;
   std::optional<c10::Stream> compute_stream() const;
   void start_step(uint64_t step, bool is_root);
   void hook_gradient_accumulators();
@@ -101,14 +101,14 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   friend class RootState;
 
   std::string module_name_;
-  ParamGroup group_;
+  GroupParams params_;
   std::vector<std::weak_ptr<GroupState>> inner_;
   std::optional<RuntimeOptions> runtime_options_;
   bool reshard_after_forward_;
   int prefetch_depth_ = -1;
   bool has_frozen_params_ = false;
   bool gradient_sync_ = true;
-  GroupStep step_in_backward_;
+  StepInBackward step_in_backward_;
   int trainable_params_ = 0;
   // The accumulator each trainable parameter's gradient last went through;
   // held so that it (and our hook on it) survives between steps.

@@ -7,7 +7,7 @@
 
 #include "runtime/group_state.h"
 #include "runtime/runtime.h"
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 #include "shard/trace.h"
 
 namespace fsdp {
@@ -70,9 +70,9 @@ void RootState::enter_forward(GroupState& state) {
 void RootState::refresh_gather_transforms() {
   auto states = members();
   std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) { return a->id_ < b->id_; });
-  std::vector<ParamGroup*> groups;
-  for (const auto& state : states) groups.push_back(&state->group());
-  ParamGroup::refresh_gather_transforms(groups);
+  std::vector<GroupParams*> groups;
+  for (const auto& state : states) groups.push_back(&state->params());
+  GroupParams::refresh_gather_transforms(groups);
 }
 
 void RootState::exit_forward() {
@@ -96,7 +96,7 @@ void RootState::enter_backward(GroupState& state) {
 // backward end: every group still unsharded.
 void RootState::reshard_strays(bool only_idle_this_step) {
   for (const auto& state : members())
-    if (state->group().is_unsharded() && (!only_idle_this_step || state->step_ != step_)) state->reshard();
+    if (state->params().is_unsharded() && (!only_idle_this_step || state->step_ != step_)) state->reshard();
 }
 
 // In forward: the group's forward already ran this step. In backward: its
@@ -140,9 +140,9 @@ std::vector<GroupState*> RootState::backward_prefetch_targets(const GroupState& 
 
 void RootState::all_gather(GroupState& state) {
   const RuntimeOptions options = this->options();
-  std::vector<ParamGroup*> groups{&state.group()};
+  std::vector<GroupParams*> groups{&state.params()};
   const size_t limit = options.bucket_bytes();
-  size_t bytes = state.group().unsharded_size_bytes();
+  size_t bytes = state.params().unsharded_size_bytes();
   if (limit > 0 && bytes < limit) {
     // The small groups expected next that have not run, past any large ones (whose own
     // all-gathers are not delayed), until the bucket is full.
@@ -153,12 +153,12 @@ void RootState::all_gather(GroupState& state) {
       GroupState* found = find_state(states, id);
       if (!found) continue;
       GroupState& next = *found;
-      const size_t next_bytes = next.group().unsharded_size_bytes();
-      if (next_bytes >= limit || ran_in_pass(next, backward) || next.group().is_unsharded() ||
-          &next.group().comm() != &state.group().comm())
+      const size_t next_bytes = next.params().unsharded_size_bytes();
+      if (next_bytes >= limit || ran_in_pass(next, backward) || next.params().is_unsharded() ||
+          &next.params().comm() != &state.params().comm())
         continue;
       if (bytes + next_bytes > limit) break;
-      groups.push_back(&next.group());
+      groups.push_back(&next.params());
       bytes += next_bytes;
     }
   }
@@ -166,13 +166,13 @@ void RootState::all_gather(GroupState& state) {
   // a span of the host track).
   allgathers_.set_limit(options.max_inflight_allgathers);
   allgathers_.drop_finished();
-  const int span = allgathers_.full() ? Trace::get().begin("wait: all-gather cap, for " + state.group().label(),
+  const int span = allgathers_.full() ? Trace::get().begin("wait: all-gather cap, for " + state.params().label(),
                                                            Trace::Track::HostWait)
                                       : -1;
   stats_.allgather_waits += allgathers_.make_room();
   Trace::get().end(span);
   Trace::get().mark();  // what the compute before it left allocated (cost model)
-  ParamGroup::unshard_together(groups);
+  GroupParams::unshard_together(groups);
   ++stats_.all_gathers;
 }
 
@@ -182,7 +182,7 @@ void RootState::after_reshard(std::shared_ptr<c10::Event> last_use) {
 
 // The bucket goes out once it holds bucket_mb (at once when bucketing is off; a large group takes
 // the small ones waiting with it), or once reduce_bucket_max_wait later groups joined it.
-void RootState::reduce_scatter(ParamGroup& group) {
+void RootState::reduce_scatter(GroupParams& group) {
   const RuntimeOptions options = this->options();
   const bool waiting = !reduce_bucket_.empty();
   reduce_bucket_.push_back(&group);
@@ -205,7 +205,7 @@ void RootState::flush_reduce_scatters() {
   stats_.reduce_scatter_waits += reduce_scatters_.make_room([&](const DeviceWork& work) {
     if (work.event) streams.wait(streams.compute(), *work.event);
   });
-  reduce_scatters_.push(ParamGroup::reduce_scatter_together(reduce_bucket_));
+  reduce_scatters_.push(GroupParams::reduce_scatter_together(reduce_bucket_));
   ++stats_.reduce_scatters;
   reduce_bucket_.clear();
   reduce_bucket_bytes_ = 0;
@@ -214,12 +214,12 @@ void RootState::flush_reduce_scatters() {
 
 void RootState::step_in_backward(GroupState& state) {
   const int limit = options().max_pending_host_steps;
-  if (state.group().offloaded() && limit > 0) {
+  if (state.params().offloaded() && limit > 0) {
     const bool waited = host_steps_.submit(
         [keep = state.shared_from_this()] {
           // The group's device on this thread too: a CUDA call here must not open a context on GPU 0.
-          const c10::DeviceGuard on_device(keep->group().device());
-          ParamGroup::commit_gradients({&keep->group()});  // waits for the gradients' copy to the host
+          const c10::DeviceGuard on_device(keep->params().device());
+          GroupParams::commit_gradients({&keep->params()});  // waits for the gradients' copy to the host
           keep->step_committed_gradients();
         },
         limit);
@@ -227,7 +227,7 @@ void RootState::step_in_backward(GroupState& state) {
     return;
   }
   host_steps_.wait_all();
-  ParamGroup::commit_gradients({&state.group()});
+  GroupParams::commit_gradients({&state.params()});
   state.step_committed_gradients();
 }
 
@@ -243,9 +243,9 @@ void RootState::end_of_backward() {
     if (auto state = it->lock()) groups.push_back(std::move(state));
   for (auto& state : groups) state->finish_backward();
   flush_reduce_scatters();
-  std::vector<ParamGroup*> committed;
-  for (auto& state : groups) committed.push_back(&state->group());
-  ParamGroup::commit_gradients(committed);
+  std::vector<GroupParams*> committed;
+  for (auto& state : groups) committed.push_back(&state->params());
+  GroupParams::commit_gradients(committed);
   for (auto& state : groups) state->step_committed_gradients();  // those not stepped in backward yet
   reduce_scatters_.clear();
   backward_pass_.end_pass();

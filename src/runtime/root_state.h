@@ -24,7 +24,7 @@
 namespace fsdp {
 
 class GroupState;
-class ParamGroup;
+class GroupParams;
 
 class RootState : public std::enable_shared_from_this<RootState> {
  public:
@@ -62,7 +62,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void after_reshard(std::shared_ptr<c10::Event> last_use);
   // Prepares `group`'s gradients and issues its reduce-scatter, or holds it
   // in the bucket until enough bytes are ready (flush_reduce_scatters).
-  void reduce_scatter(ParamGroup& group);
+  void reduce_scatter(GroupParams& group);
   void flush_reduce_scatters();
   // With a step in backward: commits `state`'s reduced gradients and steps them, on the host
   // worker for an offloaded group (RuntimeOptions::max_pending_host_steps), else here.
@@ -91,7 +91,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   bool callback_queued_ = false;
   ExecutionOrder forward_pass_, backward_pass_;
   InflightQueue<DeviceWork> allgathers_, reduce_scatters_;
-  std::vector<ParamGroup*> reduce_bucket_;  // prepared, not yet issued
+  std::vector<GroupParams*> reduce_bucket_;  // prepared, not yet issued
   size_t reduce_bucket_bytes_ = 0;
   int reduce_bucket_waited_ = 0;  // groups that joined the bucket after its first
   // Offloaded groups' steps in backward. Drained before any step runs on backward's thread and at

@@ -24,7 +24,7 @@ void Runtime::drop_stale_locked() {
       ++it;
       continue;
     }
-    for (const auto& p : it->second.state->group().params())
+    for (const auto& p : it->second.state->params().sharded())
       owners_.erase(p.param.unsafeGetTensorImpl());
     it = states_.erase(it);
   }
@@ -49,12 +49,12 @@ void Runtime::keep_states_at_exit() {
 }
 
 void Runtime::add(const void* key, std::weak_ptr<const void> lifetime, std::shared_ptr<GroupState> state) {
-  if (state->group().offloaded() && state->group().device().type() != at::kCPU) keep_states_at_exit();
+  if (state->params().offloaded() && state->params().device().type() != at::kCPU) keep_states_at_exit();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_stale_locked();
   state->id_ = next_id_++;
-  state->group().set_label("#" + std::to_string(state->id_) + " " + state->module_name());
-  const auto& params = state->group().params();
+  state->params().set_label("#" + std::to_string(state->id_) + " " + state->module_name());
+  const auto& params = state->params().sharded();
   for (size_t i = 0; i < params.size(); ++i)
     owners_[params[i].param.unsafeGetTensorImpl()] = ParamOwner{state, i};
   states_[key] = Entry{std::move(lifetime), std::move(state)};

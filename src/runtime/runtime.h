@@ -24,7 +24,7 @@ class RootState;
 
 struct ParamOwner {
   std::shared_ptr<GroupState> state;
-  size_t index = 0;  // in state->group().params()
+  size_t index = 0;  // in state->params().sharded()
 };
 
 class Runtime {

@@ -8,20 +8,20 @@
 #include <typeindex>
 #include <typeinfo>
 
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 #include "shard/side_stream.h"
 
 namespace fsdp {
 
-void ParamGroup::unshard() { unshard_together({this}); }
+void GroupParams::unshard() { unshard_together({this}); }
 
-void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
-  std::vector<ParamGroup*> groups;
-  for (ParamGroup* g : requested)
+void GroupParams::unshard_together(const std::vector<GroupParams*>& requested) {
+  std::vector<GroupParams*> groups;
+  for (GroupParams* g : requested)
     if (g->state_ == State::Sharded) groups.push_back(g);
   if (groups.empty()) return;
-  const ParamGroup& first = *groups.front();
-  for (ParamGroup* g : groups)
+  const GroupParams& first = *groups.front();
+  for (GroupParams* g : groups)
     TORCH_INTERNAL_ASSERT(g->comm_ == first.comm_ && g->device_ == first.device_,
                           "fsdp: groups gathered together must share communicator and device");
   const DeviceStreams& streams = first.streams_;
@@ -31,7 +31,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   // activations share one pool and no side-stream pool keeps memory reserved.
   std::vector<GatherBuffers> buffers;
   std::vector<at::Tensor> inputs, outputs;
-  for (ParamGroup* g : groups) {
+  for (GroupParams* g : groups) {
     buffers.push_back(g->allocate_gather());
     g->add_gather_ops(buffers.back(), inputs, outputs);
   }
@@ -47,16 +47,9 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   // Only metadata changes here: kernels that read the parameters are
   // enqueued after wait_for_unshard() has ordered them after the gather.
   for (size_t i = 0; i < groups.size(); ++i) {
-    ParamGroup* g = groups[i];
+    GroupParams* g = groups[i];
     const auto compute = at::TensorOptions().dtype(g->compute_dtype_).device(g->device_);
-    for (auto& p : g->params_) {
-      p.stashed_grad = p.param.grad();
-      p.param.mutable_grad() = at::Tensor();
-      if (p.transform)
-        p.transform->attach(p.param, g->unsharded_view(p), compute);
-      else
-        p.param.set_data(g->unsharded_view(p));
-    }
+    for (auto& p : g->params_) p.point_at_unsharded(p.unsharded_view(g->unsharded(p.transformed())), compute);
     g->gathered_ = gathered;
     // Compute-pool blocks the all-gather stream still uses: kept until the
     // compute stream has waited for `gathered`.
@@ -67,7 +60,7 @@ void ParamGroup::unshard_together(const std::vector<ParamGroup*>& requested) {
   }
 }
 
-ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
+GroupParams::GatherBuffers GroupParams::allocate_gather() {
   const int world = comm_->world_size();
   allocate_unsharded();
   GatherBuffers b;
@@ -93,7 +86,7 @@ ParamGroup::GatherBuffers ParamGroup::allocate_gather() {
 // Offloaded shards are already laid out as the input: one transfer, then the
 // cast on the device (a cross-device copy that casts would cast on the host).
 // Transformed parameters: each shard cast by its transform into the transformed input.
-void ParamGroup::copy_in(const GatherBuffers& buffers) {
+void GroupParams::copy_in(const GatherBuffers& buffers) {
   const at::Tensor& input = buffers.input;
   if (offloaded()) {  // no transformed parameters (make_gather_transform refuses them)
     if (buffers.staging.defined()) {
@@ -128,7 +121,7 @@ void ParamGroup::copy_in(const GatherBuffers& buffers) {
 // collective straight into its rows, and nothing is copied after (one flat all-gather would
 // leave a rank-major buffer to reorder: 21 ms a step of copies on the 8B, 4 GPUs). One rank:
 // the input is the storage, one collective that moves nothing.
-void ParamGroup::add_gather_ops(const GatherBuffers& buffers, std::vector<at::Tensor>& inputs,
+void GroupParams::add_gather_ops(const GatherBuffers& buffers, std::vector<at::Tensor>& inputs,
                                 std::vector<at::Tensor>& outputs) const {
   const int world = comm_->world_size();
   for (bool transformed : {false, true}) {
@@ -151,24 +144,24 @@ void ParamGroup::add_gather_ops(const GatherBuffers& buffers, std::vector<at::Te
   }
 }
 
-void ParamGroup::refresh_gather_transforms(const std::vector<ParamGroup*>& groups) {
+void GroupParams::refresh_gather_transforms(const std::vector<GroupParams*>& groups) {
   c10::NoGradGuard no_grad;
-  std::vector<ParamGroup*> pending;
-  for (ParamGroup* g : groups)
+  std::vector<GroupParams*> pending;
+  for (GroupParams* g : groups)
     if (g->transformed_numel_ > 0) pending.push_back(g);
   while (!pending.empty()) {
     // The groups on the first one's communicator: one refresh of each kind of transform for all of
     // them, the kinds in the order they first appear (the same on every rank).
     const std::shared_ptr<Communicator> comm = pending.front()->comm_;
-    std::vector<ParamGroup*> same, rest;
-    for (ParamGroup* g : pending) (g->comm_ == comm ? same : rest).push_back(g);
+    std::vector<GroupParams*> same, rest;
+    for (GroupParams* g : pending) (g->comm_ == comm ? same : rest).push_back(g);
     struct Kind {
       std::type_index type;
       std::vector<GatherTransform*> transforms;
       std::vector<at::Tensor> shards;
     };
     std::vector<Kind> kinds;
-    for (ParamGroup* g : same)
+    for (GroupParams* g : same)
       for (const auto& p : g->params_) {
         if (!p.transform) continue;
         const std::type_index type = typeid(*p.transform);

@@ -5,7 +5,7 @@
 // the parameter what its readers expect while unsharded; reshard undoes it (detach).
 //
 // A new format is one subclass in a file of its own, its maker declared below and listed in
-// make_gather_transform (float8: float8_gather.cpp). ParamGroup knows only this interface.
+// make_gather_transform (float8: float8_gather.cpp). GroupParams knows only this interface.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -11,14 +11,13 @@
 #include <algorithm>
 #include <utility>
 
-#include "comm/tensor_alias.h"
 #include "shard/flat_copy.h"
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 #include "shard/side_stream.h"
 
 namespace fsdp {
 
-void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
+void GroupParams::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
   TORCH_INTERNAL_ASSERT(reduced_.empty() && !gradients_prepared_, "fsdp: the previous reduce-scatter was not committed");
   gradients_prepared_ = true;
@@ -95,11 +94,11 @@ void ParamGroup::prepare_reduce_scatter(std::vector<at::Tensor> grads) {
   parameter_major_into(slots, pieces);
 }
 
-ShardLayout ParamGroup::flags_layout() const {
+ShardLayout GroupParams::flags_layout() const {
   return ShardLayout{comm_->world_size(), static_cast<int64_t>(params_.size()), comm_->world_size()};
 }
 
-std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> GroupParams::add_reduce_ops(std::vector<at::Tensor>& inputs,
                                                    std::vector<at::Tensor>& outputs) const {
   std::vector<at::Tensor> results;
   if (reduces_each_in_place()) {  // one rank: each gradient is reduced in place, alone
@@ -133,7 +132,7 @@ std::vector<at::Tensor> ParamGroup::add_reduce_ops(std::vector<at::Tensor>& inpu
   return {output};
 }
 
-void ParamGroup::hold_unsynced_gradients(std::vector<at::Tensor> grads) {
+void GroupParams::hold_unsynced_gradients(std::vector<at::Tensor> grads) {
   TORCH_INTERNAL_ASSERT(grads.size() == params_.size(), "fsdp: one gradient per parameter is handed off");
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -147,16 +146,16 @@ void ParamGroup::hold_unsynced_gradients(std::vector<at::Tensor> grads) {
   }
 }
 
-DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& groups) {
+DeviceWork GroupParams::reduce_scatter_together(const std::vector<GroupParams*>& groups) {
   DeviceWork work;
   if (groups.empty()) return work;
-  const ParamGroup& first = *groups.front();
+  const GroupParams& first = *groups.front();
   const DeviceStreams& streams = first.streams_;
   c10::NoGradGuard no_grad;
   // Outputs from the compute stream's pool, like every buffer (see unshard_together).
   std::vector<at::Tensor> inputs, outputs;  // the collective's pieces
   std::vector<std::vector<at::Tensor>> results;  // each group's: what becomes its reduced_
-  for (ParamGroup* g : groups) {
+  for (GroupParams* g : groups) {
     TORCH_INTERNAL_ASSERT(g->gradients_prepared_ && g->comm_ == first.comm_ && g->replicate_ == first.replicate_,
                           "fsdp: reduce-scatter of a group without prepared gradients");
     results.push_back(g->add_reduce_ops(inputs, outputs));
@@ -191,7 +190,7 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
         },
         work.event.get());
   for (size_t i = 0; i < groups.size(); ++i) {
-    ParamGroup& g = *groups[i];
+    GroupParams& g = *groups[i];
     for (at::Tensor& input : g.reduce_input_)
       if (input.defined()) work.keep_alive.push_back(std::move(input));
     g.reduce_input_.clear();
@@ -206,18 +205,18 @@ DeviceWork ParamGroup::reduce_scatter_together(const std::vector<ParamGroup*>& g
   return work;
 }
 
-void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
-  std::vector<ParamGroup*> groups;
-  for (ParamGroup* g : all)
+void GroupParams::commit_gradients(const std::vector<GroupParams*>& all) {
+  std::vector<GroupParams*> groups;
+  for (GroupParams* g : all)
     if (!g->reduced_.empty()) groups.push_back(g);
   c10::NoGradGuard no_grad;
   // Which parameters some rank had a gradient for: the flags after the flat buffer's gradients.
   // Where each gradient was reduced in place alone, this rank's own gradients are all there are.
-  const auto flags_of = [](const ParamGroup* g) {
+  const auto flags_of = [](const GroupParams* g) {
     return g->reduced_.front().narrow(0, g->shard_numel_, static_cast<int64_t>(g->params_.size())).gt(0);
   };
   std::vector<at::Tensor> flags;  // of the groups on the device where this rank lacked some gradient
-  for (ParamGroup* g : groups) {
+  for (GroupParams* g : groups) {
     TORCH_INTERNAL_ASSERT(g->state_ == State::Sharded, "fsdp: commit gradients after resharding");
     if (g->reduced_at_ && g->offloaded())
       g->reduced_at_->synchronize();  // the host optimizer reads the copy
@@ -231,7 +230,7 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   // groups on the device that lacked some (offloaded ones have them on the host).
   const at::Tensor read = flags.empty() ? at::Tensor() : at::cat(flags).to(at::kCPU);
   const bool* next = read.defined() ? read.data_ptr<bool>() : nullptr;
-  for (ParamGroup* g : groups) {
+  for (GroupParams* g : groups) {
     std::vector<bool> had_grad(g->params_.size(), true);
     if (g->reduces_each_in_place()) {
       for (size_t i = 0; i < had_grad.size(); ++i) had_grad[i] = g->reduced_[i].defined();
@@ -245,20 +244,14 @@ void ParamGroup::commit_gradients(const std::vector<ParamGroup*>& all) {
   }
 }
 
-void ParamGroup::add_reduced_gradients(const std::vector<bool>& had_grad) {
+void GroupParams::add_reduced_gradients(const std::vector<bool>& had_grad) {
   const int rank = comm_->rank();
   const bool each = reduces_each_in_place();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     if (!had_grad[i]) continue;
-    const at::Tensor reduced = each ? reduced_[i].view(-1) : reduced_.front().narrow(0, p.offset, p.layout.shard_numel());
-    at::Tensor rows = reduced.view(p.padded_shard.sizes()).narrow(0, 0, p.layout.local_rows(rank));
-    rows = rows.scalar_type() == p.shard.scalar_type() || keep_low_precision_grads_ ? alias_without_view(rows)
-                                                                                  : rows.to(p.shard.scalar_type());
-    if (p.param.grad().defined())
-      p.param.mutable_grad().add_(rows);
-    else
-      p.param.mutable_grad() = rows;
+    p.add_reduced_gradient(each ? reduced_[i].view(-1) : reduced_.front().narrow(0, p.offset, p.layout.shard_numel()),
+                           rank, keep_low_precision_grads_);
   }
   reduced_.clear();
   reduced_at_ = nullptr;

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 #include "shard/streams.h"
 #include "shard/trace.h"
 
@@ -47,9 +47,9 @@ inline std::shared_ptr<c10::Event> issue_on_side_stream(const DeviceStreams& str
 }
 
 // "a + b + c": the groups of one coalesced collective.
-inline std::string bucket_label(const std::vector<ParamGroup*>& groups) {
+inline std::string bucket_label(const std::vector<GroupParams*>& groups) {
   std::string label;
-  for (const ParamGroup* g : groups) label += (label.empty() ? "" : " + ") + g->label();
+  for (const GroupParams* g : groups) label += (label.empty() ? "" : " + ") + g->label();
   return label;
 }
 

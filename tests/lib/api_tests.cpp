@@ -70,15 +70,15 @@ TEST(Api, AfterAStepNoUnshardedMemoryRemains) {
   auto tokens = torch::randint(0, 64, {2, 9}, on_device(torch::kLong));
   auto logits = fsdp::forward(m, tokens.narrow(1, 0, 8));
   // Between forward and backward only the root keeps its full parameters.
-  EXPECT_TRUE(state_of(*m)->group().is_unsharded());
-  EXPECT_GT(state_of(*m)->group().unsharded_bytes(), 0u);
-  for (auto& b : m->blocks) EXPECT_EQ(state_of(*b)->group().unsharded_bytes(), 0u);
+  EXPECT_TRUE(state_of(*m)->params().is_unsharded());
+  EXPECT_GT(state_of(*m)->params().unsharded_bytes(), 0u);
+  for (auto& b : m->blocks) EXPECT_EQ(state_of(*b)->params().unsharded_bytes(), 0u);
   torch::nn::functional::cross_entropy(logits.reshape({-1, 64}), tokens.narrow(1, 1, 8).reshape({-1})).backward();
   for (torch::nn::Module* module : std::vector<torch::nn::Module*>{m.ptr().get(), m->blocks[0].ptr().get(), m->blocks[1].ptr().get()}) {
-    const auto& group = state_of(*module)->group();
-    EXPECT_FALSE(group.is_unsharded());
-    EXPECT_EQ(group.unsharded_bytes(), 0u);
-    for (const auto& p : group.params()) {
+    const auto& params = state_of(*module)->params();
+    EXPECT_FALSE(params.is_unsharded());
+    EXPECT_EQ(params.unsharded_bytes(), 0u);
+    for (const auto& p : params.sharded()) {
       EXPECT_EQ(p.param.data_ptr(), p.shard.data_ptr()) << p.name << " holds its shard";
       ASSERT_TRUE(p.param.grad().defined()) << p.name;
       EXPECT_EQ(p.param.grad().sizes(), p.shard.sizes()) << p.name << " gradient is sharded";
@@ -112,12 +112,12 @@ TEST(Api, EachGroupFreesItsParametersBeforeItsGradientsAreHandedOff) {
   };
   const auto allocated = [&](int mark) { return mark < 0 ? int64_t{-1} : recording.marks.at(mark).allocated; };
   for (torch::nn::Module* module : std::vector<torch::nn::Module*>{m.ptr().get(), m->blocks[0].ptr().get(), m->blocks[1].ptr().get()}) {
-    const ParamGroup& group = state_of(*module)->group();
-    const auto backward = span("backward " + group.label()), hand_off = span("hand-off " + group.label());
+    const GroupParams& params = state_of(*module)->params();
+    const auto backward = span("backward " + params.label()), hand_off = span("hand-off " + params.label());
     const int64_t freed = allocated(backward.end_mark) - allocated(hand_off.start_mark);
-    const auto unsharded = static_cast<int64_t>(group.unsharded_size_bytes());
-    EXPECT_GE(freed, unsharded) << group.label();
-    EXPECT_LT(freed, unsharded + (device().is_cuda() ? 512 : 1)) << group.label();
+    const auto unsharded = static_cast<int64_t>(params.unsharded_size_bytes());
+    EXPECT_GE(freed, unsharded) << params.label();
+    EXPECT_LT(freed, unsharded + (device().is_cuda() ? 512 : 1)) << params.label();
   }
 }
 
@@ -159,7 +159,7 @@ TEST(Api, ParametersOfTwoDtypesGatherInTheComputeDtype) {
 
 // Where the gradients' memory lies after backward. Several ranks: each group's sharded gradients
 // are views of its one reduce-scatter output. One rank: each parameter's gradient is a buffer of its
-// own, which the allocator can fit where a block's activations were (ParamGroup::
+// own, which the allocator can fit where a block's activations were (GroupParams::
 // reduces_each_in_place; the 3B's reserved memory depends on it).
 TEST(Api, ShardedGradientsLieInOneBufferPerGroupOrOnOneRankEachInItsOwn) {
   auto m = seeded_llama(tiny_llama());
@@ -283,7 +283,7 @@ TEST(Api, AllGathersFollowTheExecutionOrder) {
   c.n_layers = 8;
   auto m = seeded_llama(c);
   shard_blocks_and_root(m);  // groups: the blocks first, the root last
-  const int first = std::stoi(state_of(*m->blocks[0])->group().label().substr(1));  // "#<id> <module>"
+  const int first = std::stoi(state_of(*m->blocks[0])->params().label().substr(1));  // "#<id> <module>"
   next_token_backward(m);  // records the order
   start_trace();
   next_token_backward(m);

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <random>
 
-#include "io/checkpoint_format.h"
+#include "checkpoint/checkpoint_format.h"
 
 namespace {
 

@@ -92,7 +92,7 @@ TEST(Comm, WrongDeviceOrSizeIsRejectedBeforeCommunicating) {
   } catch (const CollectiveError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr(std::string("is a meta tensor, but the ") + c->backend() +
                                                " backend moves " + (device().is_cpu() ? "cpu" : "cuda")));
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("rank " + std::to_string(c->rank()) + " of group 'world'"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("rank " + std::to_string(c->rank()) + " of communicator 'world'"));
   }
   EXPECT_THROW(c->all_gather(torch::empty({3 * c->world_size() + 1}, on_device()), torch::empty({3}, on_device())), CollectiveError);
   EXPECT_THROW(c->all_reduce(torch::empty({4, 4}, on_device()).t(), ReduceOp::Sum), CollectiveError);

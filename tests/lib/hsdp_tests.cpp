@@ -107,7 +107,7 @@ TEST(Hsdp, BadLayoutsAreErrors) {
                                     std::to_string(world_size) + " ranks"));
   }
   if (world_size < 2) return;
-  // Replicas of the whole world joined with the world as the shard group: the replicate group's
+  // Replicas of the whole world joined with the world as the shard communicator: the replicate communicator's
   // ranks hold different shards.
   ShardOptions wrong;
   wrong.comm = world();
@@ -117,9 +117,9 @@ TEST(Hsdp, BadLayoutsAreErrors) {
     fully_shard(m->blocks[0], wrong);
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("a replicate group joins the ranks holding the same shard"));
+    EXPECT_THAT(e.what(), HasSubstr("a replicate communicator joins the ranks holding the same shard"));
   }
-  // Replicas that build different models (each shard group of one rank agrees with itself).
+  // Replicas that build different models (each shard communicator of one rank agrees with itself).
   const Mesh mesh = make_mesh(world_size);
   ShardOptions replicated;
   replicated.comm = mesh.shard;
@@ -131,7 +131,7 @@ TEST(Hsdp, BadLayoutsAreErrors) {
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("the model differs across ranks"));
-    EXPECT_THAT(e.what(), HasSubstr("of '" + mesh.replicate->group_name() + "'"));
+    EXPECT_THAT(e.what(), HasSubstr("of '" + mesh.replicate->name() + "'"));
   }
 }
 

@@ -16,7 +16,7 @@
 #include "fsdp/group.h"
 #include "fsdp/launch.h"
 #include "fsdp/version.h"
-#include "runtime/param_init.h"
+#include "fully_shard/param_init.h"
 #include "sched/execution_order.h"
 #include "sched/host_worker.h"
 #include "sched/inflight_queue.h"

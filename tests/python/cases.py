@@ -20,7 +20,7 @@ import fsdpcpp  # noqa: E402
 import common  # noqa: E402
 from common import (Reference, batch, build, check_parity, check_torch_loop, expect_error, fully_shard_of,  # noqa: E402
                     my_rows, optimizer_for, shard, sharded_step, torch_loop, train_sharded)
-from models import MODELS, blocks_of, checkpoint_calls, loss_of  # noqa: E402
+from models import MODELS, blocks_of, checkpoint_calls, loss_of, tensor_parallel  # noqa: E402
 from touches import TOUCH_CASES  # noqa: E402
 
 
@@ -110,12 +110,14 @@ def case_torch_calls(args):
     final parameters must match a single-process reference within the parity bounds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    fully_shard, mesh = fully_shard_of(args.runtime, args.replicas)
+    fully_shard, mesh, tp_mesh = fully_shard_of(args.runtime, args.replicas, args.tp)
     clip, steps = 0.5, 4
-    ref = Reference("plain", steps, clip=clip)
+    ref = Reference(args.model, steps, clip=clip)
 
     def fresh():
-        model = build("plain")
+        model = build(args.model)
+        if tp_mesh is not None:
+            tensor_parallel(model, tp_mesh)
         for block in blocks_of(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -141,10 +143,27 @@ def case_torch_calls(args):
     first = 2 if args.resume_from else 0
     if args.resume_from:
         load(model, opt, args.resume_from)
-    model, losses, norms = torch_loop(model, opt, steps, clip, first, before_step=restart_at_step_2)
-    check_torch_loop(f"torch_calls: {args.runtime} on a mesh of shape {tuple(mesh.shape)}"
+    model, losses, norms = torch_loop(model, opt, steps, clip, first, before_step=restart_at_step_2, tp=args.tp)
+    check_torch_loop(f"torch_calls: {args.model} on {args.runtime}, a dp mesh of shape {tuple(mesh.shape)}, tp {args.tp}"
                      f"{', resumed from ' + args.resume_from if args.resume_from else ''}",
                      ref, model, losses, norms, first)
+    if args.tp > 1 and args.runtime == "fsdpcpp":
+        check_tensor_parallel_refusals(model, opt, tp_mesh, args)
+
+
+def check_tensor_parallel_refusals(model, opt, tp_mesh, args):
+    """What fsdpcpp cannot follow under tensor parallelism is refused, naming the parameter and
+    what to use instead: its own clip and checkpoints (torch's work), and a module split over
+    other ranks than the tp ranks of this rank's dp mesh (a mesh laid out (tp, dp))."""
+    expect_error(NotImplementedError, "split by tensor parallelism, which this call does not follow: use "
+                 "torch.nn.utils.clip_grad_norm_", lambda: fsdpcpp.clip_grad_norm_(model.parameters(), 1.0))
+    expect_error(NotImplementedError, "use torch.distributed.checkpoint (DCP)",
+                 lambda: fsdpcpp.save_checkpoint(os.path.join(args.dir or ".", "own"), model, opt))
+    from torch.distributed.device_mesh import init_device_mesh
+    world = fsdpcpp.world_size()
+    across = init_device_mesh(tp_mesh.device_type, (args.tp, world // args.tp), mesh_dim_names=("tp", "dp"))["tp"]
+    other = tensor_parallel(build(args.model), across)
+    expect_error(NotImplementedError, "not this rank's tp ranks", lambda: fsdpcpp.fully_shard(blocks_of(other)[0]))
 
 
 def case_meta_init(args):
@@ -157,7 +176,7 @@ def case_meta_init(args):
     Rank 0 writes the parameters as init_weights left them to DIR/init.pt (the test compares the
     two runtimes'); the run then trains to parity with a single-process reference."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-    fully_shard, mesh = fully_shard_of(args.runtime)
+    fully_shard, mesh, _ = fully_shard_of(args.runtime)
     clip, steps = 0.5, 3
     ref = Reference("llama", steps, clip=clip)
     with torch.device("meta"):
@@ -595,7 +614,7 @@ def case_plan(args):
     # recompute. (A budget halfway to the fastest schedule's peak may fit a schedule that gathers
     # less ahead instead; and on a busy CPU the fastest schedule may itself recompute a block, where
     # the step's tail waits for the reduce-scatters. That an unbounded budget recomputes nothing
-    # where recomputing costs time is tests/lib/plan_tests.cpp's
+    # where recomputing costs time is tests/lib/simulator_planner_tests.cpp's
     # Planner.UnboundedBudgetTakesTheFastestWithoutCheckpointing.)
     budget = smallest
     plan = fsdpcpp.plan_memory_budget(model, train_step, budget, **planner)
@@ -772,6 +791,7 @@ def main():
     parser.add_argument("--ram-efficient", action="store_true", help="accelerate: cpu_ram_efficient_loading")
     parser.add_argument("--load", default="broadcast", choices=["broadcast", "safetensors"], help="meta_init")
     parser.add_argument("--replicas", type=int, default=1, help="torch_calls: HSDP's replicas (a 2-D mesh)")
+    parser.add_argument("--tp", type=int, default=1, help="torch_calls: tensor parallelism's degree (the mesh's last dim)")
     parser.add_argument("--resume-from", default="", help="torch_calls: a DCP checkpoint at step 2")
     parser.add_argument("--port", default="29531")
     parser.add_argument("--seq", type=int, default=common.SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")

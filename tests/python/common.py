@@ -35,9 +35,11 @@ def batch(step):
     return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g).to(fsdpcpp.device())
 
 
-def my_rows(tokens):
-    rows = ROWS // fsdpcpp.world_size()
-    return tokens[fsdpcpp.rank() * rows:(fsdpcpp.rank() + 1) * rows]
+def my_rows(tokens, tp=1):
+    """This rank's rows of a global batch: the ranks of one tensor-parallel group (tp consecutive
+    ranks) take the same rows."""
+    rows, dp_rank = ROWS // (fsdpcpp.world_size() // tp), fsdpcpp.rank() // tp
+    return tokens[dp_rank * rows:(dp_rank + 1) * rows]
 
 
 def build(name):
@@ -149,9 +151,10 @@ def check_parity(ref, losses, model, what):
               f"parameter bound {ref.param_bound:.3g}")
 
 
-def fully_shard_of(runtime, replicas=1):
-    """FSDP2's fully_shard or fsdpcpp's, and the mesh torchtitan passes to it (1-D, or HSDP's
-    (replicate, shard) for replicas > 1), over a process group made as fsdpcpp makes it."""
+def fully_shard_of(runtime, replicas=1, tp=1):
+    """FSDP2's fully_shard or fsdpcpp's, the mesh torchtitan passes to it (1-D, or HSDP's
+    (replicate, shard) for replicas > 1; with tp > 1 the dp dims of a (..., "tp") mesh) and the tp
+    mesh (None for tp = 1), over a process group made as fsdpcpp makes it."""
     from torch.distributed.device_mesh import init_device_mesh
     from fsdpcpp._dtensor import _ensure_process_group
     _ensure_process_group()
@@ -160,12 +163,37 @@ def fully_shard_of(runtime, replicas=1):
     else:
         fully_shard = fsdpcpp.fully_shard
     world, kind = fsdpcpp.world_size(), fsdpcpp.device().type
+    shards = world // replicas // tp
+    if tp > 1:
+        dp = ("dp",) if replicas == 1 else ("dp_replicate", "dp_shard")
+        shape = (shards,) if replicas == 1 else (replicas, shards)
+        mesh = init_device_mesh(kind, (*shape, tp), mesh_dim_names=(*dp, "tp"))
+        return fully_shard, mesh[dp], mesh["tp"]
     if replicas == 1:
-        return fully_shard, init_device_mesh(kind, (world,))
-    return fully_shard, init_device_mesh(kind, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        return fully_shard, init_device_mesh(kind, (world,)), None
+    return fully_shard, init_device_mesh(kind, (replicas, shards), mesh_dim_names=("replicate", "shard")), None
 
 
-def torch_loop(model, opt, steps, clip, first=0, before_step=None):
+def clip_over_meshes(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ where the parameters' DTensors span meshes (a model tensor
+    parallelism splits only in part: its other parameters are on the dp mesh), which torch's
+    refuses: the norm of each mesh's gradients made whole, then one clip."""
+    from torch.distributed.tensor import DTensor
+    by_mesh = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def torch_loop(model, opt, steps, clip, first=0, before_step=None, tp=1):
     """Steps first..steps-1 as FSDP2's users write them: torch's clip_grad_norm_, the optimizer,
     zero_grad. before_step(step) may return a new (model, opt). Returns the global losses and the
     gradient norms."""
@@ -174,9 +202,11 @@ def torch_loop(model, opt, steps, clip, first=0, before_step=None):
     for step in range(first, steps):
         if before_step:
             model, opt = before_step(step) or (model, opt)
-        loss = loss_of(model, my_rows(batch(step)))
+        loss = loss_of(model, my_rows(batch(step), tp))
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+        clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if len(meshes) < 2 else clip_over_meshes
+        norm = clip_grad_norm_(model.parameters(), clip)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
         opt.step()
         opt.zero_grad()

@@ -1,5 +1,7 @@
 """Models for the Python tests: a plain PyTorch Llama written as its users write it (F.rms_norm,
-SDPA, fused QKV), and transformers' own LlamaForCausalLM and GPT2LMHeadModel from small configs."""
+SDPA, fused QKV), a Llama laid out as torchtitan's (separate projections, nn.RMSNorm modules, RoPE)
+with torchtitan's tensor-parallel plan, and transformers' own LlamaForCausalLM and GPT2LMHeadModel
+from small configs."""
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,109 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def rope(x):
+    """Rotary position embedding of x [batch, seq, heads, head_dim] (torchtitan's, by cos/sin)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32),
+                        1.0 / 10000.0 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
+    cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        # -1 heads: this rank's share of them when tensor parallelism splits the projections.
+        q = rope(self.wq(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = rope(self.wk(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim, ffn):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads, ffn):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = TitanAttention(dim, heads, kv_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = TitanFeedForward(dim, ffn)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitanLlama(nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=48):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TitanBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def tensor_parallel(model, tp_mesh):
+    """torchtitan's plan, sequence parallel: the embedding row-parallel into sequence shards, the
+    norms sequence-parallel, attention and feed-forward column- then row-parallel, the output head
+    column-parallel to whole logits. transformers' Llama: its config's base_model_tp_plan, applied
+    by parallelize_module as the same ColwiseParallel / RowwiseParallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    if isinstance(model, TitanLlama):
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+        for block in model.layers:
+            parallelize_module(block, tp_mesh, {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        return model
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name.replace("layers.*.", ""): styles[style]() for name, style in model.config.base_model_tp_plan.items()
+            if style in styles}
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
 def plain_llama():
     return Llama()
 
@@ -65,12 +170,12 @@ def hf_gpt2():
     return GPT2LMHeadModel(config)  # its output head is tied to the token embedding
 
 
-MODELS = {"plain": plain_llama, "llama": hf_llama, "gpt2": hf_gpt2}
+MODELS = {"plain": plain_llama, "titan": TitanLlama, "llama": hf_llama, "gpt2": hf_gpt2}
 
 
 def blocks_of(model):
     """The repeated blocks fully_shard takes one by one."""
-    if isinstance(model, Llama):
+    if isinstance(model, (Llama, TitanLlama)):
         return list(model.layers)
     if hasattr(model, "model"):  # LlamaForCausalLM
         return list(model.model.layers)
@@ -91,7 +196,7 @@ def checkpoint_calls(model):
 def loss_of(model, tokens):
     """The mean next-token loss over the rows of `tokens` ([rows, seq + 1])."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    if isinstance(model, Llama) or isinstance(getattr(model, "_orig_mod", None), Llama):
+    if isinstance(model, (Llama, TitanLlama)) or isinstance(getattr(model, "_orig_mod", None), Llama):
         return model(inputs, targets)
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

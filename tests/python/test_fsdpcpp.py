@@ -142,6 +142,24 @@ def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
 
 
 @cpu_only
+def test_tensor_parallel_as_on_fsdp2_with_tp(tmp_path):
+    """torch's tensor parallelism on the "tp" dim, fully_shard on the "dp" dims, the same script on
+    FSDP2 and fsdpcpp (docs/parallelism.md): torchtitan's sequence-parallel plan on a
+    torchtitan-style Llama at dp 2 x tp 2, each runtime's DCP checkpoint resumed by the other;
+    transformers' Llama under its base_model_tp_plan; HSDP x TP at 2 x 2 x 2. Every run's losses,
+    gradient norms and parameters within the parity bounds of one process."""
+    run(4, "torch_calls", "--runtime", "fsdp2", "--model", "titan", "--tp", 2, "--dir", tmp_path / "fsdp2")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--tp", 2, "--dir", tmp_path / "fsdpcpp")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--tp", 2,
+        "--resume-from", tmp_path / "fsdp2" / "step-2")
+    run(4, "torch_calls", "--runtime", "fsdp2", "--model", "titan", "--tp", 2,
+        "--resume-from", tmp_path / "fsdpcpp" / "step-2")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2, "--dir", tmp_path / "hf")
+    run(8, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--replicas", 2, "--tp", 2,
+        "--dir", tmp_path / "hsdp")
+
+
+@cpu_only
 @pytest.mark.parametrize("model,runtimes", [("llama", ["fsdpcpp"]), ("gpt2", ["fsdp2", "fsdpcpp"])])
 def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
     """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
@@ -261,7 +279,7 @@ def test_hugging_face_round_trip(model, tmp_path):
 @cpu_only
 def test_a_collective_that_never_completes_times_out():
     output = run(2, "timeout", expect_failure=True, collective_timeout_s=3)
-    assert "on rank 0 of group 'world' (2 ranks, mpi) did not complete within 3.0 s" in output, output
+    assert "on rank 0 of communicator 'world' (2 ranks, mpi) did not complete within 3.0 s" in output, output
     assert "all_gather" in output, output
 
 

@@ -299,7 +299,7 @@ REFUSED = {"to_float64": converted_to_float64, "tie_after": tied_after_sharding,
 
 
 def case_touches(args):
-    fully_shard, mesh = fully_shard_of(args.runtime)
+    fully_shard, mesh, _ = fully_shard_of(args.runtime)
     results = {}
     trained = dict(TRAINED, **(TRAINED_ON_FSDPCPP if args.runtime == "fsdpcpp" else {}))
     for name, touch in trained.items():

@@ -20,6 +20,8 @@ import re
 import subprocess
 import sys
 
+from check_report import finish
+
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CODE = re.compile(r"`([^`\s]+)`")
 IN_CODE = re.compile(r"(?<![\w/.$}-])([a-z]+/[\w.+-]+(?:/[\w.+-]+)*)")
@@ -94,12 +96,7 @@ def main():
         checked += 1
         if not os.path.exists(f"{repo}/{path.split(':')[0]}"):
             wrong.append(f"{where}: {path}: missing")
-    for m in wrong:
-        print(f"doc_links: {m}")
-    print(f"doc_links: {checked} links and paths in {len(pages)} pages and the code, {len(wrong)} wrong")
-    if wrong:
-        sys.exit(1)
-    print("doc_links: ok")
+    finish("doc_links", wrong, f"{checked} links and paths in {len(pages)} pages and the code, {len(wrong)} wrong")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from check_report import finish
+
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -73,13 +75,8 @@ def main():
     for node in sorted(edges):
         if node not in state:
             visit(node, [])
-    for p in problems:
-        print(f"layering: {p}")
     graph = ", ".join(f"{a} -> {' '.join(sorted(b))}" for a, b in sorted(edges.items()))
-    print(f"layering: folders: {graph}")
-    if problems:
-        sys.exit(1)
-    print("layering: ok")
+    finish("layering", problems, f"folders: {graph}")
 
 
 if __name__ == "__main__":

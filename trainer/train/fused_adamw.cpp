@@ -47,9 +47,10 @@ void FusedAdamW::add_to_checkpoint(fsdp::CheckpointState& state,
     auto it = state_.find(param.unsafeGetTensorImpl());
     if (it == state_.end()) continue;  // frozen or empty: no state
     auto& s = static_cast<FusedAdamWState&>(*it->second);
-    state.add_sharded("adam.exp_avg." + name, s.exp_avg, param);
-    state.add_sharded("adam.exp_avg_sq." + name, s.exp_avg_sq, param);
-    state.add_replicated("adam.step." + name, s.step);
+    const std::string adam = kAdamPrefix;
+    state.add_sharded(adam + "exp_avg." + name, s.exp_avg, param);
+    state.add_sharded(adam + "exp_avg_sq." + name, s.exp_avg_sq, param);
+    state.add_replicated(adam + "step." + name, s.step);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "fsdp/options.h"
 #include "fsdp/plan/cost_model.h"
+#include "fsdp/plan/schedule.h"
 #include "fsdp/runtime_options.h"
 #include "model/llama.h"
 

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "fsdp/group_memory.h"
-#include "fsdp/runtime_options.h"
 
 namespace fsdp::plan {
 
@@ -16,7 +15,7 @@ namespace fsdp::plan {
 /// caching allocator's "allocated" count; times in milliseconds.
 struct GroupCost {
   std::string name;  ///< the group's module path ("blocks.3")
-  GroupMemory memory;  ///< its buffers (ParamGroup's sizes)
+  GroupMemory memory;  ///< its buffers (GroupParams's sizes)
   double allgather_ms = 0;         ///< the all-gather's time alone
   double reduce_scatter_ms = 0;    ///< the reduce-scatter's time alone
   /// Above the level at the start of its forward: the most in use during the forward.
@@ -70,44 +69,5 @@ struct CostModel {
   int64_t profiled_peak_bytes = 0;  ///< measured: the peak of the step this model was profiled from
   double profiled_step_ms = 0;      ///< and its time
 };
-
-/// The choices a schedule makes, per group and for the runtime (RuntimeOptions' meanings).
-struct Schedule {
-  std::vector<bool> recompute;             ///< recompute the group's activations in backward
-  std::vector<bool> reshard_after_forward;  ///< free its parameters between forward and backward
-  /// Groups all-gathered ahead at the group's start (pre-forward, pre-backward): deeper before a
-  /// group whose compute is short beside the next gathers. -1, or an empty vector for all:
-  /// runtime.prefetch_depth.
-  std::vector<int> prefetch_depth;
-  /// The runtime's knobs under this schedule: prefetch depth, in-flight caps, buckets (groups
-  /// below bucket_mb share coalesced collectives: membership follows from the sizes and the order).
-  RuntimeOptions runtime;
-
-  /// Group g's prefetch depth under this schedule.
-  int prefetch_depth_of(size_t g) const {
-    return g < prefetch_depth.size() && prefetch_depth[g] >= 0 ? prefetch_depth[g] : runtime.prefetch_depth;
-  }
-  /// The same choices everywhere.
-  bool operator==(const Schedule& o) const {
-    return recompute == o.recompute && reshard_after_forward == o.reshard_after_forward &&
-           prefetch_depth == o.prefetch_depth && runtime == o.runtime;
-  }
-};
-
-/// The runtime's defaults for `groups` groups: every group resharded, none recomputed.
-Schedule default_schedule(size_t groups);
-
-/// The runtime's defaults with every recomputable group recomputed (or none), and every group
-/// resharded but the one enclosing the others (kept for its backward anyway). `Group` is
-/// GroupShape or GroupCost: both say `recomputable` and `encloses_later`.
-template <class Group>
-Schedule uniform_schedule(const std::vector<Group>& groups, bool recomputed) {
-  Schedule s = default_schedule(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    s.recompute[g] = recomputed && groups[g].recomputable;
-    s.reshard_after_forward[g] = !groups[g].encloses_later;
-  }
-  return s;
-}
 
 }  // namespace fsdp::plan

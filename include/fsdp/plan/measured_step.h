@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fsdp/plan/cost_model.h"
+#include "fsdp/plan/schedule.h"
 
 namespace fsdp::plan {
 
@@ -49,7 +50,7 @@ struct RecordedStep {
   bool host_is_device = false;    ///< CPU training: the host's time is the compute time
 };
 
-/// What the runtime knows of a group without running it (ParamGroup's sizes).
+/// What the runtime knows of a group without running it (GroupParams's sizes).
 struct GroupShape {
   std::string name;   ///< "blocks.3"
   std::string label;  ///< its trace label, "#4 blocks.3"

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fsdp/plan/cost_model.h"
+#include "fsdp/plan/schedule.h"
 
 namespace fsdp::plan {
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fsdp/plan/cost_model.h"
+#include "fsdp/plan/schedule.h"
 
 namespace fsdp::plan {
 

@@ -1,5 +1,5 @@
 // Initialisation that does not depend on how a parameter is sharded (fully_shard.h).
-#include "runtime/param_init.h"
+#include "fully_shard/param_init.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/arange.h>
@@ -90,8 +90,8 @@ int64_t ShardRows::row_numel() const {
 
 ShardRows shard_rows_of(const at::Tensor& param) {
   if (auto owner = Runtime::get().owner_of(param)) {
-    const ShardedParam& p = owner->state->group().params()[owner->index];
-    const int rank = owner->state->group().comm().rank();
+    const ShardedParam& p = owner->state->params().sharded()[owner->index];
+    const int rank = owner->state->params().comm().rank();
     return {std::min(p.layout.first_row(rank), p.layout.rows), p.layout.local_rows(rank), p.full_shape};
   }
   return {0, param.dim() == 0 ? 1 : param.size(0), param.sizes().vec()};
@@ -121,7 +121,7 @@ void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
   at::Tensor flat = param.view(-1);
   // Computed where the group computes (an offloaded shard lives on the host, the values are the same).
   const auto owner = Runtime::get().owner_of(param);
-  const at::Device device = owner ? owner->state->group().device() : param.device();
+  const at::Device device = owner ? owner->state->params().device() : param.device();
   for (int64_t begin = 0; begin < count; begin += kChunk) {
     const int64_t n = std::min(kChunk, count - begin);
     at::Tensor sum = device.is_cpu() ? init_detail::hashed_sums_by_loop(first + begin, n, keys)

@@ -50,7 +50,7 @@ NamedParams collect_params(torch::nn::Module& module, const std::string& module_
             module_name,
             "parameter '" + name + "' is already managed by fully_shard(" +
                 owner->state->module_name() + ") as '" +
-                owner->state->group().params()[owner->index].name +
+                owner->state->params().sharded()[owner->index].name +
                 "'. Apply fully_shard bottom-up (inner modules first, the root last), and shard "
                 "modules that share a weight (e.g. a tied embedding and output head) in one "
                 "fully_shard call that contains both.");
@@ -114,7 +114,7 @@ void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options)
   set_runtime_options(*state, options);
 }
 
-void set_step_in_backward(torch::nn::Module& root, GroupStep step) {
+void set_step_in_backward(torch::nn::Module& root, StepInBackward step) {
   for_each_state(root, "set_step_in_backward", [&step](GroupState& state) { state.set_step_in_backward(step); });
 }
 

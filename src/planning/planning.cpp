@@ -100,13 +100,13 @@ GroupState* own_group(const PlanningRoot& root) {
 std::vector<plan::GroupShape> shapes_of(const std::vector<Group>& groups, const GroupState* own) {
   std::vector<plan::GroupShape> shapes;
   for (const Group& group : groups) {
-    if (group.state->group().replicate())
+    if (group.state->params().replicate())
       throw std::invalid_argument("fsdp::group_shapes: '" + group.path + "' is sharded with replicas (HSDP): the "
                                   "planner's cost model has no all-reduce across replicas; plan plain FSDP");
     plan::GroupShape shape;
     shape.name = group.path;
-    shape.label = group.state->group().label();
-    shape.memory = group.state->group().memory();
+    shape.label = group.state->params().label();
+    shape.memory = group.state->params().memory();
     shape.encloses_later = group.state == own && groups.size() > 1 && shapes.empty();
     shape.recomputable = !shape.encloses_later;
     shapes.push_back(std::move(shape));
@@ -243,7 +243,7 @@ plan::CostModel finish_profiled_step(const PlanningRoot& root, double untraced_s
   step.reduce_every_micro_batch = reduce_every_micro_batch;
   const auto groups = groups_in_order(root, "finish_profiled_step");
   plan::CostModel model = plan::measure_cost_model(shapes_of(groups, own_group(root)), step);
-  measure_collective_latency(model, groups.front().state->group().comm());
+  measure_collective_latency(model, groups.front().state->params().comm());
   agree_across_ranks(model, *default_communicator());
   return model;
 }

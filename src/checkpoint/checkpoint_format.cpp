@@ -1,4 +1,4 @@
-#include "io/checkpoint_format.h"
+#include "checkpoint/checkpoint_format.h"
 
 #include <c10/core/ScalarType.h>
 #include <zlib.h>

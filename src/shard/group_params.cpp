@@ -1,4 +1,4 @@
-#include "shard/param_group.h"
+#include "shard/group_params.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
@@ -13,18 +13,8 @@
 #include <utility>
 
 namespace fsdp {
-namespace {
 
-// The shape of a [rows, ...] block of a parameter with `full_shape`.
-std::vector<int64_t> rows_shape(const std::vector<int64_t>& full_shape, int64_t rows) {
-  std::vector<int64_t> shape = full_shape.empty() ? std::vector<int64_t>{1} : full_shape;
-  shape[0] = rows;
-  return shape;
-}
-
-}  // namespace
-
-ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options)
+GroupParams::GroupParams(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options)
     : comm_(options.comm),
       replicate_(options.replicate),
       device_(params.empty() ? comm_->device() : params.front().second.device()),
@@ -53,12 +43,7 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
 
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : params) {
-    ShardedParam p;
-    p.name = name;
-    p.param = t;
-    p.full_shape = t.sizes().vec();
-    p.layout = ShardLayout::of_shape(t.sizes(), world);
-    p.offset = shard_numel_;
+    ShardedParam p(name, t, world, shard_numel_);
     shard_numel_ += p.layout.shard_numel();
     p.transform = make_gather_transform(name, t, cpu_offload, device_);
     if (p.transform) {
@@ -84,28 +69,18 @@ ParamGroup::ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, c
                                                  .dtype(common_dtype.value_or(at::kFloat))
                                                  .pinned_memory(device_.type() != at::kCPU));
   for (auto& p : params_) {
-    const at::Tensor& t = p.param;
-    const auto padded_shape = rows_shape(p.full_shape, p.layout.shard_rows());
-    p.padded_shard = offloaded() ? host_shards_.narrow(0, p.offset, p.layout.shard_numel()).view(padded_shape)
-                                 : at::zeros(padded_shape, t.options());
-    const int64_t local = p.layout.local_rows(rank);
-    p.shard = p.padded_shard.narrow(0, 0, local);
-    // A rank past the last row owns none (start clamped so narrow accepts it).
-    const int64_t first = std::min(p.layout.first_row(rank), p.layout.rows);
-    p.shard.copy_(t.reshape(rows_shape(p.full_shape, p.layout.rows)).narrow(0, first, local));
-    if (t.grad().defined())
-      throw std::invalid_argument("fsdp::fully_shard: parameter '" + p.name +
-                                  "' already has a gradient: call zero_grad() (set_to_none) or "
-                                  "shard before the first backward");
-    p.param.set_data(p.shard);
+    const auto padded_shape = p.rows_shape(p.layout.shard_rows());
+    p.shard_into(offloaded() ? host_shards_.narrow(0, p.offset, p.layout.shard_numel()).view(padded_shape)
+                             : at::zeros(padded_shape, p.param.options()),
+                 rank);
   }
   unsharded_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), 0,
                                     c10::GetAllocator(device_.type()), /*resizable=*/false);
 }
 
-ParamGroup::~ParamGroup() = default;
+GroupParams::~GroupParams() = default;
 
-void ParamGroup::allocate_unsharded() {
+void GroupParams::allocate_unsharded() {
   const int64_t world = comm_->world_size(), numel = gather_numel(false) * world;
   const size_t compute_bytes = numel * c10::elementSize(compute_dtype_);
   // The transformed parameters follow, 16-byte aligned (float8 GEMMs' and casts' alignment).
@@ -124,24 +99,14 @@ void ParamGroup::allocate_unsharded() {
   }
 }
 
-void ParamGroup::free_unsharded() {
+void GroupParams::free_unsharded() {
   unsharded_flat_ = at::Tensor();
   unsharded_transformed_ = at::Tensor();
   unsharded_storage_.set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
   unsharded_storage_.set_nbytes(0);
 }
 
-// Parameter-major: parameter i's padded rows occupy world * shard_numel_i
-// consecutive elements, so its real rows are a contiguous view.
-at::Tensor ParamGroup::unsharded_view(const ShardedParam& p) const {
-  const int world = comm_->world_size();
-  return unsharded(p.transformed()).narrow(0, p.gather_offset * world, p.layout.shard_numel() * world)
-      .view(rows_shape(p.full_shape, p.layout.padded_rows()))
-      .narrow(0, 0, p.layout.rows)
-      .view(p.full_shape);
-}
-
-void ParamGroup::wait_for_unshard() {
+void GroupParams::wait_for_unshard() {
   unshard();
   if (state_ != State::Gathering) return;
   if (gathered_) streams_.wait(streams_.compute(), *gathered_);
@@ -150,24 +115,17 @@ void ParamGroup::wait_for_unshard() {
   state_ = State::Unsharded;
 }
 
-std::vector<at::Tensor> ParamGroup::take_gradients() {
+std::vector<at::Tensor> GroupParams::take_gradients() {
   TORCH_INTERNAL_ASSERT(state_ == State::Unsharded, "fsdp: gradients are taken off unsharded parameters");
   std::vector<at::Tensor> grads;
   for (auto& p : params_) grads.push_back(std::exchange(p.param.mutable_grad(), at::Tensor()));
   return grads;
 }
 
-std::shared_ptr<c10::Event> ParamGroup::reshard() {
+std::shared_ptr<c10::Event> GroupParams::reshard() {
   if (state_ == State::Sharded) return nullptr;
   RECORD_USER_SCOPE("fsdp::reshard " + label_);  // a torch.profiler range, as the collectives'
-  for (auto& p : params_) {
-    TORCH_INTERNAL_ASSERT(!p.param.grad().defined(),
-                          "fsdp: resharding '", p.name, "' would drop its unreduced gradient");
-    if (p.transform) p.transform->detach(p.param);
-    p.param.set_data(p.shard);
-    p.param.mutable_grad() = std::move(p.stashed_grad);
-    p.stashed_grad = at::Tensor();
-  }
+  for (auto& p : params_) p.point_at_shard();
   // The buffers belong to the compute stream's pool: once the compute stream
   // is ordered after the gather (a prefetch that was never used waits here),
   // compute-stream work that reuses them runs after every read. The event
@@ -181,12 +139,12 @@ std::shared_ptr<c10::Event> ParamGroup::reshard() {
   return used_by_compute ? streams_.record(streams_.compute()) : nullptr;
 }
 
-size_t ParamGroup::unsharded_size_bytes() const {
+size_t GroupParams::unsharded_size_bytes() const {
   return static_cast<size_t>(comm_->world_size()) *
          (gather_numel(false) * c10::elementSize(compute_dtype_) + transformed_numel_ * c10::elementSize(transformed_dtype_));
 }
 
-GroupMemory ParamGroup::memory() const {
+GroupMemory GroupParams::memory() const {
   const int64_t world = comm_->world_size(), compute = c10::elementSize(compute_dtype_);
   const int64_t reduce = c10::elementSize(reduce_dtype_), count = static_cast<int64_t>(params_.size());
   int64_t trainable_numel = 0;
@@ -224,12 +182,12 @@ GroupMemory ParamGroup::memory() const {
   return memory;
 }
 
-at::Tensor ParamGroup::gather_full(size_t i) const {
+at::Tensor GroupParams::gather_full(size_t i) const {
   const auto& p = params_.at(i);
   at::Tensor out = at::empty({p.layout.shard_numel() * comm_->world_size()},
                              at::TensorOptions().dtype(p.padded_shard.scalar_type()).device(device_));
   comm_->all_gather(out, p.padded_shard.view(-1).to(device_));
-  return out.view(rows_shape(p.full_shape, p.layout.padded_rows()))
+  return out.view(p.rows_shape(p.layout.padded_rows()))
       .narrow(0, 0, p.layout.rows)
       .reshape(p.full_shape)
       .clone();

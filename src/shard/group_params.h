@@ -1,9 +1,10 @@
 // One fully_shard call's parameters: sharded storage, the all-gather that
 // unshards them and the reduce-scatter that shards their gradients (each one
 // coalesced collective of a piece per parameter). Its parts, a file each:
-// param_group.cpp the storage and the state machine (shard, unshard, reshard),
+// group_params.cpp the storage and the state machine (shard, unshard, reshard),
 // all_gather.cpp and reduce_scatter.cpp the two collectives' paths over groups,
-// gather_transform.h the formats a parameter can be gathered in (float8).
+// sharded_param.h one parameter's part, gather_transform.h the formats a parameter can be
+// gathered in (float8).
 //
 // Each managed parameter is the module's own tensor object. Its data flips
 // (Variable::set_data) between the local shard and a view into the group's
@@ -24,41 +25,26 @@
 #include "fsdp/group_memory.h"
 #include "fsdp/options.h"
 #include "shard/gather_transform.h"
-#include "shard/shard_layout.h"
+#include "shard/sharded_param.h"
 #include "shard/streams.h"
 
 namespace fsdp {
 
-struct ShardedParam {
-  std::string name;  // fully qualified, relative to the sharded module
-  at::Tensor param;  // the module's tensor object
-  std::vector<int64_t> full_shape;
-  ShardLayout layout;
-  int64_t offset = 0;       // element offset of this parameter in a rank's flat shard (and gradients)
-  std::shared_ptr<GatherTransform> transform;  // null: gathered in the compute dtype
-  int64_t gather_offset = 0; // element offset in a rank's part of its all-gather (of its kind: transformed or not)
-  bool transformed() const { return transform != nullptr; }
-  at::Tensor padded_shard;  // [shard_rows, ...]: this rank's rows, zero-padded (master copy)
-  at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
-  at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
-  at::Tensor unsynced_grad; // full-shape gradients summed without reduce-scatter (reduce dtype)
-};
-
-class ParamGroup {
+class GroupParams {
  public:
   // Shards `params` (full tensors) in place over options.comm (set). Not
   // collective: every rank already holds the full values (same seed or loaded
   // checkpoint). With cpu_offload the shards are views of one flat host
   // buffer (pinned on GPUs).
-  ParamGroup(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options);
-  ~ParamGroup();
+  GroupParams(std::vector<std::pair<std::string, at::Tensor>> params, const ShardOptions& options);
+  ~GroupParams();
 
   // Collective. Issues the all-gather (on GPUs on the all-gather stream, and
   // returns at once) and points the parameters at their unsharded views;
   // their sharded gradients are set aside meanwhile.
   void unshard();
   // The same for several groups in one coalesced collective (bucketing).
-  static void unshard_together(const std::vector<ParamGroup*>& groups);
+  static void unshard_together(const std::vector<GroupParams*>& groups);
   // Unshards if needed and makes the compute stream wait for the
   // all-gather: call before the parameters are used.
   void wait_for_unshard();
@@ -84,14 +70,14 @@ class ParamGroup {
   // over the replicas, on the all-reduce stream). The returned work keeps the
   // inputs alive until it is done; each group's result becomes its sharded
   // gradients at commit_gradients().
-  static DeviceWork reduce_scatter_together(const std::vector<ParamGroup*>& groups);
+  static DeviceWork reduce_scatter_together(const std::vector<GroupParams*>& groups);
   // The compute stream waits for each group's reduce-scatter (the host, for
   // an offloaded group's copy of it); its result is added to the sharded
   // gradients (set where none exist). A parameter that
   // no rank produced a gradient for keeps its gradient undefined. Only where
   // this rank lacked some gradient are the reduced flags read (one wait for
   // the device for all such groups).
-  static void commit_gradients(const std::vector<ParamGroup*>& groups);
+  static void commit_gradients(const std::vector<GroupParams*>& groups);
 
   bool is_unsharded() const { return state_ != State::Sharded; }
   // Bytes of the unsharded parameter storage now allocated (0 when sharded).
@@ -101,7 +87,7 @@ class ParamGroup {
   // The bytes of each buffer above, with the lifetimes the runtime gives them (the planner's
   // cost model).
   GroupMemory memory() const;
-  const std::vector<ShardedParam>& params() const { return params_; }
+  const std::vector<ShardedParam>& sharded() const { return params_; }
   Communicator& comm() const { return *comm_; }
   Communicator* replicate() const { return replicate_.get(); }  // HSDP's replicas; null: none
   const at::Device& device() const { return device_; }  // where it computes
@@ -116,7 +102,7 @@ class ParamGroup {
   // master shards as the optimizer left them: one collective per kind of transform for all of
   // them (GatherTransform::refresh). The runtime calls it at the start of each root's forward; a
   // group never refreshed refreshes its own at its first unshard.
-  static void refresh_gather_transforms(const std::vector<ParamGroup*>& groups);
+  static void refresh_gather_transforms(const std::vector<GroupParams*>& groups);
 
  private:
   enum class State { Sharded, Gathering, Unsharded };
@@ -140,7 +126,7 @@ class ParamGroup {
   // so each parameter's goes in a tensor of its own instead of one flat buffer of the group. The
   // allocator can then put each where the block's activations were: a 3B block's flat buffer
   // (384 MiB in float32) is larger than that space (352 MiB) and landed above it, leaving it
-  // unused at the step's peak (docs/results.md, "Issue #32's targets").
+  // unused at the step's peak.
   bool reduces_each_in_place() const { return comm_->world_size() == 1 && !replicate_ && !offloaded(); }
   // This group's pieces of a coalesced all-gather, appended: one per parameter, from its shard in
   // the input straight into its rows of the unsharded storage.
@@ -160,7 +146,6 @@ class ParamGroup {
   const at::Tensor& unsharded(bool transformed) const { return transformed ? unsharded_transformed_ : unsharded_flat_; }
   void allocate_unsharded();
   void free_unsharded();
-  at::Tensor unsharded_view(const ShardedParam& p) const;
 
   std::vector<ShardedParam> params_;
   std::string label_ = "group";

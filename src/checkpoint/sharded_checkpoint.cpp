@@ -1,5 +1,5 @@
 // Sharded checkpoints (include/fsdp/sharded_checkpoint.h): each rank writes its rows of every
-// sharded tensor as one file, rank 0 writes the metadata (src/io/checkpoint_format.h) last and
+// sharded tensor as one file, rank 0 writes the metadata (src/checkpoint/checkpoint_format.h) last and
 // renames the directory into place; loading reads, for each tensor, the blocks of the saved ranks
 // whose rows overlap this rank's, checks each block's checksum, and copies the overlap.
 #include "fsdp/sharded_checkpoint.h"
@@ -24,7 +24,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "io/checkpoint_format.h"
+#include "checkpoint/checkpoint_format.h"
 #include "io/files.h"
 #include "runtime/group_state.h"
 #include "runtime/runtime.h"
@@ -278,13 +278,13 @@ void CheckpointState::add_sharded(const std::string& name, at::Tensor local, con
   auto owner = Runtime::get().owner_of(like);
   if (!owner) throw std::invalid_argument("fsdp: '" + name + "' is laid out like a parameter that is not sharded: "
                                           "fully_shard the root module before checkpointing");
-  const ShardedParam& p = owner->state->group().params()[owner->index];
-  Communicator& comm = owner->state->group().comm();
+  const ShardedParam& p = owner->state->params().sharded()[owner->index];
+  Communicator& comm = owner->state->params().comm();
   if (!local.sizes().equals(p.shard.sizes()))
     throw std::invalid_argument("fsdp: '" + name + "' has shape " + c10::str(local.sizes()) + ", not that of its "
                                 "parameter's shard " + c10::str(p.shard.sizes()));
   sharded_.push_back({name, std::move(local), p.full_shape, p.layout.first_row(comm.rank()), &comm,
-                      owner->state->group().replicate()});
+                      owner->state->params().replicate()});
 }
 
 void CheckpointState::add_replicated(const std::string& name, at::Tensor value) {
@@ -295,6 +295,10 @@ CheckpointState model_state(torch::nn::Module& root) {
   CheckpointState state;
   for (const auto& item : root.named_parameters(/*recurse=*/true)) state.add_sharded(item.key(), item.value(), item.value());
   return state;
+}
+
+bool is_optimizer_state(const std::string& name) {
+  return name.rfind(kOptimizerPrefix, 0) == 0 || name.rfind(kAdamPrefix, 0) == 0;
 }
 
 std::string checkpoint_name(int64_t step) {
