@@ -10,7 +10,7 @@ the same distribution made after sharding, as for the 8B), fused AdamW, warmup +
 cosine schedule and clipping. Writes one JSON line per step in fsdp-train's format.
 
     torchrun --nproc-per-node 2 bench/fsdp2_llama.py --model 1b --init w.pt --jsonl out.jsonl
-        [--compile]   torch.compile each block before fully_shard (torchtitan's recipe)
+        [--compile]   torch.compile each block before fully_shard, and the loss (torchtitan's recipe)
         [--ddp]       DistributedDataParallel with bf16 autocast instead of FSDP2
         [--fsdp1]     FSDP1 (FullyShardedDataParallel, one unit a block, use_orig_params, its
                       MixedPrecision and clip_grad_norm_) instead of FSDP2; needs --init
@@ -52,23 +52,31 @@ from torch.nn.parallel import DistributedDataParallel
 
 from presets import hf_presets
 
-def _presets():
-    """fsdp-train's presets (trainer/model/presets.json, Hugging Face LlamaConfig fields) in this
-    script's short names."""
-    presets = {}
-    for name, hf in hf_presets().items():
-        c = dict(vocab=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                 n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-                 ffn=hf["intermediate_size"], theta=hf["rope_theta"], tie=hf["tie_word_embeddings"])
-        if hf.get("rope_scaling"):
-            r = hf["rope_scaling"]
-            c["rope_scaling"] = dict(factor=r["factor"], low=r["low_freq_factor"], high=r["high_freq_factor"],
-                                     original=r["original_max_position_embeddings"])
-        presets[name] = c
-    return presets
+def _short(hf):
+    """Hugging Face LlamaConfig fields in this script's short names."""
+    c = dict(vocab=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+             n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
+             ffn=hf["intermediate_size"], theta=hf["rope_theta"], tie=hf["tie_word_embeddings"])
+    if hf.get("rope_scaling"):
+        r = hf["rope_scaling"]
+        c["rope_scaling"] = dict(factor=r["factor"], low=r["low_freq_factor"], high=r["high_freq_factor"],
+                                 original=r["original_max_position_embeddings"])
+    return c
 
 
-PRESETS = _presets()
+PRESETS = {name: _short(hf) for name, hf in hf_presets().items()}  # fsdp-train's (trainer/model/presets.json)
+
+
+def model_config(model):
+    """--model: one of fsdp-train's presets, or a folder with a Hugging Face config.json (the shapes
+    of bench/llama_slice.py's slice, which fsdp-train reads by --init-from)."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model {model}: neither a preset ({', '.join(sorted(PRESETS))}) nor a folder with config.json")
+    with open(path) as f:
+        return _short(json.load(f))
 EPS = 1e-5
 
 
@@ -308,7 +316,7 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    c = PRESETS[args.model]
+    c = model_config(args.model)
     checkpointed = (range(c["n_layers"]) if args.recompute else
                     [int(i) for i in args.recompute_blocks.split(",") if i.strip()])
     if args.attention == "flash":
@@ -356,6 +364,12 @@ def main():
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block)
+
+    def cross_entropy(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), targets.reshape(-1))
+
+    # torchtitan compiles its loss with the blocks: the fp32 upcast and the softmax in one kernel.
+    loss_of = torch.compile(cross_entropy) if args.compile else cross_entropy
     opt = make_optimizer() if args.optimizer_before_shard else None
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
@@ -421,7 +435,7 @@ def main():
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, torch.bfloat16, enabled=args.ddp):
                 logits = model(input_ids=tokens[:, :-1]).logits if args.hf else model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), tokens[:, 1:].reshape(-1))
+            loss = loss_of(logits, tokens[:, 1:])
             loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
@@ -448,7 +462,8 @@ def main():
             row = dict(step=step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
                        step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
                        peak_alloc_gib=alloc, peak_reserved_gib=reserved, world=world,
-                       model=args.model, host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+                       model=args.model, compiled_loss=args.compile,
+                       host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(f"{args.runtime} step {step:3d} | loss {loss_value:.4f} | {ms:7.1f} ms | "

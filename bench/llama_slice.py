@@ -1,7 +1,7 @@
 """A Hugging Face Llama folder with a released model's shapes but only a few of its blocks, random
 weights: what fsdp-train --init-from profiles when the whole model does not fit the GPUs at hand
 (a 70B's blocks measured on 2 GPUs, then bench/stretch_cost_model.py carries the
-cost model to all 80). transformers lays out the tensors (their names and shapes); the values are
+cost model to all 80; the 8B's first 8 blocks, run_bench.py's one-GPU 8b-8l). transformers lays out the tensors (their names and shapes); the values are
 normal(0, 0.02), norms 1, written as bf16 safetensors.
 
     python3 bench/llama_slice.py --model 70b --layers 4 --out /tmp/llama-70b-4
@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 
 # Llama-3.1's released configurations (config.json's fields), less the number of blocks.
 MODELS = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               num_hidden_layers=32),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                 num_hidden_layers=80),
     "tiny": dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,

@@ -95,6 +95,10 @@ CONFIGS = {
     # --recompute, transformers' gradient checkpointing (fsdp-train recomputes its own blocks).
     "1b-hf": ("1b", 2048, 4, [], {}),
     "1b-hf-ac": ("1b", 2048, 4, ["--recompute"], {}),
+    # The 8B's shapes on one GPU: its first 8 of 32 blocks (preset "slice-MODEL-BLOCKS": made by
+    # bench/llama_slice.py into --out, read by fsdp-train --init-from and fsdp2_llama.py --model).
+    "8b-8l": ("slice-8b-8", 2048, 2, [], {}),
+    "tiny-2l": ("slice-tiny-2", 64, 4, [], {}),  # the CPU check of the slice path
 }
 # The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
 PYTORCH_SYSTEMS = {
@@ -124,6 +128,12 @@ SAVED_INITS = set()
 # Presets whose full weights are too large to hand over in one file (3B: 13 GB, 8B: 32 GB): each
 # system makes its own initial weights, of the same distribution, so their losses are not compared.
 OWN_INIT_PRESETS = {"3b", "8b"}
+
+
+def shares_init(preset):
+    """Whether every system starts from fsdp-train's initial weights (--save-init): not for the
+    presets above, nor a slice (fsdp-train reads its weights, the others make their own)."""
+    return preset not in OWN_INIT_PRESETS and not preset.startswith("slice-")
 EAGER_AND_COMPILED = ["pytorch-fsdp2", "pytorch-fsdp2-compile"]
 FSDP1 = ["pytorch-fsdp1", "pytorch-fsdp1-nolimit"]
 # The PyTorch systems each config runs against (configs not here are fsdp.cpp knobs).
@@ -136,6 +146,7 @@ REFERENCES = {
     "8b-ac": ["pytorch-fsdp2", "fsdpcpp-python"],
     "tiny": EAGER_AND_COMPILED + FSDP1 + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
     "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),
+    "8b-8l": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"], "tiny-2l": ["pytorch-fsdp2"],
 }
 
 def run(cmd, log_path, env):
@@ -207,18 +218,29 @@ def collect(config, world, folder, steps, repeat, logged_as=None):
                              flops_per_token=row["flops_per_token"], **summarize(log2 + ".jsonl", world, steps, profile2)))
     return rows
 
+def slice_folder(preset, out):
+    """A "slice-MODEL-BLOCKS" preset's Hugging Face folder in `out`, made the first time."""
+    _, model, blocks = preset.split("-")
+    folder = os.path.join(out, preset)
+    if not os.path.isdir(folder):
+        subprocess.run([sys.executable, "bench/llama_slice.py", "--model", model, "--layers", blocks, "--out", folder],
+                       check=True)
+    return folder
+
+
 def run_config(config, world, args, repeat):
     """fsdp.cpp (and FSDP2 where the config has a reference) on `world` GPUs: one row each."""
     preset, seq, batch, flags, extra_env = CONFIGS[config]
     init = os.path.join(args.out, f"init-{preset}.pt")
     steps = args.steps + args.profile_steps
-    train = ["--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
+    sliced = slice_folder(preset, args.out) if preset.startswith("slice-") else None
+    train = [*(["--init-from", sliced] if sliced else ["--model", preset]), "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), "--lr", "3e-4", "--min-lr", "3e-5", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--profile-steps", str(args.profile_steps)]
     log, profile, trace = log_paths(args.out, "fsdpcpp", config, world, repeat)
     # Written by the first run of each preset in this invocation (a file left by an earlier one
     # may come from another model version).
-    shared_init = preset not in OWN_INIT_PRESETS
+    shared_init = shares_init(preset)
     save_init = ["--save-init", init] if shared_init and init not in SAVED_INITS else []
     if save_init:
         SAVED_INITS.add(init)
@@ -237,7 +259,7 @@ def run_config(config, world, args, repeat):
                     if args.cpu and system in PYTHON_FRONT_END else
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"])
         run([*launcher, "bench/fsdp2_llama.py",
-             "--model", preset, "--steps", str(steps), "--seq", str(seq), "--batch",
+             "--model", sliced or preset, "--steps", str(steps), "--seq", str(seq), "--batch",
              str(batch), *flags, *system_flags,
              *(["--init", init] if shared_init and system not in OWN_INIT_SYSTEMS else []),
              "--jsonl", log2 + ".jsonl", "--profile", profile2,
@@ -374,7 +396,7 @@ def comparison(by_key, config, world, ours_system, system, repeated, name=None):
         return []
     pairs = list(zip(ours["runs"], theirs["runs"]))
     gap = max(abs(a - b) for x, y in pairs for a, b in zip(x["losses"], y["losses"]))
-    same_init = CONFIGS[config][0] not in OWN_INIT_PRESETS and (ours_system in OWN_INIT_SYSTEMS) == (
+    same_init = shares_init(CONFIGS[config][0]) and (ours_system in OWN_INIT_SYSTEMS) == (
         system in OWN_INIT_SYSTEMS)
     loss_note = (f"largest loss difference over {len(ours['losses'])} steps {gap:.4f}" if same_init
                  else "not compared (each system its own initial weights)")

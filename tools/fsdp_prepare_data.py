@@ -9,14 +9,17 @@ one JSON object a line, its --field the document; any other FILE is one document
 tokenised as the tokenizer does by default (its BOS, if it adds one), followed by its EOS token
 where it has one, so documents stay apart. DATA.bin gets llm.c's layout: a header of 256 int32
 (magic 20240520 for uint16 ids, 20240801 where an id needs 32 bits; version 1; the token count),
-then the ids, little-endian. It is written beside DATA.bin and renamed into place once complete;
-an existing DATA.bin is replaced only with --overwrite, and never an input file. A document longer
-than a million characters is tokenised a piece at a time, cut where whitespace follows a word.
+then the ids, little-endian. It is written beside DATA.bin as the ids come (one document's held at
+a time) and renamed into place once complete; an existing DATA.bin is replaced only with
+--overwrite, and never an input file. A document longer than a million characters is tokenised a
+piece at a time, cut where whitespace follows a word. On a terminal one line shows the progress
+(bytes read, tokens, tokens/s, time left); elsewhere a line a file.
 """
 import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -38,10 +41,11 @@ def decoded(data, path, offset):
 
 
 def documents(path, field):
-    """The documents of one input file, in order."""
+    """The documents of one input file, in order, each with the bytes of the file read so far."""
     if not path.endswith(".jsonl"):
         with open(path, "rb") as f:
-            yield decoded(f.read(), path, 0)
+            data = f.read()
+        yield decoded(data, path, 0), len(data)
         return
     with open(path, "rb") as f:
         offset = 0
@@ -56,7 +60,7 @@ def documents(path, field):
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 raise SystemExit(f"fsdp-prepare-data: {path}:{number}: no text field '{field}' "
                                  f"(pass --field NAME to read another)")
-            yield record[field]
+            yield record[field], offset
 
 
 def pieces(text):
@@ -81,17 +85,65 @@ def token_ids(tokenizer, text):
     return ids
 
 
-def write_token_file(ids, vocab_size, out):
-    wide = vocab_size > 2**16
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (MAGIC_UINT32 if wide else MAGIC_UINT16, 1, len(ids))
-    tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(ids, dtype="<u4" if wide else "<u2").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+class TokenFile:
+    """DATA.bin written as the ids come: the header (its token count written last) and the ids into
+    DATA.bin.tmp, renamed into place by publish(); close() without it removes the partial file."""
+
+    def __init__(self, out, vocab_size):
+        self.out, self.tmp, self.count = out, out + ".tmp", 0
+        self.magic, self.dtype = (MAGIC_UINT32, "<u4") if vocab_size > 2**16 else (MAGIC_UINT16, "<u2")
+        self.file = open(self.tmp, "wb")
+        self.file.write(np.zeros(256, dtype="<i4").tobytes())
+
+    def add(self, ids):
+        if self.count + len(ids) > MAX_TOKENS:
+            raise SystemExit(f"fsdp-prepare-data: more than {MAX_TOKENS} tokens: split the input into several files")
+        self.file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self.count += len(ids)
+
+    def publish(self):
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = (self.magic, 1, self.count)
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.out)
+
+    def close(self):
+        if not self.file.closed:
+            self.file.close()
+            os.remove(self.tmp)
+
+
+class Progress:
+    """One line on a terminal (stderr) that updates at most twice a second: the bytes read of all
+    inputs, the tokens so far, tokens/s and the time left at that rate. Nothing elsewhere."""
+
+    def __init__(self, total_bytes):
+        self.total, self.shown = max(total_bytes, 1), False
+        self.start = time.monotonic()
+        self.last = self.start - 1  # the first document shows at once
+        self.on = sys.stderr.isatty()
+
+    def update(self, done_bytes, tokens):
+        now = time.monotonic()
+        if not self.on or now - self.last < 0.5:
+            return
+        self.last, elapsed = now, now - self.start
+        left = elapsed * (self.total - done_bytes) / max(done_bytes, 1)
+        sys.stderr.write(f"\rfsdp-prepare-data: {100 * done_bytes / self.total:5.1f}% of {self.total / 1e6:.1f} MB, "
+                         f"{tokens / 1e6:.2f} M tokens, {tokens / max(elapsed, 1e-9) / 1e3:.0f} k tokens/s, "
+                         f"{int(left) // 60}:{int(left) % 60:02d} left ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def end(self):
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
 
 
 def main(argv=None):
@@ -128,17 +180,24 @@ def main(argv=None):
         p.error(f"--tokenizer '{args.tokenizer}': no Hugging Face tokenizer there ({e})")
     vocab_size = len(tokenizer)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = []
-    for path in args.files:
-        before, count = len(ids), 0
-        for text in documents(path, args.field):
-            ids += token_ids(tokenizer, text) + eos
-            count += 1
-        print(f"fsdp-prepare-data: {path}: {count} document(s), {len(ids) - before} tokens", flush=True)
-        if len(ids) > MAX_TOKENS:
-            raise SystemExit(f"fsdp-prepare-data: more than {MAX_TOKENS} tokens: split the input into several files")
-    write_token_file(ids, vocab_size, args.out)
-    print(f"fsdp-prepare-data: wrote {args.out}: {len(ids)} tokens of a {vocab_size}-id vocabulary "
+    progress = Progress(sum(os.path.getsize(path) for path in args.files))
+    tokens = TokenFile(args.out, vocab_size)
+    try:
+        files_done = 0
+        for path in args.files:
+            before, count = tokens.count, 0
+            for text, read in documents(path, args.field):
+                tokens.add(token_ids(tokenizer, text) + eos)
+                count += 1
+                progress.update(files_done + read, tokens.count)
+            files_done += os.path.getsize(path)
+            progress.end()
+            print(f"fsdp-prepare-data: {path}: {count} document(s), {tokens.count - before} tokens", flush=True)
+        tokens.publish()
+    finally:
+        progress.end()
+        tokens.close()
+    print(f"fsdp-prepare-data: wrote {args.out}: {tokens.count} tokens of a {vocab_size}-id vocabulary "
           f"(llm.c {'uint32' if vocab_size > 2**16 else 'uint16'})")
 
 

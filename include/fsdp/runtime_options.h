@@ -11,12 +11,15 @@ namespace fsdp {
 /// overlap: more prefetch and higher caps overlap more communication and hold more buffers. What
 /// each means is its line in for_each_runtime_option below (fsdp-train's --help prints the same).
 struct RuntimeOptions {
-  int prefetch_depth = 1;
+  /// @name The knobs
+  ///@{
+  int prefetch_depth = 1;  ///< each knob's meaning: its line in for_each_runtime_option
   int max_inflight_allgathers = 2;
   int max_inflight_reduce_scatters = 2;
   double bucket_mb = 0;
   int reduce_bucket_max_wait = 0;
   int max_pending_host_steps = 2;
+  ///@}
 
   /// bucket_mb in bytes.
   size_t bucket_bytes() const { return static_cast<size_t>(bucket_mb * 1024.0 * 1024.0); }

@@ -11,9 +11,10 @@ Mesh make_mesh(int replicas, std::shared_ptr<Communicator> world, int tp) {
   if (!world) world = default_communicator();
   const int size = world->world_size();
   if (replicas < 1 || tp < 1 || size % (replicas * tp) != 0)
-    throw std::invalid_argument("fsdp::make_mesh: " + std::to_string(replicas) + " replicas x tp " + std::to_string(tp) +
-                                " do not divide the " + std::to_string(size) + " ranks of communicator '" +
-                                world->name() + "': choose divisors of the world size");
+    throw std::invalid_argument("fsdp::make_mesh: " + std::to_string(replicas) + " replicas" +
+                                (tp > 1 ? " x tp " + std::to_string(tp) : "") + " do not divide the " +
+                                std::to_string(size) + " ranks of communicator '" + world->name() +
+                                "': choose divisors of the world size");
   const int shards = size / (replicas * tp), t = world->rank() % tp, dp_rank = world->rank() / tp;
   const int replica = dp_rank / shards, shard = dp_rank % shards;
   // With tp, each dp communicator holds one tp index: its name says which.

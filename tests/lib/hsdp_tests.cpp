@@ -1,5 +1,6 @@
 // HSDP (fsdp/mesh.h): every layout of replicas x shards the world size allows trains as
-// single-process training does, and checkpoints move between HSDP and plain FSDP.
+// single-process training does, and checkpoints move between HSDP and plain FSDP; with a tp
+// dimension, the communicators join the ranks init_device_mesh's layout puts together.
 // mpi_4_ranks runs 1x4, 2x2 and 4x1; mpi_6_ranks_hsdp 2x3 (uneven shards) and the rest of 6's.
 #include "helpers.h"
 #include "io/files.h"
@@ -94,6 +95,33 @@ TEST(Hsdp, CheckpointsMoveBetweenHsdpAndPlainFsdp) {
   expect_identical_run({{}, {}, full_state_dict(*back)}, {{}, {}, want});
   world()->barrier();
   if (world()->rank() == 0) io::remove_tree(dir);
+}
+
+// Every (replicas, shards, tp) layout with tp > 1: rank r = (replica * shards + shard) * tp + t.
+TEST(Hsdp, TpDimensionJoinsTheRanksOfInitDeviceMeshsLayout) {
+  const int world_size = world()->world_size(), r = world()->rank();
+  const auto ranks_of = [&](Communicator& comm) {
+    at::Tensor all = at::empty({comm.world_size()}, at::TensorOptions().dtype(at::kLong).device(device()));
+    comm.all_gather(all, at::full({1}, r, all.options()));
+    const at::Tensor host = all.cpu();
+    return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + comm.world_size());
+  };
+  for (int tp = 2; tp <= world_size; ++tp) {
+    if (world_size % tp != 0) continue;
+    for (int replicas = 1; replicas <= world_size / tp; ++replicas) {
+      if ((world_size / tp) % replicas != 0) continue;
+      const int shards = world_size / tp / replicas, t = r % tp, shard = r / tp % shards, replica = r / tp / shards;
+      SCOPED_TRACE(std::to_string(replicas) + " x " + std::to_string(shards) + " x tp " + std::to_string(tp));
+      const Mesh mesh = make_mesh(replicas, world(), tp);
+      std::vector<int64_t> want_shard, want_replicate, want_tp;
+      for (int s = 0; s < shards; ++s) want_shard.push_back((replica * shards + s) * tp + t);
+      for (int p = 0; p < replicas; ++p) want_replicate.push_back((p * shards + shard) * tp + t);
+      for (int u = 0; u < tp; ++u) want_tp.push_back((replica * shards + shard) * tp + u);
+      EXPECT_EQ(ranks_of(*mesh.shard), want_shard);
+      EXPECT_EQ(ranks_of(*mesh.replicate), want_replicate);
+      EXPECT_EQ(ranks_of(*mesh.tp), want_tp);
+    }
+  }
 }
 
 TEST(Hsdp, BadLayoutsAreErrors) {

@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 
 import fsdpcpp
-from models import MODELS, blocks_of, loss_of
+from models import MODELS, blocks_of, loss_of, loss_parallel_of
 
 
 UNIT_ROUNDOFF = 2.0 ** -24
@@ -202,8 +202,11 @@ def torch_loop(model, opt, steps, clip, first=0, before_step=None, tp=1):
     for step in range(first, steps):
         if before_step:
             model, opt = before_step(step) or (model, opt)
-        loss = loss_of(model, my_rows(batch(step), tp))
-        loss.backward()
+        with loss_parallel_of(model):
+            loss = loss_of(model, my_rows(batch(step), tp))
+            loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
         meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
         clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if len(meshes) < 2 else clip_over_meshes
         norm = clip_grad_norm_(model.parameters(), clip)

@@ -107,6 +107,7 @@ class TitanLlama(nn.Module):
         self.layers = nn.ModuleList(TitanBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
+        self.loss_parallel = False  # the output head's logits split by vocabulary (tensor_parallel)
 
     def forward(self, tokens, targets):
         x = self.tok_embeddings(tokens)
@@ -119,7 +120,7 @@ class TitanLlama(nn.Module):
 def tensor_parallel(model, tp_mesh):
     """torchtitan's plan, sequence parallel: the embedding row-parallel into sequence shards, the
     norms sequence-parallel, attention and feed-forward column- then row-parallel, the output head
-    column-parallel to whole logits. transformers' Llama: its config's base_model_tp_plan, applied
+    column-parallel with the loss parallel. transformers' Llama: its config's base_model_tp_plan, applied
     by parallelize_module as the same ColwiseParallel / RowwiseParallel."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -128,8 +129,11 @@ def tensor_parallel(model, tp_mesh):
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            # Loss parallel, as torchtitan: the logits stay split by vocabulary (forward and backward
+            # then run in torch's loss_parallel context: TitanLlama.loss_parallel).
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         })
+        model.loss_parallel = True
         for block in model.layers:
             parallelize_module(block, tp_mesh, {
                 "attention_norm": SequenceParallel(),
@@ -191,6 +195,14 @@ def checkpoint_calls(model):
         model.checkpoint_calls = True
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def loss_parallel_of(model):
+    """torch's loss_parallel context where the model's logits are split by vocabulary (forward and
+    backward run in it), else none."""
+    import contextlib
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel() if getattr(model, "loss_parallel", False) else contextlib.nullcontext()
 
 
 def loss_of(model, tokens):

@@ -89,3 +89,33 @@ def test_a_long_line_gives_the_ids_of_one_call(tokenizer_dir, tmp_path):
     header, got = tokens_of(tmp_path / "long.bin")
     want = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)(text)["input_ids"] + [9]
     assert header == [20240520, 1, len(want)] and got == want
+
+
+def test_progress_shows_on_a_terminal_alone(tokenizer_dir, tmp_path):
+    """On a terminal one line that updates (the bytes read, tokens, tokens/s, time left); piped,
+    the lines a file alone; the same token file either way."""
+    import json
+    import pty
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"t1 t{i % 200} t3"}) + "\n" for i in range(50)))
+    leader, follower = pty.openpty()
+    done = subprocess.run([sys.executable, TOOL, "--tokenizer", tokenizer_dir, data, "--out", tmp_path / "a.bin"],
+                          stdout=subprocess.PIPE, stderr=follower, text=True, timeout=120)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal's other end is closed: all read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert done.returncode == 0, done.stdout
+    terminal = shown.decode()
+    assert "\rfsdp-prepare-data: " in terminal and "% of " in terminal and "k tokens/s" in terminal, terminal
+    code, piped = prepare("--tokenizer", tokenizer_dir, data, "--out", tmp_path / "b.bin")
+    assert code == 0 and "% of " not in piped and "50 document(s)" in piped, piped
+    assert tokens_of(tmp_path / "a.bin") == tokens_of(tmp_path / "b.bin")
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]

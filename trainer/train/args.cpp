@@ -482,7 +482,15 @@ void check_ranges(const TrainArgs& a) {
   }
 }
 
-// An output path must be creatable: an existing regular file we may write, or a new name in an
+// `path` can be made: its directory exists and takes new names.
+void require_creatable(const std::string& flag, const std::string& path) {
+  const std::string dir = io::parent_of(path);
+  require(io::is_directory(dir), flag + ": cannot write '" + path + "': the directory '" + dir + "' does not exist");
+  const std::string denied = failure(access(dir.c_str(), W_OK));
+  require(denied.empty(), flag + ": cannot write '" + path + "': directory '" + dir + "': " + denied);
+}
+
+// An output path must be writable: an existing regular file we may write, or a new name in an
 // existing directory we may write. Checked up front so no run ends with its output lost.
 void require_writable(const std::string& flag, const std::string& path) {
   struct stat st{};
@@ -494,10 +502,7 @@ void require_writable(const std::string& flag, const std::string& path) {
     require(denied.empty(), flag + ": cannot write '" + path + "': " + denied);
     return;
   }
-  const std::string dir = io::parent_of(path);
-  require(io::is_directory(dir), flag + ": cannot write '" + path + "': the directory '" + dir + "' does not exist");
-  const std::string denied = failure(access(dir.c_str(), W_OK));
-  require(denied.empty(), flag + ": cannot write '" + path + "': directory '" + dir + "': " + denied);
+  require_creatable(flag, path);
 }
 
 // A directory to write in: an existing writable one, or a new name in a writable directory.
@@ -555,8 +560,8 @@ void check_export_path(const TrainArgs& a) {
   require(!io::exists(a.export_path) || empty_directory || a.overwrite_export,
           "--export: '" + a.export_path + "' already " + (single_file ? "exists" : "holds files") +
               ": pass --overwrite-export to replace it, or export elsewhere");
-  // Written as PATH.tmp beside it, then renamed: its parent must take new names.
-  require_writable("--export", a.export_path + ".tmp");
+  // Staged as PATH.tmp-<run id> beside it, then renamed into place: its parent must take new names.
+  require_creatable("--export", a.export_path);
 }
 
 // One rule for every path the run writes: a file written is no other path of the run and never
