@@ -53,12 +53,16 @@ from torch.nn.parallel import DistributedDataParallel
 from presets import hf_presets
 
 def _short(hf):
-    """Hugging Face LlamaConfig fields in this script's short names."""
+    """Hugging Face LlamaConfig fields in this script's short names (RoPE's as rope_theta and
+    rope_scaling, or as transformers 5 writes them, rope_parameters)."""
+    rope = hf.get("rope_parameters") or {}
     c = dict(vocab=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
              n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-             ffn=hf["intermediate_size"], theta=hf["rope_theta"], tie=hf["tie_word_embeddings"])
-    if hf.get("rope_scaling"):
-        r = hf["rope_scaling"]
+             ffn=hf["intermediate_size"], theta=hf.get("rope_theta", rope.get("rope_theta")),
+             tie=hf["tie_word_embeddings"])
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+    if scaling:
+        r = scaling
         c["rope_scaling"] = dict(factor=r["factor"], low=r["low_freq_factor"], high=r["high_freq_factor"],
                                  original=r["original_max_position_embeddings"])
     return c

@@ -109,6 +109,11 @@ resume)
       cmp "$f" "$work/straight/step-000010/$(basename "$f")" || fail "the background save of step 10 differs"
     done
   fi
+  # A resume must make the checkpoint's model: a run of another preset is told which.
+  if "$run" "${launch[@]}" -n 1 "$train" --model small --steps 20 --seq 32 --resume "$work/half" >"$work/out" 2>&1 ||
+     ! grep -q "holds the tiny model, this run makes the small model: pass --model tiny as its run did" "$work/out"; then
+    cat "$work/out"; fail "a resume of another model was not refused by name"
+  fi
   # Each world once (one GPU: 1 alone): a resumed run of the same lineage appends to its log.
   for w in $(printf '%s\n' $n $worlds | awk '!seen[$0]++'); do
     "$run" "${launch[@]}" -n "$w" "$train" "${common[@]}" --batch $((global / w)) --resume "$work/half" \

@@ -638,6 +638,12 @@ std::map<std::string, std::string> check_resume(const TrainArgs& a) {
     const auto it = extra.find(key);
     return it == extra.end() ? std::string() : it->second;
   };
+  // Its model: a checkpoint holds weights, not shapes, which the preset or --init-from's config gives.
+  const std::string model = recorded("model");
+  require(model.empty() || model == model_name(a) ||
+              io::canonical_path(model) == io::canonical_path(model_name(a)),  // a folder named otherwise
+          "--resume: '" + from + "' holds the " + model + " model, this run makes the " + model_name(a) + " model" +
+              ": pass " + (model::has_hf_config(model) ? "--init-from " : "--model ") + model + " as its run did");
   const std::string data = recorded("data"), seed = recorded("seed");
   if (!a.allow_resume_changes) {
     require(data.empty() || data == a.data || data == recorded_data(a.data),
