@@ -60,9 +60,8 @@ def _short(hf):
              n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
              ffn=hf["intermediate_size"], theta=hf.get("rope_theta", rope.get("rope_theta")),
              tie=hf["tie_word_embeddings"])
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
-    if scaling:
-        r = scaling
+    r = hf.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else None)
+    if r:
         c["rope_scaling"] = dict(factor=r["factor"], low=r["low_freq_factor"], high=r["high_freq_factor"],
                                  original=r["original_max_position_embeddings"])
     return c
