@@ -12,8 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _C
-from ._dtensor import managed, take_replacements_in
-from ._state import refuse_tp_parts
+from ._dtensor import managed, refuse_tp_parts, take_replacements_in
 from ._runtime import rank
 
 newest_checkpoint = _C.newest_checkpoint

@@ -44,7 +44,7 @@ from ._runtime import device, rank, world_size
 _mesh = None  # the dp DeviceMesh of every face (fully_shard's mesh=)
 _dp_comms = None  # the C++ communicators of its dims where they are not all ranks (HSDP, tp > 1), else None
 _tp = 1  # ranks each layer is split over (tensor parallelism): the world over the dp mesh's size
-_spmd_meshes = {}  # id(tp mesh) -> the (dp..., tp) mesh of the faces of its parameters
+_spmd_meshes = {}  # (dp mesh, tp mesh) -> the (dp..., tp) mesh of the faces of their parameters
 _live_faces = weakref.WeakSet()  # the _Faces of every live sharded module
 _forward_depth = 0  # sharded forwards in progress: 0 outside the outermost
 _mirror_queued = False
@@ -279,6 +279,7 @@ class _Faces:
 
     def use_faces(self) -> None:
         for slot in self.slots:
+            slot.in_use = slot.managed  # the forward's DTensor of the tp part is gone with the forward
             slot.module._parameters[slot.name] = slot.face
 
     def mirror_gradients(self) -> None:
@@ -417,6 +418,14 @@ def tp_spec_of(managed_tensor: torch.Tensor) -> DTensorSpec | None:
     return managed_tensor.__dict__.get("_fsdpcpp_tp_spec")
 
 
+def refuse_tp_parts(named, caller: str, instead: str) -> None:
+    """fsdp.cpp's own whole-model calls reach the ranks of one dp mesh, not a tp part's peers."""
+    for name, tensor in named:
+        if tp_spec_of(tensor) is not None:
+            raise NotImplementedError(f"{caller}: '{name}' is split by tensor parallelism, which this call does not "
+                                      f"follow: use {instead}, as with FSDP2")
+
+
 def _tp_part(full: torch.Tensor, tp_spec: DTensorSpec | None) -> torch.Tensor:
     """This rank's tp part of a full tensor: its chunk along a Shard placement's dim (torch.chunk,
     as DTensor's Shard), the whole where it is replicated."""
@@ -482,12 +491,13 @@ def _face_spec(param: torch.Tensor) -> DTensorSpec:
         _, _, full_shape = _C.shard_rows(param)
         meta = TensorMeta(torch.Size(full_shape), make_contiguous_strides_for(full_shape), param.dtype)
         return DTensorSpec(mesh, (*replicas, Shard(0)), meta)
-    if id(tp_spec.mesh) not in _spmd_meshes:
+    key = (mesh, tp_spec.mesh)
+    if key not in _spmd_meshes:
         from torch.distributed.device_mesh import DeviceMesh
-        _spmd_meshes[id(tp_spec.mesh)] = DeviceMesh._concatenate([mesh, tp_spec.mesh])
+        _spmd_meshes[key] = DeviceMesh._concatenate([mesh, tp_spec.mesh])
     split = tp_spec.num_shards_map[0]
     dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
-    return DTensorSpec(_spmd_meshes[id(tp_spec.mesh)], (*replicas, dp_placement, *tp_spec.placements),
+    return DTensorSpec(_spmd_meshes[key], (*replicas, dp_placement, *tp_spec.placements),
                        tp_spec.tensor_meta)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._dtensor import copy_my_rows, managed, take_replacements_in, tp_spec_of
+from ._dtensor import copy_my_rows, managed, refuse_tp_parts, take_replacements_in, tp_spec_of
 from ._runtime import rank
 
 
@@ -18,14 +18,6 @@ def _named(parameters, caller: str) -> list[tuple[str, torch.Tensor]]:
     named = [(f"parameter {i}", managed(p)) for i, p in enumerate(parameters)]
     refuse_tp_parts(named, caller, "torch.nn.utils.clip_grad_norm_ (or torchtitan's clip) over the DTensor parameters")
     return named
-
-
-def refuse_tp_parts(named, caller: str, instead: str) -> None:
-    """fsdp.cpp's own whole-model calls reach the ranks of one dp mesh, not a tp part's peers."""
-    for name, tensor in named:
-        if tp_spec_of(tensor) is not None:
-            raise NotImplementedError(f"{caller}: '{name}' is split by tensor parallelism, which this call does not "
-                                      f"follow: use {instead}, as with FSDP2")
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -187,10 +187,7 @@ at::Tensor GroupParams::gather_full(size_t i) const {
   at::Tensor out = at::empty({p.layout.shard_numel() * comm_->world_size()},
                              at::TensorOptions().dtype(p.padded_shard.scalar_type()).device(device_));
   comm_->all_gather(out, p.padded_shard.view(-1).to(device_));
-  return out.view(p.rows_shape(p.layout.padded_rows()))
-      .narrow(0, 0, p.layout.rows)
-      .reshape(p.full_shape)
-      .clone();
+  return p.full_view(out).clone();
 }
 
 }  // namespace fsdp

@@ -41,10 +41,11 @@ void ShardedParam::shard_into(at::Tensor padded, int rank) {
 // Parameter-major: its padded rows take world * shard_numel consecutive elements, so its real rows
 // are a contiguous view.
 at::Tensor ShardedParam::unsharded_view(const at::Tensor& gathered) const {
-  return gathered.narrow(0, gather_offset * layout.world, layout.shard_numel() * layout.world)
-      .view(rows_shape(layout.padded_rows()))
-      .narrow(0, 0, layout.rows)
-      .view(full_shape);
+  return full_view(gathered.narrow(0, gather_offset * layout.world, layout.shard_numel() * layout.world));
+}
+
+at::Tensor ShardedParam::full_view(const at::Tensor& padded_rows) const {
+  return padded_rows.view(rows_shape(layout.padded_rows())).narrow(0, 0, layout.rows).view(full_shape);
 }
 
 void ShardedParam::point_at_unsharded(const at::Tensor& unsharded, const at::TensorOptions& compute) {

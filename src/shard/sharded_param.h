@@ -39,6 +39,8 @@ struct ShardedParam {
   void shard_into(at::Tensor padded, int rank);
   // Its full value inside a gathered buffer, parameter-major: its padded rows of every rank.
   at::Tensor unsharded_view(const at::Tensor& gathered) const;
+  // Its full value as a view of `padded_rows`: its padded rows of every rank, flat, in rank order.
+  at::Tensor full_view(const at::Tensor& padded_rows) const;
   // `param` holds `unsharded` (through its transform, if any; `compute`: its compute dtype and
   // device); the sharded gradient is set aside meanwhile.
   void point_at_unsharded(const at::Tensor& unsharded, const at::TensorOptions& compute);

@@ -153,12 +153,15 @@ def case_torch_calls(args):
 
 def check_tensor_parallel_refusals(model, opt, tp_mesh, args):
     """What fsdpcpp cannot follow under tensor parallelism is refused, naming the parameter and
-    what to use instead: its own clip and checkpoints (torch's work), and a module split over
+    what to use instead: its own clip and checkpoints (torch's work), the planner (it prices no tp
+    collectives), and a module split over
     other ranks than the tp ranks of this rank's dp mesh (a mesh laid out (tp, dp))."""
     expect_error(NotImplementedError, "split by tensor parallelism, which this call does not follow: use "
                  "torch.nn.utils.clip_grad_norm_", lambda: fsdpcpp.clip_grad_norm_(model.parameters(), 1.0))
     expect_error(NotImplementedError, "use torch.distributed.checkpoint (DCP)",
                  lambda: fsdpcpp.save_checkpoint(os.path.join(args.dir or ".", "own"), model, opt))
+    expect_error(NotImplementedError, "is split by tensor parallelism; the planner plans FSDP alone",
+                 lambda: fsdpcpp.plan_memory_budget(model, lambda: None, 1 << 40))
     from torch.distributed.device_mesh import init_device_mesh
     world = fsdpcpp.world_size()
     across = init_device_mesh(tp_mesh.device_type, (args.tp, world // args.tp), mesh_dim_names=("tp", "dp"))["tp"]
