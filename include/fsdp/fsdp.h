@@ -4,7 +4,8 @@
 
 // Training a torch::nn model: join the ranks, shard its modules, call them, save and resume.
 #include "fsdp/launch.h"              // init(): ranks, devices and the communicator from the launcher
-#include "fsdp/mesh.h"                // HSDP: replicas x shards
+#include "fsdp/mesh.h"                // HSDP: replicas x shards (x tp)
+#include "fsdp/tensor_parallel.h"     // layers split over the tp ranks: parts, tp collectives
 #include "fsdp/options.h"             // per-module options: reshard_after_forward, mixed precision, offload
 #include "fsdp/fully_shard.h"         // fully_shard() a module; fsdp::forward() through it
 #include "fsdp/recompute.h"           // recompute a module's forward in backward

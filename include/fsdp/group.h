@@ -104,11 +104,15 @@ void set_runtime_options(GroupState& state, const RuntimeOptions& options);
 RuntimeOptions runtime_options(const GroupState& state);
 
 /// Collective over the parameter's group. A full (unsharded) copy of `param`: its group's
-/// parameter all-gathered, or a copy of it when it belongs to no group.
+/// parameter all-gathered, or a copy of it when it belongs to no group; for a tensor-parallel part
+/// (fsdp/tensor_parallel.h), the whole parameter, from the parts of the tp ranks (collective over
+/// them too).
 at::Tensor full_parameter(const at::Tensor& param);
 /// Collective. Scales the sharded gradients of `params` (each tensor once, all sharded) so that
 /// their global L2 norm is at most max_norm; returns the norm before clipping (float32 scalar on
 /// the device) without waiting for the device. Errors name the parameters by their names here.
+/// Under tensor parallelism (some of `params` tp parts), every parameter of `params` is a part or
+/// the same on every tp rank; collective over the tp ranks too.
 at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm);
 /// Collective. clip_grad_norm_ without the clip: the global L2 norm of the sharded gradients of
 /// `params`, which it leaves as they are. For an optimizer that applies the clip as it reads the

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/tensor_parallel.h"
 #include "runtime/group_state.h"
 #include "runtime/runtime.h"
 
@@ -54,8 +55,7 @@ StreamKeys stream_keys(uint64_t seed) {
   return keys;
 }
 
-at::Tensor hashed_sums_by_tensor_ops(int64_t first, int64_t n, const StreamKeys& keys, const at::Device& device) {
-  const at::Tensor position = at::arange(first, first + n, at::TensorOptions().dtype(at::kLong).device(device));
+at::Tensor hashed_sums_by_tensor_ops(const at::Tensor& position, const StreamKeys& keys) {
   at::Tensor sum;
   for (uint32_t key : keys) {
     at::Tensor u = mix32(mix32(position.bitwise_xor(int64_t(key))).bitwise_xor(int64_t(mix32(key)))).to(at::kDouble);
@@ -64,14 +64,16 @@ at::Tensor hashed_sums_by_tensor_ops(int64_t first, int64_t n, const StreamKeys&
   return sum;
 }
 
-at::Tensor hashed_sums_by_loop(int64_t first, int64_t n, const StreamKeys& keys) {
+at::Tensor hashed_sums_by_loop(const at::Tensor& positions, const StreamKeys& keys) {
   StreamKeys mixed;
   for (size_t k = 0; k < keys.size(); ++k) mixed[k] = mix32(keys[k]);
-  at::Tensor sum = at::empty({n}, at::kDouble);
+  const at::Tensor in = positions.contiguous();
+  const int64_t* at_position = in.data_ptr<int64_t>();
+  at::Tensor sum = at::empty({in.numel()}, at::kDouble);
   double* out = sum.data_ptr<double>();
-  at::parallel_for(0, n, int64_t(1) << 14, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.numel(), int64_t(1) << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const uint64_t position = static_cast<uint64_t>(first + i);
+      const uint64_t position = static_cast<uint64_t>(at_position[i]);
       double total = 0;  // exact: four integers below 2^32
       for (size_t k = 0; k < keys.size(); ++k) total += mix32(uint64_t(mix32(position ^ keys[k])) ^ mixed[k]);
       out[i] = total;
@@ -101,13 +103,35 @@ at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& op
   return at::zeros({}, options).expand(shape);
 }
 
+namespace {
+
+// The positions in the full parameter of a shard's elements [first, first + n) (flat, in the
+// tensor fully_shard sharded): themselves, or for a tensor-parallel part their places in the full
+// tensor it is a part of.
+at::Tensor full_positions(const TpPart* part, int64_t first, int64_t n, const at::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor flat = at::arange(first, first + n, options);
+  if (!part) return flat;
+  const int64_t part_columns = part->part_shape()[1], full_columns = part->full_shape[1];
+  at::Tensor row = flat.div(part_columns, "floor"), column = flat.remainder(part_columns);
+  const at::Tensor full_index = part->indices_of(part->tp->rank()).to(device);
+  if (part->dim == 0)
+    row = full_index.index_select(0, row);
+  else
+    column = full_index.index_select(0, column);
+  return row.mul_(full_columns).add_(column);
+}
+
+}  // namespace
+
 void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
   c10::NoGradGuard no_grad;
   const ShardRows where = shard_rows_of(param);
+  const TpPart* part = tp_part_of(param);
   const int64_t first = where.first_row * where.row_numel();
   const int64_t count = where.rows * where.row_numel();
-  int64_t full = where.row_numel();
-  if (!where.full_shape.empty()) full *= where.full_shape[0];
+  int64_t full = 1;
+  for (int64_t size : part ? part->full_shape : where.full_shape) full *= size;
   if (full > kLow32)
     throw std::invalid_argument("fsdp::init_normal_: a parameter of " + std::to_string(full) +
                                 " elements; positions are hashed as 32-bit numbers (at most 2^32 elements)");
@@ -124,8 +148,9 @@ void init_normal_(const at::Tensor& param, uint64_t seed, double std) {
   const at::Device device = owner ? owner->state->params().device() : param.device();
   for (int64_t begin = 0; begin < count; begin += kChunk) {
     const int64_t n = std::min(kChunk, count - begin);
-    at::Tensor sum = device.is_cpu() ? init_detail::hashed_sums_by_loop(first + begin, n, keys)
-                                     : init_detail::hashed_sums_by_tensor_ops(first + begin, n, keys, device);
+    const at::Tensor positions = full_positions(part, first + begin, n, device);
+    at::Tensor sum = device.is_cpu() ? init_detail::hashed_sums_by_loop(positions, keys)
+                                     : init_detail::hashed_sums_by_tensor_ops(positions, keys);
     flat.narrow(0, begin, n).copy_(sum.sub_(2.0 * 4294967296.0).mul_(scale).to(flat.scalar_type()));
   }
 }

@@ -14,9 +14,9 @@ namespace fsdp::init_detail {
 
 using StreamKeys = std::array<uint32_t, 4>;
 StreamKeys stream_keys(uint64_t seed);
-// The sums at positions [first, first + n), a float64 tensor of n on `device`.
-at::Tensor hashed_sums_by_tensor_ops(int64_t first, int64_t n, const StreamKeys& keys, const at::Device& device);
+// The sums at `positions` (int64, 1-D), a float64 tensor of as many on the positions' device.
+at::Tensor hashed_sums_by_tensor_ops(const at::Tensor& positions, const StreamKeys& keys);
 // The same numbers on the CPU.
-at::Tensor hashed_sums_by_loop(int64_t first, int64_t n, const StreamKeys& keys);
+at::Tensor hashed_sums_by_loop(const at::Tensor& positions, const StreamKeys& keys);
 
 }  // namespace fsdp::init_detail

@@ -19,6 +19,7 @@
 
 #include "fsdp/float8.h"
 #include "fsdp/launch.h"
+#include "fsdp/tensor_parallel.h"
 #include "runtime/group_state.h"
 #include "runtime/runtime.h"
 
@@ -172,17 +173,28 @@ RuntimeOptions runtime_options(const GroupState& state) {
 
 at::Tensor full_parameter(const at::Tensor& param) {
   c10::NoGradGuard no_grad;
-  if (auto owner = Runtime::get().owner_of(param)) return owner->state->params().gather_full(owner->index);
-  return param.detach().clone();
+  auto owner = Runtime::get().owner_of(param);
+  at::Tensor mine = owner ? owner->state->params().gather_full(owner->index) : param.detach().clone();
+  const TpPart* part = tp_part_of(param);
+  if (!part) return mine;
+  // Every tp rank's part, then the full tensor from them.
+  auto shape = mine.sizes().vec();
+  shape.insert(shape.begin(), part->tp->world_size());
+  at::Tensor parts = at::empty(shape, mine.options());
+  part->tp->all_gather(parts, mine.contiguous());
+  return part->assemble(parts);
 }
 
 namespace {
 
 // The sharded gradients of `params` (each tensor once) by device, offloaded ones on the host, and
-// the communicator their norm is summed over (null: no parameter).
+// the communicator their norm is summed over (null: no parameter). With tensor parallelism the
+// parts of split parameters are listed apart from the parameters every tp rank holds alike.
 struct ShardedGradients {
+  using ByDevice = std::vector<std::pair<at::Device, std::vector<at::Tensor>>>;
   Communicator* comm = nullptr;
-  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
+  Communicator* tp = nullptr;  // the tp communicator of the split parameters, if any
+  ByDevice by_device, tp_parts_by_device;
 };
 
 // `caller` names the API in errors.
@@ -202,8 +214,10 @@ ShardedGradients sharded_gradients(const NamedTensors& params, const char* calle
       throw std::logic_error(std::string(caller) + ": the optimizer steps in backward (set_step_in_backward), so the "
                              "gradients are applied and gone before the norm could be taken; clip without it");
     out.comm = &owner->state->params().comm();
+    const TpPart* part = tp_part_of(p);
+    if (part) out.tp = part->tp.get();
     if (!p.grad().defined()) continue;
-    auto& lists = out.by_device;
+    auto& lists = part ? out.tp_parts_by_device : out.by_device;
     auto it = std::find_if(lists.begin(), lists.end(), [&](const auto& g) { return g.first == p.grad().device(); });
     if (it == lists.end()) it = lists.insert(lists.end(), {p.grad().device(), {}});
     it->second.push_back(p.grad());
@@ -211,15 +225,25 @@ ShardedGradients sharded_gradients(const NamedTensors& params, const char* calle
   return out;
 }
 
-// Shards hold disjoint rows (padding excluded), so the squared norms add up. Gradients on the
-// device stay there: no host sync, so the optimizer's kernels can be queued while backward
-// still runs.
+at::Tensor sum_of_squares(const ShardedGradients::ByDevice& by_device, const at::Device& on) {
+  at::Tensor sum_sq = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(on));
+  for (const auto& [device, list] : by_device)
+    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(on);
+  return sum_sq;
+}
+
+// Shards hold disjoint rows (padding excluded), so the squared norms add up; so do the tp parts
+// of a split parameter, while a parameter every tp rank holds alike counts once (its sum divided
+// by tp before the tp ranks add theirs). Gradients on the device stay there: no host sync, so
+// the optimizer's kernels can be queued while backward still runs.
 at::Tensor global_norm(const ShardedGradients& grads) {
   if (!grads.comm) return at::zeros({});
-  const auto on_device = at::TensorOptions().dtype(at::kFloat).device(grads.comm->device());
-  at::Tensor sum_sq = at::zeros({1}, on_device);
-  for (const auto& [device, list] : grads.by_device)
-    sum_sq += at::stack(at::_foreach_norm(list, 2, at::kFloat)).square().sum().reshape({1}).to(grads.comm->device());
+  const at::Device on = grads.comm->device();
+  at::Tensor sum_sq = sum_of_squares(grads.by_device, on);
+  if (grads.tp) {
+    sum_sq.div_(grads.tp->world_size()).add_(sum_of_squares(grads.tp_parts_by_device, on));
+    grads.tp->all_reduce(sum_sq, ReduceOp::Sum);
+  }
   grads.comm->all_reduce(sum_sq, ReduceOp::Sum);
   return sum_sq.sqrt().reshape({});
 }
@@ -244,7 +268,8 @@ at::Tensor clip_grad_norm_(const NamedTensors& params, double max_norm) {
   const at::Tensor norm = global_norm(grads);
   if (!grads.comm) return norm;
   const at::Tensor scale = (max_norm / (norm + kClipEpsilon)).clamp_max(1.0);
-  for (const auto& [device, list] : grads.by_device) at::_foreach_mul_(list, scale.to(device));
+  for (const auto* lists : {&grads.by_device, &grads.tp_parts_by_device})
+    for (const auto& [device, list] : *lists) at::_foreach_mul_(list, scale.to(device));
   return norm;
 }
 

@@ -1,6 +1,7 @@
 // HSDP (fsdp/mesh.h): every layout of replicas x shards the world size allows trains as
 // single-process training does, and checkpoints move between HSDP and plain FSDP; with a tp
-// dimension, the communicators join the ranks init_device_mesh's layout puts together.
+// dimension, the communicators join the ranks init_device_mesh's layout puts together, and
+// tensor-parallel parts and collectives (fsdp/tensor_parallel.h) keep their contracts.
 // mpi_4_ranks runs 1x4, 2x2 and 4x1; mpi_6_ranks_hsdp 2x3 (uneven shards) and the rest of 6's.
 #include "helpers.h"
 #include "io/files.h"
@@ -120,6 +121,67 @@ TEST(Hsdp, TpDimensionJoinsTheRanksOfInitDeviceMeshsLayout) {
       EXPECT_EQ(ranks_of(*mesh.shard), want_shard);
       EXPECT_EQ(ranks_of(*mesh.replicate), want_replicate);
       EXPECT_EQ(ranks_of(*mesh.tp), want_tp);
+    }
+  }
+}
+
+// A module holding one tensor-parallel part of a [12, 6] parameter, sharded over the mesh's shard ranks.
+struct PartHolder : torch::nn::Module {
+  explicit PartHolder(TpPart part) {
+    weight = register_parameter("weight", deferred_parameter(part.part_shape(), at::TensorOptions().device(device())));
+    set_tp_part(weight, std::move(part));
+  }
+  torch::Tensor weight;
+};
+
+// fsdp/tensor_parallel.h on every tp degree the world allows: a part initialised after sharding
+// holds its place's values of the full parameter (init_normal_ on the whole, one process), which
+// full_parameter assembles again, for parts of rows in sections (a fused projection) and of
+// columns; the tp collectives' forwards and backwards move what their contracts say.
+TEST(Hsdp, TensorParallelPartsAndCollectives) {
+  using ::testing::HasSubstr;
+  const at::Tensor whole = at::empty({12, 6}, at::TensorOptions().device(device()));
+  init_normal_(whole, 11, 0.02);
+  for (int tp = 2; tp <= world()->world_size(); ++tp) {
+    if (world()->world_size() % tp != 0 || 6 % tp != 0) continue;
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const Mesh mesh = make_mesh(1, world(), tp);
+    for (const TpPart& part : {TpPart{mesh.tp, 0, {6, 6}, {12, 6}}, TpPart{mesh.tp, 1, {6}, {12, 6}}}) {
+      SCOPED_TRACE("dim " + std::to_string(part.dim));
+      auto holder = std::make_shared<PartHolder>(part);
+      ShardOptions o;
+      o.comm = mesh.shard;
+      fully_shard(*holder, o);
+      init_normal_(holder->weight, 11, 0.02);
+      EXPECT_TRUE(at::equal(full_parameter(holder->weight), whole));
+      at::Tensor mine = part.part_of(whole);
+      EXPECT_EQ(mine.sizes().vec(), part.part_shape());
+      if (part.dim == 0)  // this rank's rows of each section, one after the other
+        EXPECT_TRUE(at::equal(mine.narrow(0, 0, 6 / tp), whole.narrow(0, mesh.tp->rank() * (6 / tp), 6 / tp)));
+    }
+    // Rows: rank t holds rows [t * 2, t * 2 + 2) of x (values t * 2 + i); the backward passes
+    // check the gradients against the sums each contract implies.
+    const int t = mesh.tp->rank();
+    const auto options = at::TensorOptions().dtype(at::kDouble).device(device());
+    const at::Tensor all = at::arange(2 * tp, options).unsqueeze(1).repeat({1, 3});
+    at::Tensor x = all.narrow(0, 2 * t, 2).clone().requires_grad_(true);
+    const at::Tensor gathered = tp::gather_rows(x, *mesh.tp);
+    EXPECT_TRUE(at::equal(gathered, all));
+    (gathered * (t + 1)).sum().backward();  // rank t weighs every row by t + 1: the sum over ranks
+    EXPECT_TRUE(at::allclose(x.grad(), at::full({2, 3}, tp * (tp + 1) / 2.0, options)));
+    at::Tensor y = all.clone().mul_(t + 1).requires_grad_(true);  // partial sums: rank t's is (t + 1) x all
+    const at::Tensor reduced = tp::scatter_rows(y, *mesh.tp);
+    EXPECT_TRUE(at::allclose(reduced, all.narrow(0, 2 * t, 2) * (tp * (tp + 1) / 2.0)));
+    (reduced * (t + 1)).sum().backward();  // the gradient of every row: its owner's weight
+    EXPECT_TRUE(at::allclose(y.grad(), at::arange(1, tp + 1, options).repeat_interleave(2).unsqueeze(1).expand({-1, 3})));
+    at::Tensor w = at::ones({3}, options).requires_grad_(true);
+    (tp::copy_in(w, *mesh.tp) * (t + 1)).sum().backward();
+    EXPECT_TRUE(at::allclose(w.grad(), at::full({3}, tp * (tp + 1) / 2.0, options)));
+    try {
+      tp::scatter_rows(at::ones({2 * tp + 1, 3}, options), *mesh.tp);
+      ADD_FAILURE() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("rows do not split over " + std::to_string(tp) + " tp ranks"));
     }
   }
 }

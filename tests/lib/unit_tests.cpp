@@ -418,8 +418,9 @@ TEST(InitNormal, CpuLoopEqualsTensorOps) {
   for (uint64_t seed : {uint64_t(7), uint64_t(0x123456789abcdefull)}) {
     const auto keys = fsdp::init_detail::stream_keys(seed);
     for (int64_t first : {int64_t(0), (int64_t(1) << 31) - 5000, (int64_t(1) << 32) - 10000}) {
-      const at::Tensor by_ops = fsdp::init_detail::hashed_sums_by_tensor_ops(first, 10000, keys, at::kCPU);
-      const at::Tensor by_loop = fsdp::init_detail::hashed_sums_by_loop(first, 10000, keys);
+      const at::Tensor positions = torch::arange(first, first + 10000, torch::kLong);
+      const at::Tensor by_ops = fsdp::init_detail::hashed_sums_by_tensor_ops(positions, keys);
+      const at::Tensor by_loop = fsdp::init_detail::hashed_sums_by_loop(positions, keys);
       EXPECT_TRUE(torch::equal(by_ops, by_loop)) << "seed " << seed << ", first " << first;
     }
   }

@@ -7,7 +7,8 @@
 --loss-falls      the mean loss of the last 3 steps is at least 5% below that of the first 3
 --gpu-memory      every step has positive peak allocated and reserved GPU memory
 --same-loss-as OTHER --loss-tolerance T
-                  every step in both logs has the same loss within relative T (0: exactly)
+                  every step in both logs has the same loss within relative T (0: exactly), and the
+                  same gradient norm and held-out loss where both logs have them
 --stable-from S   from step S on: the exact bytes allocated at the end of every step equal those
                   at step S, reserved bytes never change, host RSS grows by less than M MiB, and
                   (only with --step-time-drift F, for benchmark runs on a dedicated machine, never
@@ -55,17 +56,22 @@ def main():
 
     if a.same_loss_as:
         with open(a.same_loss_as) as f:
-            other = {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f))}
+            other = {r["step"]: r for r in map(json.loads, filter(str.strip, f)) if "step" in r}
         worst = 0.0
         for r in rows:
             if r["step"] not in other:
                 fail(f"step {r['step']} is not in {a.same_loss_as}")
-            diff = abs(r["loss"] - other[r["step"]]) / abs(other[r["step"]])
-            worst = max(worst, diff)
-            if diff > a.loss_tolerance:
-                fail(f"step {r['step']}: loss {r['loss']} vs {other[r['step']]} in {a.same_loss_as}, "
-                     f"relative difference {diff:.3g} over {a.loss_tolerance}")
-        print(f"check_train_log: losses as in {a.same_loss_as}, largest relative difference {worst:.3g}: ok")
+            theirs = other[r["step"]]
+            for key in ("loss", "grad_norm", "eval_loss"):
+                if r.get(key) is None or theirs.get(key) is None:
+                    continue
+                diff = abs(r[key] - theirs[key]) / abs(theirs[key])
+                worst = max(worst, diff)
+                if diff > a.loss_tolerance:
+                    fail(f"step {r['step']}: {key} {r[key]} vs {theirs[key]} in {a.same_loss_as}, "
+                         f"relative difference {diff:.3g} over {a.loss_tolerance}")
+        print(f"check_train_log: losses (and gradient norms, held-out losses) as in {a.same_loss_as}, "
+              f"largest relative difference {worst:.3g}: ok")
 
     if a.gpu_memory:
         for r in rows:

@@ -15,6 +15,11 @@
 #   launcher_tests.sh BUILD_DIR signal-save   SIGTERM to fsdp-run: every rank saves at the step
 #                                             boundary and exits 3 (resumable), which fsdp-run passes
 #                                             on; the run resumes from there
+#   launcher_tests.sh BUILD_DIR tp            --tp: tp 2, dp 2 x tp 2 and HSDP 2 x 2 x tp 2 (tied
+#                                             embeddings, recomputed blocks) follow one process's losses,
+#                                             gradient norms and held-out loss, and export its weights;
+#                                             layouts that do not split and what --tp does not follow
+#                                             yet are usage errors
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
 #                                             micro-batch) follows the losses of --batch 4
 #   launcher_tests.sh BUILD_DIR overlap       2 GPUs, the 1B: all-gathers beside compute; the CPU no more
@@ -176,6 +181,56 @@ print(f"overlap: reserved / allocated without the cap {ratio:.3f}")
 assert ratio <= 1.05, "without the cap reserved memory grew past 1.05x the allocated peak"
 PY
   echo "overlap: ok"
+  ;;
+tp)
+  text="$(dirname "$0")/../../README.md"
+  common=(--model tiny --steps 3 --seq 32 --clip 1.0 --eval-data "$text")
+  # A global batch of 8 rows (one process: two micro-batches of 4) and 8 held-out rows everywhere.
+  for extra in "" "--tie-embeddings --recompute"; do
+    tag=${extra:+-tied}
+    "$run" -n 1 --cpu "$train" "${common[@]}" $extra --batch 4 --grad-accum 2 --eval-batches 2 --log "$work/one$tag.jsonl" \
+      --export "$work/one$tag.safetensors" >"$work/out" 2>&1 || { cat "$work/out"; fail "one process $extra"; }
+    for layout in "2 --batch 4 --grad-accum 2 --eval-batches 2 --tp 2" "4 --batch 4 --eval-batches 2 --tp 2" \
+                  "8 --batch 2 --eval-batches 4 --replicas 2 --tp 2"; do
+      set -- $layout
+      n=$1; shift
+      name="n$n$tag"
+      "$run" -n "$n" --cpu "$train" "${common[@]}" $extra "$@" --log "$work/$name.jsonl" \
+        --export "$work/$name.safetensors" >"$work/out" 2>&1 || { cat "$work/out"; fail "$n ranks: $* $extra"; }
+      grep -q "tensor parallel: 2 ranks a layer" "$work/out" || { cat "$work/out"; fail "no tp in the banner"; }
+      # The same sums in another order (tests/lib/helpers.h's bound, 1.6e-4 a step, as grad-accum).
+      python3 "$(dirname "$0")/check_train_log.py" "$work/$name.jsonl" --steps 3 \
+        --same-loss-as "$work/one$tag.jsonl" --loss-tolerance 4.8e-4 || fail "$n ranks: $* $extra"
+      # Three AdamW steps move a weight by at most about the sum of their learning rates (3.6e-3);
+      # a wrong gradient moves it elsewhere by as much, float32 sums in another order by < 1e-5.
+      python3 - "$work/one$tag.safetensors" "$work/$name.safetensors" <<'PY' || fail "$n ranks: $* $extra: exported weights"
+import array, json, struct, sys
+def tensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, t in header.items():
+        assert t["dtype"] == "F32", t
+        a, b = t["data_offsets"]
+        out[name] = (t["shape"], array.array("f", data[8 + n + a:8 + n + b]))
+    return out
+one, split = tensors(sys.argv[1]), tensors(sys.argv[2])
+assert one.keys() == split.keys(), (sorted(one), sorted(split))
+worst = max(max(abs(x - y) for x, y in zip(one[k][1], split[k][1])) for k in one if one[k][0] == split[k][0])
+assert all(one[k][0] == split[k][0] for k in one), "shapes differ"
+assert worst < 1e-4, f"largest difference {worst}"
+print(f"exported weights: {len(one)} tensors, largest difference {worst:.2g}: ok")
+PY
+    done
+  done
+  expect_usage_error "--tp 3 does not divide the 4 ranks of a replica" -n 4 --cpu "$train" --model tiny --tp 3
+  expect_usage_error "model's 4 key/value heads do not split over 8 ranks" -n 8 --cpu "$train" --model tiny --tp 8
+  expect_usage_error "--tp: sharded checkpoints do not hold tensor-parallel parts yet" \
+    -n 2 --cpu "$train" --model tiny --tp 2 --save-dir "$work/ckpt"
+  expect_usage_error "--tp: the planner plans FSDP alone" -n 2 --cpu "$train" --model tiny --tp 2 --memory-budget 1
+  echo "tp: ok"
   ;;
 grad-accum)
   common=(--model tiny --steps 3 --seq 32)

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "fsdp/fully_shard.h"
+#include "fsdp/tensor_parallel.h"
 #include "io/files.h"
 #include "model/safetensors.h"
 
@@ -231,6 +232,10 @@ LlamaConfig llama_config_from_json(const std::string& text, const std::string& w
 
 void load_hf_weights(LlamaImpl& model, const std::string& path) {
   c10::NoGradGuard no_grad;
+  for (const auto& [name, param] : model.named_parameters().pairs())
+    if (tp_part_of(param))
+      throw std::invalid_argument("load_hf_weights: '" + name + "' is a tensor-parallel part; reading Hugging Face "
+                                  "weights into parts is not supported yet: load them without tensor parallelism");
   std::vector<std::unique_ptr<io::SafetensorsFile>> files;
   std::map<std::string, const io::SafetensorsFile*> where;
   for (const auto& file : weight_files(path)) {
@@ -423,7 +428,9 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
   std::vector<io::SafetensorsSpec> specs;
   std::vector<Source> sources;
   for (size_t i = 0; i < params.size(); ++i) {
-    for (const auto& [part, shape] : sized_parts(params[i].first, c, shard_rows_of(params[i].second).full_shape)) {
+    const TpPart* tp_part = tp_part_of(params[i].second);  // full_parameter gathers the whole of a part
+    const auto full_shape = tp_part ? tp_part->full_shape : shard_rows_of(params[i].second).full_shape;
+    for (const auto& [part, shape] : sized_parts(params[i].first, c, full_shape)) {
       specs.push_back({part.name, options.dtype, shape});
       sources.push_back({i, part});
     }

@@ -10,6 +10,7 @@
 
 #include "fsdp/recompute.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/tensor_parallel.h"
 #include "model/linear_cross_entropy.h"
 
 namespace fsdp::model {
@@ -55,10 +56,23 @@ torch::Tensor Placement::parameter(at::IntArrayRef shape) const {
   return deferred ? fsdp::deferred_parameter(shape, options) : torch::zeros(shape, options);
 }
 
-ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8,
-                               bool float8_all_gather)
+namespace {
+
+// A [rows, columns] parameter: this rank's part of it where `split` splits it over the tp ranks.
+torch::Tensor matrix(const Placement& where, int64_t rows, int64_t columns, const Split& split) {
+  if (!where.tp || split.dim < 0) return where.parameter({rows, columns});
+  TpPart part{where.tp, split.dim, split.sections, {rows, columns}};
+  torch::Tensor weight = where.parameter(part.part_shape());
+  set_tp_part(weight, std::move(part));
+  return weight;
+}
+
+}  // namespace
+
+ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, const Placement& where, const Split& split,
+                               Float8Recipe float8, bool float8_all_gather)
     : float8_(float8) {
-  weight = register_parameter("weight", where.parameter({out, in}));
+  weight = register_parameter("weight", matrix(where, out, in, split));
   if (float8 == Float8Recipe::Tensorwise && float8_all_gather) enable_float8_all_gather(weight);
 }
 
@@ -66,18 +80,28 @@ torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) {
   return float8_ == Float8Recipe::Off ? torch::nn::functional::linear(x, weight) : float8_linear(x, weight, float8_);
 }
 
-EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) {
-  weight = register_parameter("weight", where.parameter({vocab, dim}));
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) : split_(where.tp != nullptr) {
+  weight = register_parameter("weight", matrix(where, vocab, dim, {0, {vocab}}));
+  if (split_) first_id_ = where.tp->rank() * weight.size(0);
 }
 
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) { return torch::embedding(weight, tokens); }
+// Split by vocabulary: the rows of this rank's ids, zeros for the others' (the tp ranks' sum is
+// the lookup).
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
+  if (!split_) return torch::embedding(weight, tokens);
+  const auto mine = (tokens >= first_id_) & (tokens < first_id_ + weight.size(0));
+  const auto rows = torch::embedding(weight, (tokens - first_id_) * mine);
+  return rows * mine.unsqueeze(-1).to(rows.scalar_type());
+}
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_(eps) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_(eps), tp_(where.tp) {
   weight = register_parameter("weight", where.parameter({dim}));
 }
 
 // ATen's rms_norm: one fused kernel each way on CUDA; float32 arithmetic whatever the dtype.
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return at::rms_norm(x, {weight.size(0)}, weight, eps_); }
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  return at::rms_norm(x, {weight.size(0)}, tp_ ? tp::copy_in(weight, *tp_) : weight, eps_);
+}
 
 namespace {
 
@@ -91,32 +115,41 @@ uint64_t seed_of(uint64_t model_seed, const std::string& name) {
 }  // namespace
 
 AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
-    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention) {
+    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention), tp_(where.tp) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
-  wqkv = register_module(
-      "wqkv", Projection(c.dim, (c.n_heads + 2 * c.n_kv_heads) * head_dim_, where, c.float8, c.float8_all_gather));
-  wo = register_module("wo", Projection(c.n_heads * head_dim_, c.dim, where, c.float8, c.float8_all_gather));
+  const int64_t q = c.n_heads * head_dim_, kv = c.n_kv_heads * head_dim_;
+  wqkv = register_module("wqkv", Projection(c.dim, q + 2 * kv, where, Split{0, {q, kv, kv}}, c.float8, c.float8_all_gather));
+  wo = register_module("wo", Projection(q, c.dim, where, Split{1, {q}}, c.float8, c.float8_all_gather));
+  if (tp_) {  // this rank's heads (TpPart checked that they split)
+    n_heads_ /= tp_->world_size();
+    n_kv_heads_ /= tp_->world_size();
+  }
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
-  const int64_t b = x.size(0), t = x.size(1), heads = n_heads_ + 2 * n_kv_heads_;
-  const auto qkv = rope_qkv(wqkv(x), cos, sin, heads, n_heads_ + n_kv_heads_);
+  const int64_t t = cos.size(0), heads = n_heads_ + 2 * n_kv_heads_;
+  const auto in = tp_ ? tp::gather_rows(x, *tp_) : x;
+  const int64_t b = in.numel() / (t * in.size(-1));
+  const auto qkv = rope_qkv(wqkv(in.view({b, t, in.size(-1)})), cos, sin, heads, n_heads_ + n_kv_heads_);
   // Views [b, heads, t, d] of the rotated projection; their gradients meet again in one cat.
   const auto parts = qkv.view({b, t, heads, head_dim_}).split_with_sizes({n_heads_, n_kv_heads_, n_kv_heads_}, 2);
   const auto y =
       causal_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2), kernel_);
-  return wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
+  const auto out = wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
+  return tp_ ? tp::scatter_rows(out.view({b * t, out.size(-1)}), *tp_) : out;
 }
 
-MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) {
-  w_gate_up = register_module("w_gate_up", Projection(c.dim, 2 * c.ffn, where, c.float8, c.float8_all_gather));
-  w_down = register_module("w_down", Projection(c.ffn, c.dim, where, c.float8, c.float8_all_gather));
+MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) : tp_(where.tp) {
+  w_gate_up = register_module("w_gate_up",
+                              Projection(c.dim, 2 * c.ffn, where, Split{0, {c.ffn, c.ffn}}, c.float8, c.float8_all_gather));
+  w_down = register_module("w_down", Projection(c.ffn, c.dim, where, Split{1, {c.ffn}}, c.float8, c.float8_all_gather));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return w_down(swiglu(w_gate_up(x)));
+  if (!tp_) return w_down(swiglu(w_gate_up(x)));
+  return tp::scatter_rows(w_down(swiglu(w_gate_up(tp::gather_rows(x, *tp_)))), *tp_);
 }
 
 BlockImpl::BlockImpl(const LlamaConfig& c, const Placement& where) {
@@ -132,7 +165,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   return h + fsdp::forward(mlp, fsdp::forward(mlp_norm, h));
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c) {
+LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c), tp_(where.tp) {
   tok_emb = register_module("tok_emb", Embedding(c.vocab, c.dim, where));
   auto block_list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) {
@@ -140,7 +173,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c) {
     block_list->push_back(blocks.back());
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, where));
-  if (!c.tie_embeddings) head = register_module("head", Projection(c.dim, c.vocab, where));
+  if (!c.tie_embeddings) head = register_module("head", Projection(c.dim, c.vocab, where, Split{0, {c.vocab}}));
   auto angles = torch::outer(torch::arange(0, c.max_seq, torch::kDouble), c.rope_frequencies());
   rope_cos = register_buffer("rope_cos", angles.cos().to(where.device, torch::kFloat));
   rope_sin = register_buffer("rope_sin", angles.sin().to(where.device, torch::kFloat));
@@ -169,21 +202,28 @@ torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
                                 std::to_string(config.max_seq));
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
   auto h = tok_emb(tokens);
+  if (tp_) h = tp::scatter_rows(h.view({-1, h.size(-1)}), *tp_);  // this rank's tokens
   for (size_t i = 0; i < blocks.size(); ++i)
     h = config.recomputes(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin)
                                                     : fsdp::forward(blocks[i], h, cos, sin);
-  return norm(h);
+  return tp_ ? tp::gather_rows(norm(h), *tp_) : norm(h);
 }
 
 const torch::Tensor& LlamaImpl::output_weight() const { return head ? head->weight : tok_emb->weight; }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens) {
-  return torch::nn::functional::linear(final_hidden(tokens), output_weight());
+  const auto logits = torch::nn::functional::linear(final_hidden(tokens), output_weight());
+  if (!tp_) return logits;
+  // [tp, tokens, vocab / tp] -> [tokens, vocab]: the parts are the vocabulary's ranges in rank order.
+  auto parts = torch::empty({tp_->world_size(), logits.size(0), logits.size(1)}, logits.options());
+  tp_->all_gather(parts, logits.detach().contiguous());
+  return parts.permute({1, 0, 2}).reshape({tokens.size(0), tokens.size(1), -1});
 }
 
 torch::Tensor LlamaImpl::forward(const torch::Tensor& tokens, const torch::Tensor& targets) {
   const auto h = final_hidden(tokens);
-  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), output_weight(), targets.reshape({-1}));
+  return linear_cross_entropy(h.reshape({-1, h.size(-1)}), output_weight(), targets.reshape({-1}), kLossChunkBytes,
+                              tp_.get());
 }
 
 }  // namespace fsdp::model

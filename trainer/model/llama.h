@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/communicator.h"
 #include "fsdp/float8.h"
 #include "model/fused_ops.h"
 
@@ -60,20 +61,33 @@ struct LlamaConfig {
 
 // Where the parameters are made. Deferred: full-shaped placeholders without memory
 // (fsdp::deferred_parameter) on `device`, to be sharded and then filled by reset_parameters()
-// or by loaded weights; no process ever holds the whole model.
+// or by loaded weights; no process ever holds the whole model. With `tp` (tensor parallelism,
+// fsdp/tensor_parallel.h) each layer's matrices are split over its ranks, and the model runs
+// sequence-parallel: between the split layers each tp rank holds its rows of the tokens.
 struct Placement {
   c10::Device device = c10::kCPU;
   bool deferred = false;
+  std::shared_ptr<Communicator> tp;  // null: no tensor parallelism
   torch::Tensor parameter(at::IntArrayRef shape) const;
 };
 
-// torch::nn::Linear without bias (weight [out, in], the same parameter name), in float8 by
-// `float8` unless Off (with float8_all_gather and tensorwise, its weight gathered in float8), and
-// torch::nn::Embedding, made on a Placement.
+// How a projection's weight [out, in] is split over the tp ranks (fsdp::TpPart): along `dim` (0:
+// column-parallel, its output features; 1: row-parallel, its input features), in `sections`
+// (a fused projection's stacked parts, each split alike); dim -1: not split.
+struct Split {
+  int64_t dim = -1;
+  std::vector<int64_t> sections;
+};
+
+// torch::nn::Linear without bias (weight [out, in], the same parameter name; this rank's part of
+// it where `split` splits it over the tp ranks), in float8 by `float8` unless Off (with
+// float8_all_gather and tensorwise, its weight gathered in float8), and torch::nn::Embedding
+// (split by vocabulary over the tp ranks: its forward gives this rank's partial sum), made on a
+// Placement.
 class ProjectionImpl : public torch::nn::Module {
  public:
-  ProjectionImpl(int64_t in, int64_t out, const Placement& where, Float8Recipe float8 = Float8Recipe::Off,
-                 bool float8_all_gather = false);
+  ProjectionImpl(int64_t in, int64_t out, const Placement& where, const Split& split = {},
+                 Float8Recipe float8 = Float8Recipe::Off, bool float8_all_gather = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 
@@ -87,9 +101,15 @@ class EmbeddingImpl : public torch::nn::Module {
   EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where);
   torch::Tensor forward(const torch::Tensor& tokens);
   torch::Tensor weight;
+
+ private:
+  int64_t first_id_ = 0;  // of this rank's part of the vocabulary
+  bool split_ = false;
 };
 TORCH_MODULE(Embedding);
 
+// Under tensor parallelism its weight is the same on every tp rank and each rank normalises its
+// own tokens: the weight's gradient is summed over the tp ranks (fsdp::tp::copy_in).
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps, const Placement& where);
@@ -98,9 +118,13 @@ class RMSNormImpl : public torch::nn::Module {
 
  private:
   double eps_;
+  std::shared_ptr<Communicator> tp_;
 };
 TORCH_MODULE(RMSNorm);
 
+// x: [batch, seq, dim], or under tensor parallelism this rank's rows of the [batch * seq, dim]
+// tokens (gathered in, the output scattered back as the tp ranks' sum); each tp rank computes its
+// heads.
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const LlamaConfig& c, const Placement& where);
@@ -109,17 +133,22 @@ class AttentionImpl : public torch::nn::Module {
   Projection wo{nullptr};
 
  private:
-  int64_t n_heads_, n_kv_heads_, head_dim_;
+  int64_t n_heads_, n_kv_heads_, head_dim_;  // this rank's heads
   AttentionKernel kernel_;
+  std::shared_ptr<Communicator> tp_;
 };
 TORCH_MODULE(Attention);
 
+// Under tensor parallelism as attention: each tp rank computes its FFN columns.
 class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x);
   Projection w_gate_up{nullptr};  // gate and up stacked by rows (gate_proj, up_proj)
   Projection w_down{nullptr};
+
+ private:
+  std::shared_ptr<Communicator> tp_;
 };
 TORCH_MODULE(Mlp);
 
@@ -137,10 +166,12 @@ class LlamaImpl : public torch::nn::Module {
  public:
   // Initialised at once (reset_parameters), unless the placement defers the parameters.
   explicit LlamaImpl(const LlamaConfig& c, const Placement& where = {});
-  // tokens: [batch, seq] int64 -> logits [batch, seq, vocab]
+  // tokens: [batch, seq] int64 -> logits [batch, seq, vocab] (under tensor parallelism the tp
+  // ranks' parts gathered, outside autograd: for evaluation)
   torch::Tensor forward(const torch::Tensor& tokens);
   // The mean cross-entropy of predicting targets [batch, seq] (int64, each below vocab), float32,
-  // without materialising the logits (linear_cross_entropy).
+  // without materialising the logits (linear_cross_entropy; under tensor parallelism over the
+  // vocabulary's parts, the same loss on every tp rank).
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& targets);
   // Initial weights from config.seed, sharded or not: near-normal with std 0.02 (fsdp::init_normal_,
   // one seed per parameter name), output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
@@ -155,7 +186,10 @@ class LlamaImpl : public torch::nn::Module {
   torch::Tensor rope_cos, rope_sin;  // [max_seq, head_dim / 2] buffers
 
  private:
-  torch::Tensor final_hidden(const torch::Tensor& tokens);  // after the last norm
+  // After the last norm: [batch, seq, dim], or under tensor parallelism [batch * seq, dim] (every
+  // token, gathered from the tp ranks).
+  torch::Tensor final_hidden(const torch::Tensor& tokens);
+  std::shared_ptr<Communicator> tp_;
   const torch::Tensor& output_weight() const;
 };
 TORCH_MODULE(Llama);

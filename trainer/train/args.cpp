@@ -94,7 +94,7 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
   std::map<std::string, Flag> table = {
       {"--model", {Topic::Model, "preset: tiny, small, 1b, 3b, 8b", text(a.model)}},
       {"--steps", {Topic::Training, "training steps", number(a.steps)}},
-      {"--batch", {Topic::Model, "sequences per rank per step", number(a.batch)}},
+      {"--batch", {Topic::Model, "sequences per rank per step (with --tp, per tp group: its ranks split them)", number(a.batch)}},
       {"--seq", {Topic::Model, "tokens per sequence", number(a.seq)}},
       {"--lr", {Topic::Training, "peak learning rate", number(a.lr)}},
       {"--min-lr", {Topic::Training, "final learning rate of the cosine decay", number(a.min_lr)}},
@@ -154,6 +154,12 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "HSDP: split the ranks into this many replicas, each sharding the model over its "
         "ranks (consecutive ones); gradients are averaged across replicas (1 = plain FSDP)",
         number(a.replicas)}},
+      {"--tp",
+       {Topic::Sharding,
+        "tensor parallelism: split each block's projections (by heads and FFN columns), the embedding and "
+        "the head (by vocabulary) over this many consecutive ranks, sequence-parallel between them; FSDP shards "
+        "each part over the ranks holding it (ranks = replicas x shards x tp)",
+        number(a.tp)}},
       {"--backend", {Topic::Launch, "auto, mpi (CPU) or nccl (GPU)", text(a.backend)}},
       {"--attention",
        {Topic::Precision,
@@ -441,6 +447,16 @@ void check_ranges(const TrainArgs& a) {
   }
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
   require(a.replicas >= 1, "--replicas must be at least 1");
+  require(a.tp >= 1, "--tp must be at least 1");
+  if (a.tp > 1) {
+    // What does not follow tensor-parallel parts yet (docs/parallelism.md).
+    require(a.save_dir.empty() && a.resume.empty(),
+            "--tp: sharded checkpoints do not hold tensor-parallel parts yet: drop --save-dir and --resume (or --tp)");
+    require(a.init_from.empty(), "--tp: Hugging Face weights are not split into tensor-parallel parts yet: drop "
+                                 "--init-from (or --tp)");
+    require(!plans_schedule(a), "--tp: the planner plans FSDP alone (its cost model prices no tp collectives): drop "
+                                "--memory-budget and --plan-check (or --tp)");
+  }
   require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
           "--grad-accum-sync must be last or every, not '" + a.grad_accum_sync + "'");
   require(a.eval_every >= 0, "--eval-every must be 0 (after the last step) or positive");
@@ -712,6 +728,16 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   if (world % a.replicas != 0)
     throw UsageError("--replicas " + std::to_string(a.replicas) + " does not divide the " + std::to_string(world) +
                      " ranks: each replica needs as many ranks as the others");
+  if (world % (a.replicas * a.tp) != 0)
+    throw UsageError("--tp " + std::to_string(a.tp) + " does not divide the " + std::to_string(world / a.replicas) +
+                     " ranks of a replica: ranks = replicas x shards x tp");
+  const int64_t tp = a.tp;
+  for (const auto& [size, what] : {std::pair<int64_t, const char*>{config.n_kv_heads, "key/value heads"},
+                                   {config.ffn, "FFN columns"}, {config.vocab, "vocabulary ids"},
+                                   {int64_t(a.batch) * a.seq, "tokens of a micro-batch (--batch x --seq)"}})
+    if (size % tp != 0)
+      throw UsageError("--tp " + std::to_string(tp) + ": the " + model_name(a) + " model's " + std::to_string(size) +
+                       " " + what + " do not split over " + std::to_string(tp) + " ranks: choose a --tp that divides them");
   const int shard_ranks = world / a.replicas;  // HSDP: the state is sharded over one replica's ranks
   const double tokens = static_cast<double>(a.batch) * a.seq;
   // Sharded fp32 weights, gradients and AdamW's two moments; one chunk of the loss's float32
@@ -732,7 +758,7 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   // A budget's plan may recompute every block: its bound is the recomputed one.
   const bool recomputed = a.recompute || plans_schedule(a);
   const double per_block = recomputed ? config.dim : 4.0 * config.dim + 3.0 * config.ffn;
-  const double activations = tokens * config.n_layers * per_block * compute_bytes;
+  const double activations = tokens * config.n_layers * per_block * compute_bytes / a.tp;  // split by --tp
   const double needed = state + loss_chunk + activations;
   const double have = on_gpu ? gpu : host / local;
   const std::string where = on_gpu ? " of a GPU" : " of host memory per process";

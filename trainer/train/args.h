@@ -35,6 +35,7 @@ struct TrainArgs {
   bool cpu_offload = false;  // ShardOptions::cpu_offload: sharded state and the optimizer step on the host
   bool optimizer_in_backward = false;  // fsdp::set_step_in_backward: AdamW per group as gradients arrive
   int replicas = 1;          // HSDP (fsdp::make_mesh): replica groups, each sharding the model over its ranks
+  int tp = 1;                // tensor parallelism (fsdp::make_mesh's tp): ranks splitting each layer
   std::string backend = "auto";
   std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)
   std::string fp8 = "off";  // the blocks' projections in float8: off, tensorwise, rowwise (fsdp::Float8Recipe)

@@ -11,6 +11,15 @@
 
 namespace fsdp::train {
 
+// Which rows of a step's global batch a rank takes: those of its data-parallel index (the tp
+// ranks that split one model share theirs), and whether it counts them where every rank's
+// numbers are summed (one rank of each tp group does).
+struct DataRank {
+  int index = 0;  // among the data-parallel ranks
+  int count = 1;  // data-parallel ranks: world / tp
+  bool counts = true;
+};
+
 class TokenSource {
  public:
   virtual ~TokenSource() = default;

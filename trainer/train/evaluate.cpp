@@ -12,16 +12,16 @@
 
 namespace fsdp::train {
 
-EvalResult evaluate(model::Llama& model, Communicator& comm, const TokenSource& data, int64_t rows, int64_t batch,
-                    int64_t seq) {
+EvalResult evaluate(model::Llama& model, Communicator& comm, const DataRank& me, const TokenSource& data,
+                    int64_t rows, int64_t batch, int64_t seq) {
   c10::NoGradGuard no_grad;
-  const int64_t per_pass = batch * comm.world_size();
+  const int64_t per_pass = batch * me.count;
   const int64_t passes = (rows + per_pass - 1) / per_pass;
   const auto on_device = at::TensorOptions().dtype(at::kDouble).device(comm.device());
   at::Tensor loss_sum = at::zeros({}, on_device), counted = at::zeros({}, on_device);
   for (int64_t pass = 0; pass < passes; ++pass) {
-    const int64_t first = pass * per_pass + comm.rank() * batch;
-    const int64_t inside = std::clamp<int64_t>(rows - first, 0, batch);
+    const int64_t first = pass * per_pass + me.index * batch;
+    const int64_t inside = me.counts ? std::clamp<int64_t>(rows - first, 0, batch) : 0;
     // Every rank runs the forward (its all-gathers are collectives), counted rows or not.
     auto tokens = data.rows(0, first, batch, seq).to(comm.device());
     auto logits = fsdp::forward(model, tokens.narrow(1, 0, seq));

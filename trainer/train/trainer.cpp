@@ -140,6 +140,7 @@ Trainer::Trainer(const TrainArgs& args)
   }
   if (run_id_.empty()) run_id_ = new_run_id(*comm_);
   claim_outputs();
+  data_rank_ = {comm_->rank() / args.tp, comm_->world_size() / args.tp, comm_->rank() % args.tp == 0};
   data_ = args.data == "synthetic" ? synthetic_tokens(config_.vocab, args.seed) : file_tokens(args.data, args.seed);
   if (!args.eval_data.empty()) eval_data_ = file_tokens(args.eval_data, args.seed);
   set_runtime_options(args.runtime);
@@ -166,12 +167,14 @@ Trainer::~Trainer() = default;
 // or the imported weights fill after sharding, with values that do not depend on the number of
 // ranks), sharded under the schedule's groups; then the optimizer and its state.
 void Trainer::shard_model() {
-  model_ = model::Llama(config_, model::Placement{device_, /*deferred=*/true});
-  if (args_.replicas > 1) {  // HSDP
-    const Mesh mesh = make_mesh(args_.replicas, comm_);
+  model::Placement where{device_, /*deferred=*/true};
+  if (args_.replicas > 1 || args_.tp > 1) {  // HSDP, tensor parallelism
+    const Mesh mesh = make_mesh(args_.replicas, comm_, args_.tp);
     shard_.comm = mesh.shard;
-    shard_.replicate = mesh.replicate;
+    if (args_.replicas > 1) shard_.replicate = mesh.replicate;
+    where.tp = mesh.tp;
   }
+  model_ = model::Llama(config_, where);
   shard_.reshard_after_forward = args_.reshard_after_forward;
   shard_.cpu_offload = args_.cpu_offload;
   if (args_.cpu_offload && device_.is_cuda()) share_host_cores();  // for the host optimizer
@@ -292,6 +295,7 @@ void Trainer::print_banner() const {
               c10::toString(*shard_.mixed_precision.param_dtype), c10::toString(*shard_.mixed_precision.reduce_dtype));
   if (shard_.mixed_precision.keep_low_precision_grads) std::printf(" (one rank: gradients kept in it, nothing to reduce)");
   if (args_.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args_.replicas, comm_->world_size() / args_.replicas);
+  if (args_.tp > 1) std::printf(" | tensor parallel: %d ranks a layer", args_.tp);
   if (args_.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
   if (args_.optimizer_in_backward) std::printf(" | optimizer in backward");
   if (config_.float8 != Float8Recipe::Off)
@@ -366,7 +370,7 @@ Trainer::StepResult Trainer::train_step(int step, PlannedRun::StartRecording sta
     if (args_.grad_accum > 1 && args_.grad_accum_sync == "last")
       set_requires_gradient_sync(model_, micro == args_.grad_accum - 1);
     if (start_recording && micro == args_.grad_accum - 1) start_recording();  // the planner records one pass
-    const int64_t first_row = (int64_t(comm_->rank()) * args_.grad_accum + micro) * args_.batch;
+    const int64_t first_row = (int64_t(data_rank_.index) * args_.grad_accum + micro) * args_.batch;
     auto tokens = data_->rows(step, first_row, args_.batch, args_.seq).to(device_);
     auto inputs = tokens.narrow(1, 0, args_.seq), targets = tokens.narrow(1, 1, args_.seq);
     auto micro_loss = forward(model_, inputs, targets) / args_.grad_accum;  // fused head + loss
@@ -419,11 +423,12 @@ void Trainer::report(int step, const StepOutcome& outcome, double lr, bool stop)
                 seconds_since(g_process_start), outcome.ms / 1000, peak_resident_gib());
   std::optional<EvalResult> eval;
   if (eval_data_ && (done == args_.steps || stop || (args_.eval_every > 0 && done % args_.eval_every == 0)))
-    eval = evaluate(model_, *comm_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch, args_.seq);
+    eval = evaluate(model_, *comm_, data_rank_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch,
+                    args_.seq);
   if (step_log_ && log_error_.empty()) {
     try {
       step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
-                        args_.grad_accum * args_.batch * args_.seq * comm_->world_size(),
+                        args_.grad_accum * args_.batch * args_.seq * data_rank_.count,
                         config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
                         args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), model_name(args_), eval});
     } catch (const std::exception& e) {  // a full disk, a file size limit: the next step saves and stops

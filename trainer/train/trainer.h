@@ -74,6 +74,7 @@ class Trainer {
   c10::Device device_;
   model::LlamaConfig config_;
   std::unique_ptr<TokenSource> data_, eval_data_;
+  DataRank data_rank_;  // this rank's rows of each batch (tensor parallelism: its tp group's)
   model::Llama model_{nullptr};
   ShardOptions shard_;
   std::unique_ptr<FusedAdamW> optimizer_;
