@@ -30,7 +30,9 @@ namespace fsdp {
 struct TpPart {
   std::shared_ptr<Communicator> tp;  ///< the ranks holding the other parts (Mesh::tp)
   int64_t dim = 0;                   ///< 0: the part is rows of the full tensor (column-parallel); 1: columns
-  std::vector<int64_t> sections;     ///< sizes along dim, summing to full_shape[dim]
+  /// Sizes along dim, summing to full_shape[dim] (along dim 1 one section: a part of columns is
+  /// one range of them).
+  std::vector<int64_t> sections;
   std::vector<int64_t> full_shape;   ///< the whole parameter's [rows, columns]
 
   /// This rank's part's shape. Throws std::invalid_argument naming the section that the tp ranks
@@ -43,6 +45,19 @@ struct TpPart {
   /// The full tensor from every tp rank's part, stacked in rank order ([tp, part_shape]).
   at::Tensor assemble(const at::Tensor& parts) const;
 };
+
+/// Where this rank's elements of a parameter (sharded by fully_shard or not, a tp part or not) lie
+/// in the full parameter: its local tensor is the full tensor's rows `row_runs` (runs of
+/// consecutive rows, in order) restricted to columns [first_column, first_column + columns)
+/// (every column, or a 1-D parameter's one, where it is not a part of columns).
+struct HeldElements {
+  std::vector<std::pair<int64_t, int64_t>> row_runs;  ///< (first row, rows), in the local tensor's order
+  int64_t first_column = 0, columns = 0;              ///< in a row (columns = elements of a row when all)
+  std::vector<int64_t> full_shape;                    ///< the whole parameter's
+  int64_t rows() const;                               ///< in all runs
+};
+/// See HeldElements. Not collective.
+HeldElements held_elements_of(const at::Tensor& param);
 
 /// Declares that `param` (a module's parameter of part_shape(), not yet sharded) is this rank's
 /// part of a larger parameter. Call it before fully_shard; a parameter without one is the same on

@@ -13,6 +13,8 @@
 #include <unordered_map>
 
 #include "fsdp/tensor_parallel.h"
+#include "runtime/group_state.h"
+#include "runtime/runtime.h"
 
 namespace fsdp {
 namespace {
@@ -53,6 +55,9 @@ std::vector<int64_t> TpPart::part_shape() const {
     along += size / ranks;
     total += size;
   }
+  if (dim == 1 && sections.size() != 1)
+    throw std::invalid_argument("fsdp::TpPart: a part of columns is one section of them, not " +
+                                std::to_string(sections.size()));
   if (total != full_shape[dim])
     throw std::invalid_argument("fsdp::TpPart: sections summing to " + std::to_string(total) + ", not dim " +
                                 std::to_string(dim) + " of " + shape_text(full_shape));
@@ -89,6 +94,48 @@ at::Tensor TpPart::assemble(const at::Tensor& parts) const {
                                       : parts.permute({1, 0, 2}).reshape({shape[0], ranks * shape[1]});
   at::Tensor full = at::empty(full_shape, parts.options());
   return full.index_copy_(dim, where, stacked);
+}
+
+int64_t HeldElements::rows() const {
+  int64_t n = 0;
+  for (const auto& run : row_runs) n += run.second;
+  return n;
+}
+
+HeldElements held_elements_of(const at::Tensor& param) {
+  // The rows of the tensor fully_shard sharded (the part, or the parameter) this rank holds.
+  std::vector<int64_t> sharded_shape = param.sizes().vec();
+  int64_t first_row = 0, rows = param.dim() == 0 ? 1 : param.size(0);
+  if (auto owner = Runtime::get().owner_of(param)) {
+    const ShardedParam& p = owner->state->params().sharded()[owner->index];
+    const int rank = owner->state->params().comm().rank();
+    sharded_shape = p.full_shape;
+    first_row = std::min(p.layout.first_row(rank), p.layout.rows);
+    rows = p.layout.local_rows(rank);
+  }
+  const TpPart* part = tp_part_of(param);
+  HeldElements held;
+  held.full_shape = part ? part->full_shape : sharded_shape;
+  held.columns = 1;
+  for (size_t d = 1; d < held.full_shape.size(); ++d) held.columns *= held.full_shape[d];
+  if (!part || part->dim == 1) {
+    if (rows > 0) held.row_runs.emplace_back(first_row, rows);
+    if (part) {
+      held.columns = part->part_shape()[1];
+      held.first_column = part->tp->rank() * held.columns;
+    }
+    return held;
+  }
+  // A part of rows: its rows' places in the full tensor, in runs.
+  const at::Tensor index = part->indices_of(part->tp->rank()).narrow(0, first_row, rows);
+  const int64_t* at_row = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    if (!held.row_runs.empty() && held.row_runs.back().first + held.row_runs.back().second == at_row[i])
+      ++held.row_runs.back().second;
+    else
+      held.row_runs.emplace_back(at_row[i], 1);
+  }
+  return held;
 }
 
 void set_tp_part(const at::Tensor& param, TpPart part) {

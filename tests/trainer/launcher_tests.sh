@@ -17,7 +17,8 @@
 #                                             on; the run resumes from there
 #   launcher_tests.sh BUILD_DIR tp            --tp: tp 2, dp 2 x tp 2 and HSDP 2 x 2 x tp 2 (tied
 #                                             embeddings, recomputed blocks) follow one process's losses,
-#                                             gradient norms and held-out loss, and export its weights;
+#                                             gradient norms and held-out loss, and export its weights,
+#                                             which --init-from reads into the parts alike;
 #                                             layouts that do not split and what --tp does not follow
 #                                             yet are usage errors
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
@@ -225,6 +226,14 @@ print(f"exported weights: {len(one)} tensors, largest difference {worst:.2g}: ok
 PY
     done
   done
+  # Hugging Face weights (the one-process run's trained export) read into the parts: the same steps.
+  from=(--model tiny --steps 3 --seq 32 --clip 1.0 --init-from "$work/one.safetensors")
+  "$run" -n 1 --cpu "$train" "${from[@]}" --batch 8 --log "$work/from-one.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "one process --init-from"; }
+  "$run" -n 4 --cpu "$train" "${from[@]}" --batch 4 --tp 2 --log "$work/from-tp.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "--tp 2 --init-from"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/from-tp.jsonl" --steps 3 \
+    --same-loss-as "$work/from-one.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 --init-from"
   expect_usage_error "--tp 3 does not divide the 4 ranks of a replica" -n 4 --cpu "$train" --model tiny --tp 3
   expect_usage_error "model's 4 key/value heads do not split over 8 ranks" -n 8 --cpu "$train" --model tiny --tp 8
   expect_usage_error "--tp: sharded checkpoints do not hold tensor-parallel parts yet" \

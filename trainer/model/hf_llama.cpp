@@ -232,10 +232,6 @@ LlamaConfig llama_config_from_json(const std::string& text, const std::string& w
 
 void load_hf_weights(LlamaImpl& model, const std::string& path) {
   c10::NoGradGuard no_grad;
-  for (const auto& [name, param] : model.named_parameters().pairs())
-    if (tp_part_of(param))
-      throw std::invalid_argument("load_hf_weights: '" + name + "' is a tensor-parallel part; reading Hugging Face "
-                                  "weights into parts is not supported yet: load them without tensor parallelism");
   std::vector<std::unique_ptr<io::SafetensorsFile>> files;
   std::map<std::string, const io::SafetensorsFile*> where;
   for (const auto& file : weight_files(path)) {
@@ -253,9 +249,10 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
   for (const auto& [name, file] : where) unused.insert(name);
   std::string missing;
   for (auto& [ours, param] : model.named_parameters().pairs()) {
-    const ShardRows rows = shard_rows_of(param);
-    std::vector<at::Tensor> pieces;  // this rank's rows, part by part
-    for (const auto& [part, expected] : sized_parts(ours, model.config, rows.full_shape)) {
+    const HeldElements held = held_elements_of(param);
+    std::vector<at::Tensor> pieces;  // this rank's rows, run by run and part by part
+    const auto parts = sized_parts(ours, model.config, held.full_shape);
+    for (const auto& [part, expected] : parts) {
       const auto it = where.find(part.name);
       if (it == where.end()) {
         missing += " " + part.name;
@@ -267,24 +264,32 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
         throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name + "' has shape " +
                                     shape_text(entry.shape) + " but the model's " + ours + " needs " +
                                     shape_text(expected) + " (another model size?)");
-      const int64_t first = std::max(rows.first_row, part.first_row);
-      const int64_t last = std::min(rows.first_row + rows.rows, part.first_row + part.rows);
-      if (first >= last) continue;
-      pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
-      if (!pieces.back().isfinite().all().item<bool>())  // else the first step's divergence would blame --lr
-        throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name +
-                                    "' holds NaN or infinite values: damaged weights, which no training can start from");
     }
-    if (!pieces.empty()) param.copy_(at::cat(pieces).view(param.sizes()));
+    for (const auto& [first_row, rows] : held.row_runs) {
+      for (const auto& [part, expected] : parts) {
+        const auto it = where.find(part.name);
+        const int64_t first = std::max(first_row, part.first_row);
+        const int64_t last = std::min(first_row + rows, part.first_row + part.rows);
+        if (it == where.end() || first >= last) continue;
+        pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
+        if (!pieces.back().isfinite().all().item<bool>())  // else the first step's divergence would blame --lr
+          throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name +
+                                      "' holds NaN or infinite values: damaged weights, which no training can start from");
+      }
+    }
+    if (pieces.empty()) continue;
+    at::Tensor mine = at::cat(pieces);
+    if (held.full_shape.size() == 2) mine = mine.narrow(1, held.first_column, held.columns);  // a part of columns
+    param.copy_(mine.reshape(param.sizes()));
   }
   // A tied model's head is its embedding. A file that also holds an lm_head.weight of other
   // values was trained untied: tying would drop that head (transformers keeps it). Refused.
   const auto head = where.find("lm_head.weight");
   if (model.config.tie_embeddings && head != where.end()) {
     at::Tensor embedding = model.tok_emb->weight;
-    const ShardRows rows = shard_rows_of(embedding);
-    if (rows.rows > 0 && !at::equal(head->second->read_rows("lm_head.weight", rows.first_row, rows.rows,
-                                                             embedding.scalar_type())
+    const HeldElements held = held_elements_of(embedding);  // one run: the embedding splits by vocabulary alone
+    if (held.rows() > 0 && !at::equal(head->second->read_rows("lm_head.weight", held.row_runs[0].first,
+                                                               held.row_runs[0].second, embedding.scalar_type())
                                               .to(embedding.device())
                                               .view(embedding.sizes()),
                                     embedding))
@@ -428,9 +433,7 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
   std::vector<io::SafetensorsSpec> specs;
   std::vector<Source> sources;
   for (size_t i = 0; i < params.size(); ++i) {
-    const TpPart* tp_part = tp_part_of(params[i].second);  // full_parameter gathers the whole of a part
-    const auto full_shape = tp_part ? tp_part->full_shape : shard_rows_of(params[i].second).full_shape;
-    for (const auto& [part, shape] : sized_parts(params[i].first, c, full_shape)) {
+    for (const auto& [part, shape] : sized_parts(params[i].first, c, held_elements_of(params[i].second).full_shape)) {
       specs.push_back({part.name, options.dtype, shape});
       sources.push_back({i, part});
     }

@@ -452,8 +452,6 @@ void check_ranges(const TrainArgs& a) {
     // What does not follow tensor-parallel parts yet (docs/parallelism.md).
     require(a.save_dir.empty() && a.resume.empty(),
             "--tp: sharded checkpoints do not hold tensor-parallel parts yet: drop --save-dir and --resume (or --tp)");
-    require(a.init_from.empty(), "--tp: Hugging Face weights are not split into tensor-parallel parts yet: drop "
-                                 "--init-from (or --tp)");
     require(!plans_schedule(a), "--tp: the planner plans FSDP alone (its cost model prices no tp collectives): drop "
                                 "--memory-budget and --plan-check (or --tp)");
   }
