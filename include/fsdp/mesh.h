@@ -29,6 +29,9 @@ struct Mesh {
   std::shared_ptr<Communicator> replicate;  ///< the ranks holding this rank's shard, one per replica
   /// The ranks that split each layer with this one (tensor parallelism); null where tp = 1.
   std::shared_ptr<Communicator> tp;
+  /// With tp > 1: this rank's replica, shards x tp ranks that hold the model once between them
+  /// (they save it); null where tp = 1 (then `shard` is the replica).
+  std::shared_ptr<Communicator> replica;
   int replicas() const { return replicate->world_size(); }  ///< how many copies of the model
 };
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fsdp/communicator.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace torch::nn {
 class Module;
@@ -42,7 +43,10 @@ bool is_optimizer_state(const std::string& name);
 class CheckpointState {
  public:
   /// `local` holds this rank's rows of a tensor laid out like the sharded parameter `like` (the
-  /// parameter itself, or an optimizer moment of it). Throws if `like` is not sharded.
+  /// parameter itself, or an optimizer moment of it). Throws if `like` is not sharded. Under
+  /// tensor parallelism (`like` a tp part, fsdp/tensor_parallel.h) the checkpoint holds the full
+  /// tensor, each rank's block placed where its elements lie, and loads on any (dp, tp) layout; a
+  /// parameter every tp rank holds alike is saved by the first of them.
   void add_sharded(const std::string& name, at::Tensor local, const at::Tensor& like);
   /// A tensor that is the same on every rank (step counts, scalars); saved from rank 0.
   void add_replicated(const std::string& name, at::Tensor value);
@@ -51,20 +55,27 @@ class CheckpointState {
 
   /// One sharded tensor as add_sharded recorded it.
   struct Sharded {
-    std::string name;                 ///< its name in the checkpoint
-    at::Tensor local;                 ///< this rank's rows (filled in place on load)
-    std::vector<int64_t> full_shape;  ///< of the whole tensor
-    int64_t first_row = 0;  ///< of this rank's rows in the full tensor
-    Communicator* comm = nullptr;  ///< the parameter group's
+    std::string name;     ///< its name in the checkpoint
+    at::Tensor local;     ///< this rank's elements (filled in place on load)
+    HeldElements held;    ///< where they lie in the whole tensor (its full_shape)
+    /// The ranks that hold the tensor once between them and save it: the parameter group's, or
+    /// under tensor parallelism a replica's (Mesh::replica).
+    Communicator* comm = nullptr;
     Communicator* replicate = nullptr;  ///< HSDP: its replicas (the first one saves)
+    bool saves = true;  ///< false: another tp rank saves the same elements
   };
   const std::vector<Sharded>& sharded() const { return sharded_; }  ///< in the order added
+  /// Whether the sharded tensors are saved with each rank's place in them (tensor parallelism).
+  bool placed() const { return replica_ != nullptr; }
   /// The replicated tensors by name, in the order added.
   const std::vector<std::pair<std::string, at::Tensor>>& replicated() const { return replicated_; }
 
  private:
   std::vector<Sharded> sharded_;
   std::vector<std::pair<std::string, at::Tensor>> replicated_;
+  // Once a tp part is added: its tp ranks and replica, which every entry is saved over.
+  Communicator* tp_ = nullptr;
+  Communicator* replica_ = nullptr;
 };
 
 /// The sharded parameters of `root` (fully_shard applied) under their names.

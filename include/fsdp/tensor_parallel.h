@@ -29,6 +29,8 @@ namespace fsdp {
 /// concatenated (torch.chunk of each section, as DTensor's Shard does).
 struct TpPart {
   std::shared_ptr<Communicator> tp;  ///< the ranks holding the other parts (Mesh::tp)
+  /// The ranks that hold the model once between them (Mesh::replica): a checkpoint's writers.
+  std::shared_ptr<Communicator> replica;
   int64_t dim = 0;                   ///< 0: the part is rows of the full tensor (column-parallel); 1: columns
   /// Sizes along dim, summing to full_shape[dim] (along dim 1 one section: a part of columns is
   /// one range of them).

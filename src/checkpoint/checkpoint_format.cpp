@@ -79,6 +79,23 @@ class Reader {
       t.shape.push_back(size);
     }
   }
+  // A saved rank's place in tensor t, every row and column inside it.
+  BlockPlace get_place(const TensorMeta& t) {
+    BlockPlace place;
+    const uint32_t runs = get_count("row runs");
+    for (uint32_t i = 0; i < runs; ++i) {
+      const int64_t first = get<int64_t>(), rows = get<int64_t>();
+      if (first < 0 || rows < 0 || first > t.rows() || rows > t.rows() - first)
+        fail("tensor '" + t.name + "' places rows outside its " + std::to_string(t.rows()));
+      place.row_runs.emplace_back(first, rows);
+    }
+    place.first_column = get<int64_t>();
+    place.columns = get<int64_t>();
+    if (place.first_column < 0 || place.columns < 0 || place.first_column > t.row_numel() ||
+        place.columns > t.row_numel() - place.first_column)
+      fail("tensor '" + t.name + "' places columns outside its " + std::to_string(t.row_numel()));
+    return place;
+  }
   size_t pos() const { return pos_; }
 
  private:
@@ -104,6 +121,24 @@ int64_t TensorMeta::numel() const {
   return n;
 }
 
+int64_t TensorMeta::rows() const { return shape.empty() ? 1 : shape[0]; }
+
+int64_t TensorMeta::row_numel() const {
+  int64_t n = 1;
+  for (size_t d = 1; d < shape.size(); ++d) n *= shape[d];
+  return n;
+}
+
+int64_t BlockPlace::rows() const {
+  int64_t n = 0;
+  for (const auto& run : row_runs) n += run.second;
+  return n;
+}
+
+bool BlockPlace::operator==(const BlockPlace& o) const {
+  return row_runs == o.row_runs && first_column == o.first_column && columns == o.columns;
+}
+
 size_t element_size(uint8_t dtype) {
   switch (static_cast<c10::ScalarType>(dtype)) {
     case c10::kByte: case c10::kChar: case c10::kShort: case c10::kInt: case c10::kLong:
@@ -119,15 +154,28 @@ std::string shard_file_name(int rank, int world) {
 }
 
 std::string encode(const CheckpointMeta& meta) {
+  bool placed = false;
+  for (const auto& t : meta.sharded) placed |= !t.places.empty();
   Writer w;
   w.bytes().append(kMagic, sizeof(kMagic));
-  w.put<uint32_t>(kCheckpointFormatVersion);
+  w.put<uint32_t>(placed ? kCheckpointFormatVersion : 1);
   w.put_bytes(meta.library_version, false);
   w.put<uint32_t>(meta.world);
   w.put<uint32_t>(static_cast<uint32_t>(meta.sharded.size()));
   for (const auto& t : meta.sharded) {
     w.put_tensor_head(t);
     for (uint32_t crc : t.block_crcs) w.put<uint32_t>(crc);
+    if (!placed) continue;
+    w.put<uint8_t>(t.places.empty() ? 0 : 1);
+    for (const BlockPlace& place : t.places) {
+      w.put<uint32_t>(static_cast<uint32_t>(place.row_runs.size()));
+      for (const auto& [first, rows] : place.row_runs) {
+        w.put<int64_t>(first);
+        w.put<int64_t>(rows);
+      }
+      w.put<int64_t>(place.first_column);
+      w.put<int64_t>(place.columns);
+    }
   }
   w.put<uint32_t>(static_cast<uint32_t>(meta.replicated.size()));
   for (const auto& t : meta.replicated) {
@@ -154,8 +202,8 @@ CheckpointMeta decode(const std::string& bytes, const std::string& what) {
   Reader r(bytes, body, what);
   r.get<uint64_t>();  // the magic, checked above
   const uint32_t version = r.get<uint32_t>();
-  if (version != kCheckpointFormatVersion)
-    r.fail("format version " + std::to_string(version) + ", this build reads version " +
+  if (version < 1 || version > kCheckpointFormatVersion)
+    r.fail("format version " + std::to_string(version) + ", this build reads versions 1 to " +
            std::to_string(kCheckpointFormatVersion));
   CheckpointMeta meta;
   meta.library_version = r.get_bytes(false);
@@ -166,6 +214,9 @@ CheckpointMeta decode(const std::string& bytes, const std::string& what) {
     r.get_tensor_head(t);
     if (meta.world > (body - r.pos()) / 4) r.fail("ends early");
     for (uint32_t k = 0; k < meta.world; ++k) t.block_crcs.push_back(r.get<uint32_t>());
+    if (version >= 2 && r.get<uint8_t>() != 0) {
+      for (uint32_t k = 0; k < meta.world; ++k) t.places.push_back(r.get_place(t));
+    }
   }
   meta.replicated.resize(r.get_count("replicated tensors"));
   for (auto& t : meta.replicated) {

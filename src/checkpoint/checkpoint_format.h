@@ -10,13 +10,18 @@
 //   "FSDPCKPT" | u32 format version | string library version | u32 world size
 //   u32 n, then per sharded tensor: string name | u8 dtype | u32 ndim | i64 dims[ndim]
 //                                   | per rank: u32 crc32 of its block
+//                                   | version 2 only: u8 placed; if 1, per rank: u32 runs
+//                                     | per run: i64 first row, i64 rows | i64 first column
+//                                     | i64 columns (BlockPlace)
 //   u32 n, then per replicated tensor (the same on every rank): name | dtype | ndim | dims
 //                                   | u64 byte count | bytes
 //   u32 n, then per extra entry: string key | u64 byte count | bytes
 //   u32 crc32 of everything before it
 // Strings are a u32 length and the bytes. A tensor's rows are split over the ranks as fully_shard
 // splits them (ShardLayout: dim 0, ceil(rows / world) per rank), so block offsets follow from the
-// shapes and need not be stored.
+// shapes and need not be stored; unless the tensor is placed (version 2: tensor parallelism),
+// each rank's block then being the rows and columns its BlockPlace says. A file without placed
+// tensors is written as version 1, which every reader since takes.
 #pragma once
 
 #include <cstddef>
@@ -28,7 +33,7 @@
 
 namespace fsdp::io {
 
-constexpr uint32_t kCheckpointFormatVersion = 1;
+constexpr uint32_t kCheckpointFormatVersion = 2;  // the newest this build reads and writes
 
 // A checkpoint that cannot be used: says which file and what is wrong.
 struct CheckpointError : std::runtime_error {
@@ -38,13 +43,26 @@ struct CheckpointError : std::runtime_error {
 // The CRC-32 (IEEE 802.3, zlib's) of `size` bytes, continuing `crc` (that of the bytes before).
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
 
+// Where a saved rank's block lies in its tensor: the tensor's rows `row_runs` (runs of consecutive
+// rows, in the block's order), columns [first_column, first_column + columns) of each (a row of
+// a tensor of more than two dimensions is its elements); the block is those elements, row-major.
+struct BlockPlace {
+  std::vector<std::pair<int64_t, int64_t>> row_runs;  // (first row, rows)
+  int64_t first_column = 0, columns = 0;
+  int64_t rows() const;
+  bool operator==(const BlockPlace& o) const;
+};
+
 struct TensorMeta {
   std::string name;
   uint8_t dtype = 0;  // c10::ScalarType
   std::vector<int64_t> shape;
   std::vector<uint32_t> block_crcs;  // sharded: one per rank
+  std::vector<BlockPlace> places;    // sharded and placed: one per rank (else empty: ShardLayout's rows)
   std::string bytes;                 // replicated: the data
   int64_t numel() const;
+  int64_t rows() const;       // shape[0] (1 for a 0-dim tensor)
+  int64_t row_numel() const;  // elements of one row
 };
 
 struct CheckpointMeta {

@@ -7,6 +7,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/tensor.h>
 #include <c10/core/GradMode.h>
 #include <fcntl.h>
@@ -86,15 +87,29 @@ struct BlockMap {
   std::vector<uint64_t> file_size;            // [rank]
 };
 
+// Where each saved rank's block of a tensor lies: as placed (tensor parallelism), or its rows
+// as fully_shard splits them over the saving ranks.
+std::vector<io::BlockPlace> places_of(const io::TensorMeta& t, uint32_t world) {
+  if (!t.places.empty()) return t.places;
+  const ShardLayout l = ShardLayout::of_shape(t.shape, static_cast<int>(world));
+  std::vector<io::BlockPlace> places(world);
+  for (uint32_t r = 0; r < world; ++r) {
+    const int rank = static_cast<int>(r);
+    if (l.local_rows(rank) > 0) places[r].row_runs.emplace_back(l.first_row(rank), l.local_rows(rank));
+    places[r].columns = l.row_numel;
+  }
+  return places;
+}
+
 BlockMap block_map(const io::CheckpointMeta& meta) {
   BlockMap map;
   map.file_size.assign(meta.world, 0);
   for (const auto& t : meta.sharded) {
-    const ShardLayout l = ShardLayout::of_shape(t.shape, static_cast<int>(meta.world));
+    const auto places = places_of(t, meta.world);
     std::vector<uint64_t> offsets(meta.world);
     for (uint32_t r = 0; r < meta.world; ++r) {
       offsets[r] = map.file_size[r];
-      map.file_size[r] += static_cast<uint64_t>(l.local_rows(static_cast<int>(r)) * l.row_numel) * io::element_size(t.dtype);
+      map.file_size[r] += static_cast<uint64_t>(places[r].rows() * places[r].columns) * io::element_size(t.dtype);
     }
     map.offset.push_back(std::move(offsets));
   }
@@ -158,54 +173,70 @@ class BlockReader {
   int fd_ = -1;
 };
 
-// Rows [first, first + rows.size(0)) of a saved tensor, wanted into `rows` (rows x row length).
-struct WantedRows {
-  int64_t first = 0;
-  at::Tensor rows;
-};
-
-// A saved tensor (its place in the metadata) and the rows of it wanted.
+// A saved tensor (its place in the metadata), the elements of it wanted (`place`) and where they
+// go: `into`, [place.rows(), place.columns].
 struct WantedTensor {
   size_t index = 0;
-  WantedRows want;
+  io::BlockPlace place;
+  at::Tensor into;
 };
 
-// One saved rank's whole block of a tensor, read so that its checksum can be checked, and the
-// rows of it that are wanted: block rows [from_row, from_row + into.size(0)) go into `into`.
+// One saved rank's whole block of a tensor ([rows, columns]), read so that its checksum can be
+// checked, and the parts of it that are wanted: block rows [row, row + into.size(0)) and columns
+// [column, column + into.size(1)) go into each `into`.
 struct BlockRead {
   const io::TensorMeta* saved = nullptr;
   uint32_t rank = 0;
   uint64_t offset = 0;  // in the rank's file
-  int64_t rows = 0, row_numel = 0;
-  int64_t from_row = 0;
-  at::Tensor into;
+  int64_t rows = 0, columns = 0;
+  struct Copy {
+    int64_t row = 0, column = 0;
+    at::Tensor into;
+  };
+  std::vector<Copy> copies;
 };
 
 std::string shard_file(const std::string& dir, const io::CheckpointMeta& meta, uint32_t rank) {
   return dir + "/" + io::shard_file_name(static_cast<int>(rank), static_cast<int>(meta.world));
 }
 
-// The blocks of each wanted tensor that overlap its wanted rows, in order; each file's size is
+// The blocks of each wanted tensor that overlap its wanted elements, in order; each file's size is
 // checked first.
 std::vector<BlockRead> blocks_to_read(const std::string& dir, const io::CheckpointMeta& meta, const BlockMap& blocks,
                                       const std::vector<WantedTensor>& wanted) {
   std::vector<BlockRead> reads;
   for (const WantedTensor& w : wanted) {
     const io::TensorMeta& saved = meta.sharded[w.index];
-    const ShardLayout then = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
-    const int64_t first = w.want.first, last = first + w.want.rows.size(0);
+    const auto places = places_of(saved, meta.world);
+    const int64_t first_column = std::max(w.place.first_column, int64_t(0));
     for (uint32_t r = 0; r < meta.world; ++r) {
-      const int64_t from = then.first_row(static_cast<int>(r)), rows = then.local_rows(static_cast<int>(r));
-      const int64_t begin = std::max(first, from), end = std::min(last, from + rows);
-      if (begin >= end) continue;
+      const io::BlockPlace& then = places[r];
+      const int64_t column = std::max(first_column, then.first_column);
+      const int64_t columns = std::min(first_column + w.place.columns, then.first_column + then.columns) - column;
+      BlockRead read{&saved, r, blocks.offset[w.index][r], then.rows(), then.columns, {}};
+      if (columns <= 0) continue;
+      int64_t into_row = 0;  // of the wanted run in `into`
+      for (const auto& [want_first, want_rows] : w.place.row_runs) {
+        int64_t block_row = 0;  // of the saved run in the block
+        for (const auto& [saved_first, saved_rows] : then.row_runs) {
+          const int64_t begin = std::max(want_first, saved_first);
+          const int64_t end = std::min(want_first + want_rows, saved_first + saved_rows);
+          if (begin < end)
+            read.copies.push_back({block_row + begin - saved_first, column - then.first_column,
+                                   w.into.narrow(0, into_row + begin - want_first, end - begin)
+                                       .narrow(1, column - w.place.first_column, columns)});
+          block_row += saved_rows;
+        }
+        into_row += want_rows;
+      }
+      if (read.copies.empty()) continue;
       const std::string file = shard_file(dir, meta, r);
       const int64_t size = io::file_size(file);
       if (size < 0 || static_cast<uint64_t>(size) != blocks.file_size[r])
         throw CheckpointError(file + ": " + (size < 0 ? "missing" : std::to_string(size) + " bytes, expected " +
                                                                      std::to_string(blocks.file_size[r])) +
                               "; the checkpoint is incomplete or damaged");
-      reads.push_back({&saved, r, blocks.offset[w.index][r], rows, then.row_numel, begin - from,
-                       w.want.rows.narrow(0, begin - first, end - begin)});
+      reads.push_back(std::move(read));
     }
   }
   return reads;
@@ -216,10 +247,13 @@ std::vector<BlockRead> blocks_to_read(const std::string& dir, const io::Checkpoi
 // conversion does both in one pass per tensor.
 enum class Pass { Check, Copy, CheckAndCopy };
 
-// Whether a pass reads a block straight into the rows it fills: when it only copies, the block is
-// exactly those rows, and they are contiguous host memory (a resume on as many CPU ranks).
+// Whether a pass reads a block straight into the elements it fills: when it only copies, the block
+// is exactly those elements, and they are contiguous host memory (a resume on as many CPU ranks).
 bool reads_into_place(const BlockRead& b, Pass pass) {
-  return pass == Pass::Copy && b.from_row == 0 && b.into.size(0) == b.rows && b.into.is_cpu() && b.into.is_contiguous();
+  if (pass != Pass::Copy || b.copies.size() != 1) return false;
+  const BlockRead::Copy& c = b.copies[0];
+  return c.row == 0 && c.column == 0 && c.into.size(0) == b.rows && c.into.size(1) == b.columns && c.into.is_cpu() &&
+         c.into.is_contiguous();
 }
 
 // Loads the wanted tensors' blocks: each read whole, its checksum checked, its overlap copied, or
@@ -230,7 +264,7 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
                std::vector<FileIdentity>& identities, const std::vector<WantedTensor>& wanted, Pass pass) {
   const std::vector<BlockRead> reads = blocks_to_read(dir, meta, blocks, wanted);
   const auto bytes_of = [](const BlockRead& b) {
-    return static_cast<int64_t>(b.rows * b.row_numel * io::element_size(b.saved->dtype));
+    return static_cast<int64_t>(b.rows * b.columns * io::element_size(b.saved->dtype));
   };
   std::vector<bool> in_place;  // reads_into_place, once per block
   int64_t largest = 0;
@@ -244,11 +278,11 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
   const auto read = [&](size_t i) {
     const BlockRead& b = reads[i];
     const at::Tensor block = in_place[i]
-                                 ? b.into
+                                 ? b.copies[0].into
                                  : buffers[i % 2]
                                        .narrow(0, 0, bytes_of(b))
                                        .view(static_cast<c10::ScalarType>(b.saved->dtype))
-                                       .view({b.rows, b.row_numel});
+                                       .view({b.rows, b.columns});
     const BlockReader reader(shard_file(dir, meta, b.rank), identities[b.rank]);
     reader.read(block.data_ptr(), static_cast<size_t>(bytes_of(b)), b.offset, b.saved->name);
     return block;
@@ -262,15 +296,14 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
     if (pass != Pass::Copy && io::crc32(block.data_ptr(), block.nbytes()) != b.saved->block_crcs[b.rank])
       throw CheckpointError(shard_file(dir, meta, b.rank) + ": checksum mismatch in '" + b.saved->name +
                             "': the file is damaged");
-    if (pass != Pass::Check && !in_place[i]) b.into.copy_(block.narrow(0, b.from_row, b.into.size(0)));
+    if (pass == Pass::Check || in_place[i]) continue;
+    for (const BlockRead::Copy& c : b.copies)
+      c.into.copy_(block.narrow(0, c.row, c.into.size(0)).narrow(1, c.column, c.into.size(1)));
   }
 }
 
-// This rank's rows of a sharded tensor of `state`.
-WantedRows rows_of(const CheckpointState::Sharded& want) {
-  const ShardLayout now = ShardLayout::of_shape(want.full_shape, want.comm->world_size());
-  return {want.first_row, want.local.reshape({now.local_rows(want.comm->rank()), now.row_numel})};
-}
+// Where this rank's elements of a sharded tensor of `state` lie in the saved tensor.
+io::BlockPlace place_of(const HeldElements& held) { return {held.row_runs, held.first_column, held.columns}; }
 
 }  // namespace
 
@@ -279,12 +312,24 @@ void CheckpointState::add_sharded(const std::string& name, at::Tensor local, con
   if (!owner) throw std::invalid_argument("fsdp: '" + name + "' is laid out like a parameter that is not sharded: "
                                           "fully_shard the root module before checkpointing");
   const ShardedParam& p = owner->state->params().sharded()[owner->index];
-  Communicator& comm = owner->state->params().comm();
   if (!local.sizes().equals(p.shard.sizes()))
     throw std::invalid_argument("fsdp: '" + name + "' has shape " + c10::str(local.sizes()) + ", not that of its "
                                 "parameter's shard " + c10::str(p.shard.sizes()));
-  sharded_.push_back({name, std::move(local), p.full_shape, p.layout.first_row(comm.rank()), &comm,
+  sharded_.push_back({name, std::move(local), held_elements_of(like), &owner->state->params().comm(),
                       owner->state->params().replicate()});
+  if (const TpPart* part = tp_part_of(like)) {
+    tp_ = part->tp.get();
+    replica_ = part->replica.get();
+    sharded_.back().comm = replica_;
+  }
+  // Under tensor parallelism a replica's ranks save every entry; what the tp ranks hold alike
+  // (the entries not yet over the replica), the first of them.
+  if (!replica_) return;
+  for (Sharded& entry : sharded_) {
+    if (entry.comm == replica_) continue;
+    entry.comm = replica_;
+    entry.saves = tp_->rank() == 0;
+  }
 }
 
 void CheckpointState::add_replicated(const std::string& name, at::Tensor value) {
@@ -309,22 +354,35 @@ std::string checkpoint_name(int64_t step) {
 
 namespace {
 
-// What a save publishes besides the rows: each sharded tensor's name, dtype and shape, the
-// replicated values on the host, the caller's entries (a copy: the caller may change them).
+// What a save publishes besides the rows: each sharded tensor's name, dtype and shape (and, placed,
+// where this rank's block lies in it), the replicated values on the host, the caller's entries (a
+// copy: the caller may change them).
 struct SaveManifest {
   struct Entry {
     std::string name;
     c10::ScalarType dtype;
     std::vector<int64_t> full_shape;
+    io::BlockPlace mine;
   };
   std::vector<Entry> sharded;
+  bool placed = false;
   std::vector<std::pair<std::string, at::Tensor>> replicated;
   std::map<std::string, std::string> extra;
 };
 
+// What this rank writes of a sharded tensor: its elements, or nothing where another tp rank
+// saves the same ones.
+at::Tensor block_to_save(const CheckpointState::Sharded& t) {
+  return t.saves ? on_host(t.local) : at::empty({0}, at::TensorOptions(t.local.scalar_type()));
+}
+
 SaveManifest manifest_of(const CheckpointState& state) {
   SaveManifest m;
-  for (const auto& t : state.sharded()) m.sharded.push_back({t.name, t.local.scalar_type(), t.full_shape});
+  m.placed = state.placed();
+  for (const auto& t : state.sharded()) {
+    const io::BlockPlace none{{}, 0, t.held.columns};
+    m.sharded.push_back({t.name, t.local.scalar_type(), t.held.full_shape, t.saves ? place_of(t.held) : none});
+  }
   for (const auto& [name, value] : state.replicated()) m.replicated.emplace_back(name, on_host(value).clone());
   m.extra = state.extra;
   return m;
@@ -360,8 +418,41 @@ std::vector<int64_t> write_rows(const std::string& dir, int rank, int world, siz
   return crcs;
 }
 
-// 3. Every rank's block checksums reach rank 0, which writes the metadata last and publishes
-// (collective).
+// Every rank's place of every tensor, on rank 0 (empty elsewhere): [rank][tensor]. Collective.
+std::vector<std::vector<io::BlockPlace>> gather_places(const SaveManifest& manifest, Communicator& comm) {
+  std::vector<int64_t> mine;  // per tensor: runs, (first, rows) per run, first column, columns
+  for (const auto& t : manifest.sharded) {
+    mine.push_back(static_cast<int64_t>(t.mine.row_runs.size()));
+    for (const auto& [first, rows] : t.mine.row_runs) mine.insert(mine.end(), {first, rows});
+    mine.insert(mine.end(), {t.mine.first_column, t.mine.columns});
+  }
+  const auto on_device = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  at::Tensor lengths = at::empty({comm.world_size()}, on_device);
+  comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(mine.size()), on_device));
+  const int64_t longest = lengths.max().item<int64_t>();
+  mine.resize(static_cast<size_t>(longest), 0);
+  at::Tensor all = at::empty({comm.world_size() * longest}, on_device);
+  comm.all_gather(all, at::tensor(mine, at::kLong).to(comm.device()));
+  std::vector<std::vector<io::BlockPlace>> places;
+  if (comm.rank() != 0) return places;
+  all = all.cpu();
+  for (int r = 0; r < comm.world_size(); ++r) {
+    const int64_t* at = all.data_ptr<int64_t>() + r * longest;
+    places.emplace_back();
+    for (size_t i = 0; i < manifest.sharded.size(); ++i) {
+      io::BlockPlace place;
+      const int64_t runs = *at++;
+      for (int64_t k = 0; k < runs; ++k, at += 2) place.row_runs.emplace_back(at[0], at[1]);
+      place.first_column = *at++;
+      place.columns = *at++;
+      places.back().push_back(std::move(place));
+    }
+  }
+  return places;
+}
+
+// 3. Every rank's block checksums (and places) reach rank 0, which writes the metadata last and
+// publishes (collective).
 void publish_save(const std::string& dir, const SaveManifest& manifest, const std::vector<int64_t>& crcs,
                   Communicator& comm) {
   const std::string tmp = dir + ".tmp", parent = io::parent_of(dir);
@@ -371,6 +462,7 @@ void publish_save(const std::string& dir, const SaveManifest& manifest, const st
   if (n > 0) comm.all_gather(all, local);
   all = all.cpu();
   const int64_t* gathered = all.data_ptr<int64_t>();  // [rank][tensor]
+  const auto places = manifest.placed ? gather_places(manifest, comm) : std::vector<std::vector<io::BlockPlace>>();
   on_every_rank(comm, "saving " + dir, [&] {
     if (comm.rank() != 0) return;
     io::CheckpointMeta meta;
@@ -378,12 +470,13 @@ void publish_save(const std::string& dir, const SaveManifest& manifest, const st
     meta.world = static_cast<uint32_t>(comm.world_size());
     for (int64_t i = 0; i < n; ++i) {
       const auto& t = manifest.sharded[i];
-      io::TensorMeta m{t.name, static_cast<uint8_t>(t.dtype), t.full_shape, {}, {}};
+      io::TensorMeta m{t.name, static_cast<uint8_t>(t.dtype), t.full_shape, {}, {}, {}};
       for (int r = 0; r < comm.world_size(); ++r) m.block_crcs.push_back(static_cast<uint32_t>(gathered[r * n + i]));
+      for (const auto& of_rank : places) m.places.push_back(of_rank[i]);
       meta.sharded.push_back(std::move(m));
     }
     for (const auto& [name, host] : manifest.replicated)
-      meta.replicated.push_back({name, static_cast<uint8_t>(host.scalar_type()), host.sizes().vec(), {},
+      meta.replicated.push_back({name, static_cast<uint8_t>(host.scalar_type()), host.sizes().vec(), {}, {},
                                  std::string(static_cast<const char*>(host.data_ptr()), host.nbytes())});
     meta.extra = manifest.extra;
     const std::string bytes = io::encode(meta);
@@ -403,7 +496,7 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
   std::vector<int64_t> crcs;
   on_every_rank(comm, "saving " + dir, [&] {  // one tensor on the host at a time
     crcs = write_rows(dir, comm.rank(), comm.world_size(), state.sharded().size(),
-                      [&](size_t i) { return on_host(state.sharded()[i].local); });
+                      [&](size_t i) { return block_to_save(state.sharded()[i]); });
   });
   publish_save(dir, manifest_of(state), crcs, comm);
 }
@@ -443,9 +536,9 @@ std::unique_ptr<CheckpointWrite> start_checkpoint_save(const std::string& dir, c
     on_every_rank(comm, "saving " + dir, [&] {
       w->manifest = manifest_of(state);
       for (const auto& t : state.sharded()) {
-        at::Tensor host = on_host(t.local);
+        at::Tensor host = block_to_save(t);
         // A CPU shard's host rows are the shard itself, which the next step changes: copy them.
-        w->rows.push_back(host.data_ptr() == t.local.data_ptr() ? host.clone() : host);
+        w->rows.push_back(host.numel() > 0 && host.data_ptr() == t.local.data_ptr() ? host.clone() : host);
       }
     });
     CheckpointWrite::Writing* raw = w.get();
@@ -524,8 +617,9 @@ std::vector<std::string> load_checkpoint(const std::string& dir, CheckpointState
     for (const auto& want : state.sharded()) {
       auto it = std::find_if(meta.sharded.begin(), meta.sharded.end(), [&](const auto& t) { return t.name == want.name; });
       if (it == meta.sharded.end()) throw CheckpointError(meta_path + ": has no '" + want.name + "': a checkpoint of another model");
-      require_same(meta_path, want.name, want.local, want.full_shape, *it);
-      wanted.push_back({static_cast<size_t>(it - meta.sharded.begin()), rows_of(want)});
+      require_same(meta_path, want.name, want.local, want.held.full_shape, *it);
+      wanted.push_back({static_cast<size_t>(it - meta.sharded.begin()), place_of(want.held),
+                        want.local.view({want.held.rows(), want.held.columns})});
     }
     for (const auto& [name, value] : state.replicated()) {
       auto it = std::find_if(meta.replicated.begin(), meta.replicated.end(), [&](const auto& t) { return t.name == name; });
@@ -557,9 +651,9 @@ void for_each_checkpoint_tensor(const std::string& dir,
   for (size_t i = 0; i < meta.sharded.size(); ++i) {
     const io::TensorMeta& saved = meta.sharded[i];
     at::Tensor full = at::empty(saved.shape, at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
-    const ShardLayout layout = ShardLayout::of_shape(saved.shape, static_cast<int>(meta.world));
-    const int64_t rows = saved.shape.empty() ? 1 : saved.shape[0];
-    load_rows(dir, meta, blocks, identities, {{i, {0, full.reshape({rows, layout.row_numel})}}}, Pass::CheckAndCopy);
+    const io::BlockPlace whole{{{0, saved.rows()}}, 0, saved.row_numel()};
+    load_rows(dir, meta, blocks, identities, {{i, whole, full.view({saved.rows(), saved.row_numel()})}},
+              Pass::CheckAndCopy);
     visit(saved.name, full);
   }
   for (const auto& saved : meta.replicated) {

@@ -22,7 +22,10 @@ Mesh make_mesh(int replicas, std::shared_ptr<Communicator> world, int tp) {
   Mesh mesh;
   mesh.shard = world->split(replica * tp + t, shard, world->name() + ".replica" + std::to_string(replica) + of_t);
   mesh.replicate = world->split(shard * tp + t, replica, world->name() + ".shard" + std::to_string(shard) + of_t);
-  if (tp > 1) mesh.tp = world->split(dp_rank, t, world->name() + ".dp" + std::to_string(dp_rank));
+  if (tp > 1) {
+    mesh.tp = world->split(dp_rank, t, world->name() + ".dp" + std::to_string(dp_rank));
+    mesh.replica = world->split(replica, shard * tp + t, world->name() + ".replica" + std::to_string(replica));
+  }
   return mesh;
 }
 

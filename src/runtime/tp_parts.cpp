@@ -139,7 +139,8 @@ HeldElements held_elements_of(const at::Tensor& param) {
 }
 
 void set_tp_part(const at::Tensor& param, TpPart part) {
-  if (!part.tp) throw std::invalid_argument("fsdp::set_tp_part: no tp communicator");
+  if (!part.tp || !part.replica)
+    throw std::invalid_argument("fsdp::set_tp_part: no tp or replica communicator (make_mesh's, with tp > 1)");
   const auto shape = part.part_shape();
   if (param.sizes().vec() != shape)
     throw std::invalid_argument("fsdp::set_tp_part: the parameter is " + shape_text(param.sizes().vec()) +

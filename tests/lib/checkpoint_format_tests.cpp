@@ -19,10 +19,24 @@ CheckpointMeta sample() {
   m.sharded = {{"tok_emb.weight", 6 /* float */, {64, 32}, {1, 2, 3}, {}},
                {"norm.weight", 15 /* bfloat16 */, {32}, {4, 5, 6}, {}},
                {"scale", 6, {}, {7, 8, 9}, {}}};
-  m.replicated = {{"adam.step.scale", 6, {}, {}, std::string(4, '\x01')},
-                  {"rng", 0 /* byte */, {5}, {}, "abcde"}};
+  m.replicated = {{"adam.step.scale", 6, {}, {}, {}, std::string(4, '\x01')},
+                  {"rng", 0 /* byte */, {5}, {}, {}, "abcde"}};
   m.extra = {{"step", "120"}, {"data", "synthetic"}};
   return m;
+}
+
+// The sample under tensor parallelism: the embedding's blocks placed (rank 2 holds two runs of
+// rows and half the columns, rank 1 nothing).
+CheckpointMeta placed_sample() {
+  CheckpointMeta m = sample();
+  m.sharded[0].places = {{{{0, 32}}, 0, 32}, {{}, 0, 32}, {{{32, 16}, {56, 8}}, 16, 16}};
+  return m;
+}
+
+uint32_t version_of(const std::string& bytes) {
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + 8, 4);
+  return version;
 }
 
 // A valid checksum over changed content: what a deliberately crafted file looks like.
@@ -58,6 +72,33 @@ TEST(CheckpointFormat, RoundTrip) {
   EXPECT_EQ(back.extra, m.extra);
 }
 
+// Placed blocks (format version 2) come back as written; a file without them stays version 1,
+// which builds before placement read.
+TEST(CheckpointFormat, PlacedBlocksRoundTripAsVersion2) {
+  EXPECT_EQ(version_of(fsdp::io::encode(sample())), 1u);
+  const CheckpointMeta m = placed_sample();
+  const std::string bytes = fsdp::io::encode(m);
+  EXPECT_EQ(version_of(bytes), 2u);
+  const CheckpointMeta back = fsdp::io::decode(bytes, "metadata.bin");
+  EXPECT_EQ(back.sharded[0].places, m.sharded[0].places);
+  EXPECT_TRUE(back.sharded[1].places.empty());
+  EXPECT_EQ(back.sharded[0].places[2].rows(), 24);
+}
+
+TEST(CheckpointFormat, PlacesOutsideTheTensorAreRefused) {
+  for (const auto& bad : {fsdp::io::BlockPlace{{{60, 8}}, 0, 32}, fsdp::io::BlockPlace{{{0, 8}}, 24, 16},
+                          fsdp::io::BlockPlace{{{-1, 2}}, 0, 32}}) {
+    CheckpointMeta m = placed_sample();
+    m.sharded[0].places[1] = bad;
+    try {
+      fsdp::io::decode(fsdp::io::encode(m), "ck/metadata.bin");
+      ADD_FAILURE() << "accepted";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("tensor 'tok_emb.weight' places"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(CheckpointFormat, DamageIsNamed) {
   const std::string good = fsdp::io::encode(sample());
   auto error_of = [](const std::string& bytes) -> std::string {
@@ -80,10 +121,11 @@ TEST(CheckpointFormat, DamageIsNamed) {
 }
 
 TEST(CheckpointFormat, FuzzedMetadataIsRefusedCleanly) {
-  const std::string good = fsdp::io::encode(sample());
+  const std::string samples[] = {fsdp::io::encode(sample()), fsdp::io::encode(placed_sample())};
   std::mt19937 rng(1122);
   int refused = 0;
   for (int trial = 0; trial < 20000; ++trial) {
+    const std::string& good = samples[trial % 2];
     std::string bytes = good;
     switch (rng() % 4) {
       case 0:  // flipped bits

@@ -146,7 +146,7 @@ TEST(Hsdp, TensorParallelPartsAndCollectives) {
     if (world()->world_size() % tp != 0 || 6 % tp != 0) continue;
     SCOPED_TRACE("tp " + std::to_string(tp));
     const Mesh mesh = make_mesh(1, world(), tp);
-    for (const TpPart& part : {TpPart{mesh.tp, 0, {6, 6}, {12, 6}}, TpPart{mesh.tp, 1, {6}, {12, 6}}}) {
+    for (const TpPart& part : {TpPart{mesh.tp, mesh.replica, 0, {6, 6}, {12, 6}}, TpPart{mesh.tp, mesh.replica, 1, {6}, {12, 6}}}) {
       SCOPED_TRACE("dim " + std::to_string(part.dim));
       auto holder = std::make_shared<PartHolder>(part);
       ShardOptions o;

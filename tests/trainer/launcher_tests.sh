@@ -19,6 +19,8 @@
 #                                             embeddings, recomputed blocks) follow one process's losses,
 #                                             gradient norms and held-out loss, and export its weights,
 #                                             which --init-from reads into the parts alike;
+#                                             checkpoints saved with and without tp resume on other
+#                                             (dp, tp) layouts and hold the same tensors;
 #                                             layouts that do not split and what --tp does not follow
 #                                             yet are usage errors
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
@@ -184,6 +186,34 @@ PY
   echo "overlap: ok"
   ;;
 tp)
+  # same_tensors A B BOUND: the safetensors files (or directories of them) A and B hold the same
+  # float32 tensors, each within BOUND times its largest magnitude.
+  same_tensors() {
+    python3 - "$@" <<'PY'
+import array, glob, json, os, struct, sys
+def tensors(path):
+    out = {}
+    for name in sorted(glob.glob(f"{path}/*.safetensors")) if os.path.isdir(path) else [path]:
+        data = open(name, "rb").read()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        for key, t in header.items():
+            assert t["dtype"] == "F32", t
+            a, b = t["data_offsets"]
+            out[key] = (t["shape"], array.array("f", data[8 + n + a:8 + n + b]))
+    return out
+one, other, bound = tensors(sys.argv[1]), tensors(sys.argv[2]), float(sys.argv[3])
+assert one and one.keys() == other.keys(), (sorted(one), sorted(other))
+worst = 0.0
+for key, (shape, values) in one.items():
+    assert other[key][0] == shape, f"{key}: shapes {shape} and {other[key][0]}"
+    scale = max(abs(x) for x in values) or 1.0
+    worst = max(worst, max(abs(x - y) for x, y in zip(values, other[key][1])) / scale)
+assert worst < bound, f"largest difference {worst:.3g} of a tensor's largest magnitude, over {bound}"
+print(f"{len(one)} tensors alike, largest difference {worst:.2g} of a tensor's largest magnitude: ok")
+PY
+  }
   text="$(dirname "$0")/../../README.md"
   common=(--model tiny --steps 3 --seq 32 --clip 1.0 --eval-data "$text")
   # A global batch of 8 rows (one process: two micro-batches of 4) and 8 held-out rows everywhere.
@@ -202,28 +232,10 @@ tp)
       # The same sums in another order (tests/lib/helpers.h's bound, 1.6e-4 a step, as grad-accum).
       python3 "$(dirname "$0")/check_train_log.py" "$work/$name.jsonl" --steps 3 \
         --same-loss-as "$work/one$tag.jsonl" --loss-tolerance 4.8e-4 || fail "$n ranks: $* $extra"
-      # Three AdamW steps move a weight by at most about the sum of their learning rates (3.6e-3);
-      # a wrong gradient moves it elsewhere by as much, float32 sums in another order by < 1e-5.
-      python3 - "$work/one$tag.safetensors" "$work/$name.safetensors" <<'PY' || fail "$n ranks: $* $extra: exported weights"
-import array, json, struct, sys
-def tensors(path):
-    data = open(path, "rb").read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    out = {}
-    for name, t in header.items():
-        assert t["dtype"] == "F32", t
-        a, b = t["data_offsets"]
-        out[name] = (t["shape"], array.array("f", data[8 + n + a:8 + n + b]))
-    return out
-one, split = tensors(sys.argv[1]), tensors(sys.argv[2])
-assert one.keys() == split.keys(), (sorted(one), sorted(split))
-worst = max(max(abs(x - y) for x, y in zip(one[k][1], split[k][1])) for k in one if one[k][0] == split[k][0])
-assert all(one[k][0] == split[k][0] for k in one), "shapes differ"
-assert worst < 1e-4, f"largest difference {worst}"
-print(f"exported weights: {len(one)} tensors, largest difference {worst:.2g}: ok")
-PY
+      # Three AdamW steps move a weight by at most about the sum of their learning rates (3.6e-3,
+      # a tenth of the weights' largest, ~0.05); a wrong gradient moves it elsewhere by as much,
+      # float32 sums in another order by < 1e-5 of it.
+      same_tensors "$work/one$tag.safetensors" "$work/$name.safetensors" 1e-4 || fail "$n ranks: $* $extra: exported weights"
     done
   done
   # Hugging Face weights (the one-process run's trained export) read into the parts: the same steps.
@@ -234,10 +246,45 @@ PY
     || { cat "$work/out"; fail "--tp 2 --init-from"; }
   python3 "$(dirname "$0")/check_train_log.py" "$work/from-tp.jsonl" --steps 3 \
     --same-loss-as "$work/from-one.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 --init-from"
+  # Checkpoints: saved at dp 2 x tp 2 (step 2 in the background) and at dp 2 without tp, each
+  # resumed on other layouts, follow the straight run; both hold the same tensors (the optimizer's
+  # moments too), read whole by the offline converter.
+  ck=(--model tiny --steps 6 --seq 32 --clip 1.0)
+  "$run" -n 1 --cpu "$train" "${ck[@]}" --batch 8 --log "$work/straight.jsonl" >/dev/null 2>&1 || fail "straight"
+  "$run" -n 4 --cpu "$train" "${ck[@]}" --batch 4 --tp 2 --stop-at-step 3 --save-every 2 --async-save \
+    --save-dir "$work/ck-tp" --log "$work/ck-tp.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "save at tp 2"; }
+  "$run" -n 2 --cpu "$train" "${ck[@]}" --batch 4 --stop-at-step 3 --save-dir "$work/ck-dp" \
+    --log "$work/ck-dp.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "save at dp 2"; }
+  for resume in "ck-tp 1 --batch 8" "ck-tp 2 --batch 4" "ck-tp 8 --batch 2 --replicas 2 --tp 2" \
+                "ck-tp 4 --batch 8 --tp 4" "ck-dp 4 --batch 4 --tp 2"; do
+    set -- $resume
+    from=$1 n=$2; shift 2
+    "$run" -n "$n" --cpu "$train" "${ck[@]}" "$@" --resume "$work/$from" --log "$work/resumed.jsonl" \
+      --overwrite-log >"$work/out" 2>&1 || { cat "$work/out"; fail "resume $resume"; }
+    python3 "$(dirname "$0")/check_train_log.py" "$work/resumed.jsonl" --steps 6 --first-step 4 \
+      --same-loss-as "$work/straight.jsonl" --loss-tolerance 4.8e-4 || fail "resume $resume"
+  done
+  for from in ck-tp ck-dp; do
+    PYTHONPATH="$build/py" "$build/python" -m fsdpcpp.convert --to torch --with-optimizer --dtype keep \
+      "$work/$from" "$work/$from.pt" >"$work/out" 2>&1 || { cat "$work/out"; fail "convert $from"; }
+  done
+  "$build/python" - "$work/ck-tp.pt" "$work/ck-dp.pt" <<'PY' || fail "the tp checkpoint's tensors"
+import sys, torch
+def flat(d, prefix=""):  # {"model": {...}, "optimizer": {...}} -> one level of tensors
+    out = {}
+    for key, value in d.items():
+        out.update(flat(value, f"{prefix}{key}/") if isinstance(value, dict) else {prefix + key: value})
+    return out
+tp, dp = (flat(torch.load(path)) for path in sys.argv[1:])
+tp = {k: v for k, v in tp.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+dp = {k: v for k, v in dp.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+assert tp.keys() == dp.keys() and len(tp) > 40, (sorted(tp), sorted(dp))  # weights and both AdamW moments
+worst = max(((tp[k] - dp[k]).abs().max() / dp[k].abs().max().clamp_min(1e-30)).item() for k in tp)
+assert worst < 1e-4, f"largest difference {worst:.3g} of a tensor's largest magnitude"
+print(f"{len(tp)} tensors alike, largest difference {worst:.2g} of a tensor's largest magnitude: ok")
+PY
   expect_usage_error "--tp 3 does not divide the 4 ranks of a replica" -n 4 --cpu "$train" --model tiny --tp 3
   expect_usage_error "model's 4 key/value heads do not split over 8 ranks" -n 8 --cpu "$train" --model tiny --tp 8
-  expect_usage_error "--tp: sharded checkpoints do not hold tensor-parallel parts yet" \
-    -n 2 --cpu "$train" --model tiny --tp 2 --save-dir "$work/ckpt"
   expect_usage_error "--tp: the planner plans FSDP alone" -n 2 --cpu "$train" --model tiny --tp 2 --memory-budget 1
   echo "tp: ok"
   ;;

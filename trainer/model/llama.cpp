@@ -60,8 +60,8 @@ namespace {
 
 // A [rows, columns] parameter: this rank's part of it where `split` splits it over the tp ranks.
 torch::Tensor matrix(const Placement& where, int64_t rows, int64_t columns, const Split& split) {
-  if (!where.tp || split.dim < 0) return where.parameter({rows, columns});
-  TpPart part{where.tp, split.dim, split.sections, {rows, columns}};
+  if (!where.mesh.tp || split.dim < 0) return where.parameter({rows, columns});
+  TpPart part{where.mesh.tp, where.mesh.replica, split.dim, split.sections, {rows, columns}};
   torch::Tensor weight = where.parameter(part.part_shape());
   set_tp_part(weight, std::move(part));
   return weight;
@@ -80,9 +80,9 @@ torch::Tensor ProjectionImpl::forward(const torch::Tensor& x) {
   return float8_ == Float8Recipe::Off ? torch::nn::functional::linear(x, weight) : float8_linear(x, weight, float8_);
 }
 
-EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) : split_(where.tp != nullptr) {
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim, const Placement& where) : split_(where.mesh.tp != nullptr) {
   weight = register_parameter("weight", matrix(where, vocab, dim, {0, {vocab}}));
-  if (split_) first_id_ = where.tp->rank() * weight.size(0);
+  if (split_) first_id_ = where.mesh.tp->rank() * weight.size(0);
 }
 
 // Split by vocabulary: the rows of this rank's ids, zeros for the others' (the tp ranks' sum is
@@ -94,7 +94,7 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
   return rows * mine.unsqueeze(-1).to(rows.scalar_type());
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_(eps), tp_(where.tp) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const Placement& where) : eps_(eps), tp_(where.mesh.tp) {
   weight = register_parameter("weight", where.parameter({dim}));
 }
 
@@ -115,7 +115,7 @@ uint64_t seed_of(uint64_t model_seed, const std::string& name) {
 }  // namespace
 
 AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
-    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention), tp_(where.tp) {
+    : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.head_dim()), kernel_(c.attention), tp_(where.mesh.tp) {
   if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     throw std::invalid_argument("LlamaConfig: dim must divide into heads, heads into kv heads");
   const int64_t q = c.n_heads * head_dim_, kv = c.n_kv_heads * head_dim_;
@@ -141,7 +141,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return tp_ ? tp::scatter_rows(out.view({b * t, out.size(-1)}), *tp_) : out;
 }
 
-MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) : tp_(where.tp) {
+MlpImpl::MlpImpl(const LlamaConfig& c, const Placement& where) : tp_(where.mesh.tp) {
   w_gate_up = register_module("w_gate_up",
                               Projection(c.dim, 2 * c.ffn, where, Split{0, {c.ffn, c.ffn}}, c.float8, c.float8_all_gather));
   w_down = register_module("w_down", Projection(c.ffn, c.dim, where, Split{1, {c.ffn}}, c.float8, c.float8_all_gather));
@@ -165,7 +165,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   return h + fsdp::forward(mlp, fsdp::forward(mlp_norm, h));
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c), tp_(where.tp) {
+LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c), tp_(where.mesh.tp) {
   tok_emb = register_module("tok_emb", Embedding(c.vocab, c.dim, where));
   auto block_list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) {

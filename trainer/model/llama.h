@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/communicator.h"
+#include "fsdp/mesh.h"
 #include "fsdp/float8.h"
 #include "model/fused_ops.h"
 
@@ -61,13 +61,13 @@ struct LlamaConfig {
 
 // Where the parameters are made. Deferred: full-shaped placeholders without memory
 // (fsdp::deferred_parameter) on `device`, to be sharded and then filled by reset_parameters()
-// or by loaded weights; no process ever holds the whole model. With `tp` (tensor parallelism,
-// fsdp/tensor_parallel.h) each layer's matrices are split over its ranks, and the model runs
-// sequence-parallel: between the split layers each tp rank holds its rows of the tokens.
+// or by loaded weights; no process ever holds the whole model. With `mesh.tp` (tensor
+// parallelism, fsdp/tensor_parallel.h) each layer's matrices are split over its ranks, and the
+// model runs sequence-parallel: between the split layers each tp rank holds its rows of the tokens.
 struct Placement {
   c10::Device device = c10::kCPU;
   bool deferred = false;
-  std::shared_ptr<Communicator> tp;  // null: no tensor parallelism
+  Mesh mesh;  // make_mesh's; its tp null: no tensor parallelism
   torch::Tensor parameter(at::IntArrayRef shape) const;
 };
 

@@ -449,9 +449,7 @@ void check_ranges(const TrainArgs& a) {
   require(a.replicas >= 1, "--replicas must be at least 1");
   require(a.tp >= 1, "--tp must be at least 1");
   if (a.tp > 1) {
-    // What does not follow tensor-parallel parts yet (docs/parallelism.md).
-    require(a.save_dir.empty() && a.resume.empty(),
-            "--tp: sharded checkpoints do not hold tensor-parallel parts yet: drop --save-dir and --resume (or --tp)");
+    // What does not price tensor parallelism yet (docs/parallelism.md).
     require(!plans_schedule(a), "--tp: the planner plans FSDP alone (its cost model prices no tp collectives): drop "
                                 "--memory-budget and --plan-check (or --tp)");
   }

@@ -172,7 +172,7 @@ void Trainer::shard_model() {
     const Mesh mesh = make_mesh(args_.replicas, comm_, args_.tp);
     shard_.comm = mesh.shard;
     if (args_.replicas > 1) shard_.replicate = mesh.replicate;
-    where.tp = mesh.tp;
+    where.mesh = mesh;
   }
   model_ = model::Llama(config_, where);
   shard_.reshard_after_forward = args_.reshard_after_forward;
