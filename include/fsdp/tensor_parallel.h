@@ -54,7 +54,8 @@ struct TpPart {
 /// (every column, or a 1-D parameter's one, where it is not a part of columns).
 struct HeldElements {
   std::vector<std::pair<int64_t, int64_t>> row_runs;  ///< (first row, rows), in the local tensor's order
-  int64_t first_column = 0, columns = 0;              ///< in a row (columns = elements of a row when all)
+  int64_t first_column = 0;                           ///< the first column held
+  int64_t columns = 0;                                ///< columns held (the elements of a row when all)
   std::vector<int64_t> full_shape;                    ///< the whole parameter's
   int64_t rows() const;                               ///< in all runs
 };
