@@ -30,8 +30,13 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
         [--hf]        transformers' own LlamaForCausalLM of the preset's shapes (SDPA) instead of
                       the model below, built on meta and initialised by its init_weights (the same
                       seed under either runtime); --recompute is transformers' gradient checkpointing
+        [--tp N]      torch's tensor parallelism over N consecutive ranks with torchtitan's plan
+                      (sequence parallel, loss parallel), then fully_shard over the "dp" dimension,
+                      as torchtitan composes them; q, k, v and gate, up are then projections of
+                      their own (as torchtitan writes them; --init's fused ones are split)
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -89,36 +94,53 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, c):
+    """q, k and v in one projection; or (split, for tensor parallelism, as torchtitan writes it) in
+    three, whose outputs then hold this rank's heads."""
+    def __init__(self, c, split=False):
         super().__init__()
         self.h, self.kv, self.d = c["n_heads"], c["n_kv_heads"], c["dim"] // c["n_heads"]
-        self.wqkv = nn.Linear(c["dim"], (self.h + 2 * self.kv) * self.d, bias=False)
+        self.split = split
+        if split:
+            self.wq = nn.Linear(c["dim"], self.h * self.d, bias=False)
+            self.wk = nn.Linear(c["dim"], self.kv * self.d, bias=False)
+            self.wv = nn.Linear(c["dim"], self.kv * self.d, bias=False)
+        else:
+            self.wqkv = nn.Linear(c["dim"], (self.h + 2 * self.kv) * self.d, bias=False)
         self.wo = nn.Linear(self.h * self.d, c["dim"], bias=False)
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q, k, v = self.wqkv(x).view(b, t, -1, self.d).transpose(1, 2).split([self.h, self.kv, self.kv], dim=1)
+        if self.split:
+            q, k, v = (w(x).view(b, t, -1, self.d).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        else:
+            q, k, v = self.wqkv(x).view(b, t, -1, self.d).transpose(1, 2).split([self.h, self.kv, self.kv], dim=1)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
-        return self.wo(y.transpose(1, 2).reshape(b, t, self.h * self.d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Mlp(nn.Module):
-    def __init__(self, c):
+    """gate and up in one projection, or (split) in two."""
+    def __init__(self, c, split=False):
         super().__init__()
-        self.w_gate_up = nn.Linear(c["dim"], 2 * c["ffn"], bias=False)
+        self.split = split
+        if split:
+            self.w_gate = nn.Linear(c["dim"], c["ffn"], bias=False)
+            self.w_up = nn.Linear(c["dim"], c["ffn"], bias=False)
+        else:
+            self.w_gate_up = nn.Linear(c["dim"], 2 * c["ffn"], bias=False)
         self.w_down = nn.Linear(c["ffn"], c["dim"], bias=False)
 
     def forward(self, x):
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        gate, up = (self.w_gate(x), self.w_up(x)) if self.split else self.w_gate_up(x).chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, split=False):
         super().__init__()
-        self.attn_norm, self.attn = nn.RMSNorm(c["dim"], eps=EPS), Attention(c)
-        self.mlp_norm, self.mlp = nn.RMSNorm(c["dim"], eps=EPS), Mlp(c)
+        self.attn_norm, self.attn = nn.RMSNorm(c["dim"], eps=EPS), Attention(c, split)
+        self.mlp_norm, self.mlp = nn.RMSNorm(c["dim"], eps=EPS), Mlp(c, split)
 
     def forward(self, x, cos, sin):
         h = x + self.attn(self.attn_norm(x), cos, sin)
@@ -126,11 +148,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, c, max_seq, checkpointed=()):
+    def __init__(self, c, max_seq, checkpointed=(), split=False):
         super().__init__()
         self.checkpointed = set(checkpointed)  # indices of the blocks recomputed in backward
         self.tok_emb = nn.Embedding(c["vocab"], c["dim"])
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c["n_layers"]))
+        self.blocks = nn.ModuleList(Block(c, split) for _ in range(c["n_layers"]))
         self.norm = nn.RMSNorm(c["dim"], eps=EPS)
         self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
         if c.get("tie"):
@@ -175,6 +197,50 @@ class Llama(nn.Module):
             else:
                 h = block(h, cos, sin)
         return self.head(self.norm(h))
+
+
+def split_projections(weights, c):
+    """A state dict of the fused model (fsdp-train's names) for the split one: wqkv's rows as wq,
+    wk and wv, w_gate_up's as w_gate and w_up."""
+    d = c["dim"] // c["n_heads"]
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("attn.wqkv.weight"):
+            base = name[:-len("wqkv.weight")]
+            sizes = [c["n_heads"] * d, c["n_kv_heads"] * d, c["n_kv_heads"] * d]
+            out.update(zip((base + "wq.weight", base + "wk.weight", base + "wv.weight"), w.split(sizes)))
+        elif name.endswith("mlp.w_gate_up.weight"):
+            base = name[:-len("w_gate_up.weight")]
+            out.update(zip((base + "w_gate.weight", base + "w_up.weight"), w.chunk(2)))
+        else:
+            out[name] = w
+    return out
+
+
+def tensor_parallel(model, tp_mesh):
+    """torchtitan's plan for its Llama (sequence parallel), on the split model: the embedding
+    row-parallel into sequence shards, the norms sequence-parallel, attention and MLP column- then
+    row-parallel, the head column-parallel into torch's loss_parallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    parallelize_module(model, tp_mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=Shard(1)),
+        })
 
 
 def hf_llama(c, max_seq):
@@ -284,6 +350,10 @@ def main():
     p.add_argument("--runtime", choices=["fsdp2", "fsdpcpp"], default="fsdp2",
                    help="who shards the model: PyTorch's FSDP2 or fsdp.cpp's Python package (fsdpcpp)")
     p.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM of the preset's shapes")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over this many consecutive ranks (torchtitan's plan on q, k, v and "
+                        "gate, up as projections of their own), fully_shard over the rest; --batch is then per tp "
+                        "group")
     p.add_argument("--memory-budget", type=float, default=0.0,
                    help="GiB a GPU may hold: fsdpcpp.plan_memory_budget picks recomputation and prefetch (fsdpcpp only)")
     args = p.parse_args()
@@ -300,6 +370,9 @@ def main():
         "--accelerate: FSDP2 (eager, bf16, no offload) from --init weights"
     assert not args.memory_budget or args.runtime == "fsdpcpp", "--memory-budget plans fsdpcpp's schedule: add --runtime fsdpcpp"
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
+    assert args.tp == 1 or not (args.hf or args.ddp or args.fsdp1 or args.accelerate or args.float8 or
+                                args.cpu_offload or args.memory_budget or args.optimizer_before_shard), \
+        "--tp: the script's own model, FSDP2 or fsdpcpp in bf16, no offload or planner"
 
     on_gpu = torch.cuda.is_available()  # CPU (gloo) only to check the script itself
     assert on_gpu or not args.memory_snapshot, "--memory-snapshot records the CUDA allocator: run on a GPU"
@@ -334,9 +407,11 @@ def main():
         if args.recompute:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif args.init:
-        model = Llama(c, max(args.seq, 2048), checkpointed)
+        model = Llama(c, max(args.seq, 2048), checkpointed, split=args.tp > 1)
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
             weights = torch.load(args.init)
+        if args.tp > 1:  # fsdp-train's fused projections, as the split model's own
+            weights = split_projections(weights, c)
         missing = model.load_state_dict(weights, strict=False)
         assert not missing.missing_keys and not missing.unexpected_keys, missing
         model.to(device)
@@ -344,7 +419,14 @@ def main():
         assert not args.ddp and not args.optimizer_before_shard, "--ddp and --optimizer-before-shard need --init"
         torch.manual_seed(args.seed)
         with torch.device("meta"):
-            model = Llama(c, max(args.seq, 2048), checkpointed)
+            model = Llama(c, max(args.seq, 2048), checkpointed, split=args.tp > 1)
+    shard_mesh = None  # fully_shard's default: every rank
+    if args.tp > 1:  # torchtitan's order: tensor parallelism, then compile, then fully_shard over dp
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"])
+        shard_mesh = mesh["dp"]
+
     def make_optimizer():
         # fused=True: the kernel fsdp-train's FusedAdamW calls (CUDA and CPU).
         return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
@@ -371,8 +453,13 @@ def main():
     def cross_entropy(logits, targets):
         return F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), targets.reshape(-1))
 
-    # torchtitan compiles its loss with the blocks: the fp32 upcast and the softmax in one kernel.
-    loss_of = torch.compile(cross_entropy) if args.compile else cross_entropy
+    # torchtitan compiles its loss with the blocks: the fp32 upcast and the softmax in one kernel
+    # (not the loss parallel of its tensor-parallel runs, which runs on DTensors).
+    loss_of = torch.compile(cross_entropy) if args.compile and args.tp == 1 else cross_entropy
+    if args.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+    else:
+        loss_parallel = contextlib.nullcontext
     opt = make_optimizer() if args.optimizer_before_shard else None
     if args.ddp:
         model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
@@ -398,8 +485,8 @@ def main():
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=on_gpu) if args.cpu_offload else None
         for block in blocks:
-            fully_shard(block, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mp_policy=mp, offload_policy=offload)
+            fully_shard(block, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
         if not args.init:
             model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards live on the host
             model.init_weights()
@@ -433,13 +520,14 @@ def main():
             lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            tokens = synthetic_rows(c["vocab"], args.seed, step, rank * args.batch, args.batch,
+            tokens = synthetic_rows(c["vocab"], args.seed, step, rank // args.tp * args.batch, args.batch,
                                     args.seq).to(device)
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, torch.bfloat16, enabled=args.ddp):
                 logits = model(input_ids=tokens[:, :-1]).logits if args.hf else model(tokens[:, :-1])
-            loss = loss_of(logits, tokens[:, 1:])
-            loss.backward()
+            with loss_parallel():
+                loss = loss_of(logits, tokens[:, 1:])
+                loss.backward()
             # With the optimizer made before sharding its parameters are the
             # replaced full tensors: clip what the model holds.
             if args.fsdp1:  # torch's would see only this rank's shards
@@ -450,7 +538,7 @@ def main():
             opt.step()
             if precompute_float8_scales:
                 precompute_float8_scales(model)
-            global_loss = loss.detach().clone()
+            global_loss = (loss.full_tensor() if args.tp > 1 else loss).detach().clone()  # tp: a replicated DTensor
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             loss_value = global_loss.item()
             if sampler:
@@ -463,7 +551,7 @@ def main():
         step += 1
         if log:
             row = dict(step=step, loss=loss_value, lr=lr, grad_norm=float(grad_norm),
-                       step_ms=ms, tok_s=args.batch * args.seq * world / (ms / 1000),
+                       step_ms=ms, tok_s=args.batch * args.seq * world // args.tp / (ms / 1000), tp=args.tp,
                        peak_alloc_gib=alloc, peak_reserved_gib=reserved, world=world,
                        model=args.model, compiled_loss=args.compile,
                        host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)

@@ -99,6 +99,11 @@ CONFIGS = {
     # bench/llama_slice.py into --out, read by fsdp-train --init-from and fsdp2_llama.py --model).
     "8b-8l": ("slice-8b-8", 2048, 2, [], {}),
     "tiny-2l": ("slice-tiny-2", 64, 4, [], {}),  # the CPU check of the slice path
+    # Tensor parallelism: fsdp-train --tp against FSDP2 + torch's tensor parallelism (torchtitan's
+    # plan; fsdp2_llama.py --tp). The batch is per tp group: tp x the 8B's 2 keeps a GPU's tokens.
+    "8b-tp2": ("8b", 2048, 4, ["--tp", "2"], {}),
+    "8b-tp4": ("8b", 2048, 8, ["--tp", "4"], {}),
+    "tiny-tp2": ("tiny", 64, 4, ["--tp", "2"], {}),  # the CPU check of the tp path (same weights: same losses)
 }
 # The PyTorch systems: name -> (log name, fsdp2_llama.py flags).
 PYTORCH_SYSTEMS = {
@@ -147,6 +152,8 @@ REFERENCES = {
     "tiny": EAGER_AND_COMPILED + FSDP1 + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
     "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),
     "8b-8l": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"], "tiny-2l": ["pytorch-fsdp2"],
+    "8b-tp2": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"], "8b-tp4": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"],
+    "tiny-tp2": ["pytorch-fsdp2", "fsdpcpp-python"],
 }
 
 def run(cmd, log_path, env):
