@@ -18,7 +18,9 @@
 #   launcher_tests.sh BUILD_DIR tp            --tp: tp 2, dp 2 x tp 2 and HSDP 2 x 2 x tp 2 (tied
 #                                             embeddings, recomputed blocks) follow one process's losses,
 #                                             gradient norms and held-out loss, and export its weights,
-#                                             which --init-from reads into the parts alike;
+#                                             which --init-from reads into the parts alike; offload,
+#                                             the optimizer in backward, buckets and kept parameters
+#                                             under tp follow it too;
 #                                             checkpoints saved with and without tp resume on other
 #                                             (dp, tp) layouts and hold the same tensors;
 #                                             layouts that do not split and what --tp does not follow
@@ -246,6 +248,16 @@ PY
     || { cat "$work/out"; fail "--tp 2 --init-from"; }
   python3 "$(dirname "$0")/check_train_log.py" "$work/from-tp.jsonl" --steps 3 \
     --same-loss-as "$work/from-one.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 --init-from"
+  # The runtime's other modes under tp: offloaded with the optimizer in backward, buckets with
+  # parameters kept gathered.
+  plain=(--model tiny --steps 3 --seq 32 --clip 0)
+  "$run" -n 1 --cpu "$train" "${plain[@]}" --batch 8 --log "$work/plain.jsonl" >/dev/null 2>&1 || fail "clip 0"
+  for modes in "--cpu-offload --optimizer-in-backward" "--bucket-mb 1 --no-reshard-after-forward"; do
+    "$run" -n 4 --cpu "$train" "${plain[@]}" --batch 4 --tp 2 $modes --log "$work/modes.jsonl" --overwrite-log \
+      >"$work/out" 2>&1 || { cat "$work/out"; fail "--tp 2 $modes"; }
+    python3 "$(dirname "$0")/check_train_log.py" "$work/modes.jsonl" --steps 3 \
+      --same-loss-as "$work/plain.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 $modes"
+  done
   # Checkpoints: saved at dp 2 x tp 2 (step 2 in the background) and at dp 2 without tp, each
   # resumed on other layouts, follow the straight run; both hold the same tensors (the optimizer's
   # moments too), read whole by the offline converter.
