@@ -186,6 +186,127 @@ TEST(Hsdp, TensorParallelPartsAndCollectives) {
   }
 }
 
+// A communicator that issues through another and writes each collective it issues into a log
+// shared with others: the order in which the runtime and the tp collectives issue theirs.
+class Recording : public Communicator {
+ public:
+  Recording(std::shared_ptr<Communicator> inner, std::string label, std::vector<std::string>& log)
+      : Communicator(inner->rank(), inner->world_size(), inner->name(), inner->timeout()),
+        inner_(std::move(inner)), label_(std::move(label)), log_(log) {}
+  const char* backend() const override { return inner_->backend(); }
+  at::Device device() const override { return inner_->device(); }
+
+ protected:
+  void do_all_gather(const std::vector<Buffers>& ops, const std::string& tag) override {
+    log_.push_back(label_ + " all_gather " + tag);
+    std::vector<at::Tensor> outputs, inputs;
+    for (const auto& b : ops) outputs.push_back(b.output), inputs.push_back(b.input);
+    inner_->all_gather_coalesced(outputs, inputs, tag);
+  }
+  void do_reduce_scatter(const std::vector<Buffers>& ops, ReduceOp op, const std::string& tag) override {
+    log_.push_back(label_ + " reduce_scatter " + tag);
+    std::vector<at::Tensor> outputs, inputs;
+    for (const auto& b : ops) outputs.push_back(b.output), inputs.push_back(b.input);
+    inner_->reduce_scatter_coalesced(outputs, inputs, op, tag);
+  }
+  void do_all_reduce(const at::Tensor& tensor, ReduceOp op) override { inner_->all_reduce(tensor, op); }
+  void do_broadcast(const at::Tensor& tensor, int root) override { inner_->broadcast(tensor, root); }
+  void do_barrier() override { inner_->barrier(); }
+  std::shared_ptr<Communicator> do_split(int color, int key, std::string name) override {
+    return inner_->split(color, key, name);
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+  std::string label_;
+  std::vector<std::string>& log_;
+};
+
+// A block of tensor-parallel projections as the trainer's: the tokens gathered, a column-parallel
+// part, a row-parallel part, the partial sums scattered back.
+struct TpBlock : torch::nn::Module {
+  TpBlock(const Mesh& mesh, Communicator& tp) : tp_(tp) {
+    const auto on = at::TensorOptions().device(device());
+    TpPart columns{mesh.tp, mesh.replica, 0, {8}, {8, 4}}, rows{mesh.tp, mesh.replica, 1, {8}, {4, 8}};
+    up = register_parameter("up", deferred_parameter(columns.part_shape(), on));
+    down = register_parameter("down", deferred_parameter(rows.part_shape(), on));
+    set_tp_part(up, columns);
+    set_tp_part(down, rows);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return x + tp::scatter_rows(at::linear(at::linear(tp::gather_rows(x, tp_), up), down), tp_);
+  }
+  torch::Tensor up, down;
+  Communicator& tp_;
+};
+
+struct TpBlocks : torch::nn::Module {
+  at::Tensor forward(at::Tensor x) {
+    for (auto& block : blocks) x = fsdp::forward(block, x);
+    return x;
+  }
+  std::vector<std::shared_ptr<TpBlock>> blocks;
+};
+
+// The tp collectives, issued inside a block's forward and backward, never hold back FSDP's (the
+// order in which each rank issues them, in a step after the first, once the runtime knows the
+// execution order): in forward block i + 1's all-gather goes out before block i's tp collectives
+// (prefetch); in backward block i - 1's all-gather before block i's tp collectives, and block i's
+// reduce-scatter as soon as its weights' gradients exist, before block i - 1's tp collectives.
+// The root holds no parameter of its own but takes part like a group (its empty collectives come
+// first and last).
+TEST(Hsdp, TensorParallelCollectivesNeverHoldBackFsdps) {
+  const int tp_degree = 2, blocks = 3;
+  if (world()->world_size() % tp_degree != 0 || world()->world_size() < 2 * tp_degree)
+    GTEST_SKIP() << "needs an even number of ranks, 4 or more (one rank alone reduces nothing)";
+  const Mesh mesh = make_mesh(1, world(), tp_degree);
+  std::vector<std::string> log;
+  auto shard = std::make_shared<Recording>(mesh.shard, "dp", log);
+  Recording tp(mesh.tp, "tp", log);
+  auto model = std::make_shared<TpBlocks>();
+  ShardOptions o;
+  o.comm = shard;
+  for (int i = 0; i < blocks; ++i) {
+    model->blocks.push_back(model->register_module("block" + std::to_string(i), std::make_shared<TpBlock>(mesh, tp)));
+    fully_shard(*model->blocks.back(), o);
+    init_normal_(model->blocks.back()->up, 1 + i, 0.1);
+    init_normal_(model->blocks.back()->down, 11 + i, 0.1);
+  }
+  fully_shard(*model, o);
+  const auto step = [&] {
+    log.clear();
+    // This rank's 4 token rows; a gradient wanted for them, so block 0's gather runs backward too.
+    const at::Tensor x = at::ones({4, 4}, at::TensorOptions().device(device())).requires_grad_(true);
+    fsdp::forward(model, x).sum().backward();
+  };
+  step();
+  step();
+  const auto position = [&](const std::string& what, int nth) {  // of the nth log line starting with `what`
+    int seen = 0;
+    for (size_t i = 0; i < log.size(); ++i)
+      if (log[i].rfind(what, 0) == 0 && seen++ == nth) return static_cast<int>(i);
+    return -1;
+  };
+  const auto count = [&](const std::string& what) {
+    return std::count_if(log.begin(), log.end(), [&](const std::string& line) { return line.rfind(what, 0) == 0; });
+  };
+  std::string order;
+  for (const auto& line : log) order += "\n  " + line;
+  EXPECT_EQ(count("dp all_gather"), 1 + 2 * blocks) << order;  // the root, each block in forward and backward
+  EXPECT_EQ(count("dp reduce_scatter"), blocks + 1) << order;
+  EXPECT_EQ(count("tp all_gather"), 2 * blocks) << order;  // forward's gather, backward's of the scatter
+  EXPECT_EQ(count("tp reduce_scatter"), 2 * blocks) << order;
+  for (int i = 0; i + 1 < blocks; ++i)  // dp all-gather 0 is the root's, i + 1 block i's
+    EXPECT_LT(position("dp all_gather", i + 2), position("tp all_gather", i)) << "forward, block " << i << order;
+  // Backward takes the blocks last to first: its k-th block's tp collectives are the (blocks + k)-th
+  // of each kind, its all-gather the (1 + blocks + k)-th, its reduce-scatter the k-th.
+  for (int k = 0; k + 1 < blocks; ++k) {
+    SCOPED_TRACE("backward, block " + std::to_string(blocks - 1 - k));
+    EXPECT_LT(position("dp all_gather", 1 + blocks + k + 1), position("tp all_gather", blocks + k)) << order;
+    EXPECT_LT(position("dp reduce_scatter", k), position("tp all_gather", blocks + k + 1)) << order;
+  }
+}
+
 TEST(Hsdp, BadLayoutsAreErrors) {
   using ::testing::HasSubstr;
   const int world_size = world()->world_size();
