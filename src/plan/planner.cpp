@@ -15,7 +15,7 @@ std::vector<size_t> recompute_order(const CostModel& model) {
     if (model.groups[g].recomputable) order.push_back(g);
   auto gain = [&](size_t g) {
     const auto& c = model.groups[g];
-    return double(c.saved_bytes - c.recompute_saved_bytes) / std::max(c.forward_ms, 1e-6);
+    return double(c.saved_bytes - c.recompute_saved_bytes) / std::max(c.forward_ms + c.tp_comm_ms, 1e-6);
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return gain(a) > gain(b); });
   return order;

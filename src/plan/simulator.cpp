@@ -115,7 +115,7 @@ class Replay {
   }
 
   void forward_compute(int g) {
-    compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
+    compute(cost(g).forward_ms + cost(g).tp_comm_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
     const bool recomputed = schedule_.recompute[g];
     touch(cost(g).forward_peak_bytes, {"forward of ", g});
     allocate(kActivations, g, recomputed ? cost(g).recompute_saved_bytes : cost(g).saved_bytes,
@@ -127,11 +127,11 @@ class Replay {
     gather_and_wait(g, backward_order_, position);
     const Phase during{"backward of ", g};
     if (schedule_.recompute[g]) {
-      compute(cost(g).forward_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
+      compute(cost(g).forward_ms + cost(g).tp_comm_ms, cost(g).forward_cpu_ms, gathered_at_[g]);
       touch(cost(g).forward_peak_bytes, {"recompute of ", g});
       allocate(kRecomputed, g, cost(g).saved_bytes, {"recompute of ", g});
     }
-    compute(cost(g).backward_ms, cost(g).backward_cpu_ms, gathered_at_[g]);
+    compute(cost(g).backward_ms + cost(g).tp_comm_ms, cost(g).backward_cpu_ms, gathered_at_[g]);
     touch(cost(g).backward_peak_bytes, during);
     release(kActivations, g, during);
     release(kRecomputed, g, during);

@@ -524,9 +524,9 @@ TEST(Projection, RingsAcrossHostsTakeTheNetworksBandwidthAndHsdpAddsTheReplicasA
   EXPECT_EQ(hsdp.fixed_bytes, 400 + 600 * 2 / 8);
 }
 
-TEST(Projection, WorldsGiveFsdpEverywhereAndHsdpOneReplicaAHost) {
+TEST(Projection, LayoutsGiveFsdpEverywhereAndHsdpOneReplicaAHost) {
   const MeasuredCost m = measured_on_two();
-  const auto rows = project_worlds(m, default_schedule(1), {2, 16}, Cluster{});
+  const auto rows = project_layouts(m, {}, default_schedule(1), layouts_of({2, 16}, {1}, Cluster{}), Cluster{});
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[0].layout.world, 2);
   EXPECT_EQ(rows[2].layout.replicas, 2);
@@ -538,11 +538,78 @@ TEST(Projection, WorldsGiveFsdpEverywhereAndHsdpOneReplicaAHost) {
   EXPECT_LT(rows[1].peak_bytes, rows[0].peak_bytes);
 }
 
+// The group of measured_on_two split the Megatron way: half its parameters replicated (norms, say),
+// each forward 2 gathers and 2 scatters of a 10 MB exchange.
+TpShape split_in_two_exchanges() { return TpShape{{TpGroupShape{100'000'000, 10'000'000, 2, 2}}}; }
+
+// 8 GPUs as FSDP 4 x TP 2: a rank holds 100/2 + 100 = 150 MB of the 200 (0.75); its all-gather
+// over 4 ranks moves 3/4 * 150 MB at 100 GB/s (1.125 ms) + 0.5 ms latency * 3 steps. An exchange
+// is a ring over 2 ranks of 2 x 10 MB: 1/2 of it, 0.1 ms, + 0.5 ms latency * 1 step; four of them a
+// forward: 2.4 ms. Each gathered input keeps a second rank's 10 MB for backward. The sharded state
+// is 0.75 of the parameters over 4 ranks: fixed 400 + 600 * 0.75 * 2 / 4.
+TEST(Projection, TensorParallelSplitsTheGroupAndPricesItsExchanges) {
+  const CostModel p = project(measured_on_two(), {8, 1, 2}, Cluster{}, split_in_two_exchanges());
+  const GroupCost& g = p.groups[0];
+  EXPECT_EQ(g.memory.param_bytes, 150'000'000);
+  EXPECT_EQ(g.memory.reduce_input_bytes, 150'000'000);
+  EXPECT_EQ(g.memory.sharded_grad_bytes, 75 * 2 / 4);
+  EXPECT_DOUBLE_EQ(g.allgather_ms, 1.125 + 1.5);
+  EXPECT_DOUBLE_EQ(g.tp_comm_ms, 4 * 0.6);
+  EXPECT_EQ(g.saved_bytes, 2 * 10'000'000);
+  EXPECT_EQ(g.forward_peak_bytes, 2 * 10'000'000);
+  EXPECT_EQ(g.backward_peak_bytes, 10'000'000);
+  EXPECT_EQ(p.fixed_bytes, 400 + 225);
+  EXPECT_DOUBLE_EQ(g.forward_ms, 10);  // a rank's compute stays
+  // The exchanges run on the compute stream, in forward and backward (and again in a recompute).
+  CostModel free_exchanges = p;
+  free_exchanges.groups[0].tp_comm_ms = 0;
+  const Schedule recomputed = uniform_schedule(p.groups, true);
+  EXPECT_NEAR(simulate(p, default_schedule(1)).step_ms - simulate(free_exchanges, default_schedule(1)).step_ms,
+              2 * 2.4, 1e-9);
+  EXPECT_NEAR(simulate(p, recomputed).step_ms - simulate(free_exchanges, recomputed).step_ms, 3 * 2.4, 1e-9);
+  // FSDP 8 x TP 2 of 16 GPUs spans two hosts of 8: its all-gather takes the network's 50 GB/s.
+  EXPECT_DOUBLE_EQ(project(measured_on_two(), {16, 1, 2}, Cluster{8, 50}, split_in_two_exchanges()).groups[0].allgather_ms,
+                   7.0 / 8 * 150e6 / 5e7 + 0.5 * 7);
+}
+
+TEST(Projection, LayoutsListEachTpDegreeThatDividesAWorldWithinAHost) {
+  std::vector<std::string> names;
+  for (const Layout& l : layouts_of({4, 16}, {1, 2, 8}, Cluster{8, 50})) names.push_back(std::to_string(l.world) + " " + l.describe());
+  EXPECT_EQ(names, (std::vector<std::string>{"4 FSDP 4", "4 FSDP 2 x TP 2", "16 FSDP 16", "16 HSDP 2x8",
+                                             "16 FSDP 8 x TP 2", "16 HSDP 2x4 x TP 2", "16 FSDP 2 x TP 8",
+                                             "16 HSDP 2x1 x TP 8"}));
+}
+
+// 4 GPUs, a budget between the least each layout needs: the planner takes tp 2 where FSDP alone
+// does not fit, and says what FSDP alone would need; with room for both, the faster.
+TEST(Planner, ChoosesTheTensorParallelDegreeThatFitsTheBudget) {
+  const MeasuredCost m = measured_on_two();
+  const std::vector<Layout> layouts = layouts_of({4}, {1, 2}, Cluster{});
+  auto plans = plan_layouts(m, split_in_two_exchanges(), layouts, Cluster{}, /*budget_bytes=*/1, /*margin=*/0);
+  ASSERT_EQ(plans.size(), 2u);
+  ASSERT_FALSE(plans[0].fits() || plans[1].fits());
+  EXPECT_EQ(plans[0].layout.tp, 2);  // the least budget first
+  const int64_t tp_least = plans[0].smallest_budget_bytes, fsdp_least = plans[1].smallest_budget_bytes;
+  ASSERT_LT(tp_least, fsdp_least);
+  plans = plan_layouts(m, split_in_two_exchanges(), layouts, Cluster{}, (tp_least + fsdp_least) / 2, 0);
+  EXPECT_TRUE(plans[0].fits());
+  EXPECT_EQ(plans[0].layout.tp, 2);
+  EXPECT_FALSE(plans[1].fits());
+  EXPECT_EQ(plans[1].smallest_budget_bytes, fsdp_least);
+  plans = plan_layouts(m, split_in_two_exchanges(), layouts, Cluster{}, 2 * fsdp_least, 0);
+  ASSERT_TRUE(plans[0].fits() && plans[1].fits());
+  EXPECT_LE(plans[0].plan.chosen.prediction.step_ms, plans[1].plan.chosen.prediction.step_ms);
+}
+
 TEST(Projection, RefusesWhatItCannotProject) {
   MeasuredCost one = measured_on_two();
   one.world = 1;
   EXPECT_THROW(project(one, {4, 1}, Cluster{}), std::invalid_argument);
   EXPECT_THROW(project(measured_on_two(), {6, 4}, Cluster{}), std::invalid_argument);
+  EXPECT_THROW(project(measured_on_two(), {8, 1, 2}, Cluster{}), std::invalid_argument);  // no shape to split
+  EXPECT_THROW(project(measured_on_two(), {32, 1, 16}, Cluster{8, 50}, split_in_two_exchanges()),
+               std::invalid_argument);  // tp past a host
+  EXPECT_THROW(project(measured_on_two(), {6, 1, 4}, Cluster{}, split_in_two_exchanges()), std::invalid_argument);
 }
 
 }  // namespace

@@ -541,6 +541,24 @@ budget)
   for want in "measured on 2 ranks" "     2  FSDP" "     8  FSDP" "     8  HSDP 2x4"; do
     grep -qF -- "$want" "$work/projected" || { cat "$work/projected"; fail "no '$want' in the projection"; }
   done
+  # Times tensor parallelism (the tiny model's shapes, the tokens the file records), and the
+  # planner's layout and schedule for a budget, per world.
+  "$train" --project "$work/cost.json" --project-worlds 8 --gpus-per-host 4 --project-tp 1,2 --model tiny \
+    >"$work/projected" 2>&1 || { cat "$work/projected"; fail "--project-tp failed"; }
+  for want in "     8  FSDP 4 x TP 2" "     8  HSDP 2x2 x TP 2"; do
+    grep -qF -- "$want" "$work/projected" || { cat "$work/projected"; fail "no '$want' in the projection"; }
+  done
+  "$train" --project "$work/cost.json" --project-worlds 8 --gpus-per-host 4 --project-tp 1,2 --model tiny \
+    --memory-budget 1 >"$work/projected" 2>&1 || { cat "$work/projected"; fail "--project --memory-budget failed"; }
+  for want in "8 GPUs, a budget of 1.00 GiB each:" "<- chosen" "chosen schedule: recompute"; do
+    grep -qF -- "$want" "$work/projected" || { cat "$work/projected"; fail "no '$want' in the layout plan"; }
+  done
+  [ "$(grep -c " ms  peak " "$work/projected")" = 4 ] || { cat "$work/projected"; fail "not four layouts planned"; }
+  for bad in "--project-tp 2 --model small:is not a profile of the small model" "--project-tp 3:must divide by it"; do
+    "$train" --project "$work/cost.json" ${bad%%:*} >"$work/projected" 2>&1 &&
+      fail "--project-tp with ${bad%%:*} was not refused"
+    grep -qF -- "${bad#*:}" "$work/projected" || { cat "$work/projected"; fail "no '${bad#*:}'"; }
+  done
   "$train" --project "$work/out" >"$work/projected" 2>&1 && fail "--project read a file that is no cost model"
   grep -qF "is not a cost model" "$work/projected" || { cat "$work/projected"; fail "no refusal of a bad cost model"; }
   # Gradient accumulation (a reduce-scatter every micro-batch): planned for two passes a step.

@@ -297,10 +297,16 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--project",
        {Topic::Planner,
         "print the step a --cost-model FILE predicts on --project-worlds GPUs, FSDP and HSDP (one "
-        "replica a host), under the runtime's default schedule (--recompute: every block recomputed); "
+        "replica a host) times each --project-tp degree, under the runtime's default schedule (--recompute: "
+        "every block recomputed), or with --memory-budget the planner's layout and schedule for each world; "
         "trains nothing, needs no GPU (the model: include/fsdp/plan/projection.h)",
         text(a.project)}},
       {"--project-worlds", {Topic::Planner, "GPU counts --project predicts, comma-separated", text(a.project_worlds)}},
+      {"--project-tp",
+       {Topic::Planner,
+        "tensor-parallel degrees --project tries, comma-separated (within a host; with the --model or "
+        "--init-from the cost model was measured with)",
+        text(a.project_tp)}},
       {"--gpus-per-host", {Topic::Planner, "--project: GPUs a host joins by NVLink", number(a.gpus_per_host)}},
       {"--network-gb-per-s",
        {Topic::Planner, "--project: each GPU's network bandwidth to other hosts, GB/s one way",
@@ -374,6 +380,7 @@ void check_flags_that_need_another(const TrainArgs& a) {
       {"--plan-check-rounds", !a.plan_check.empty(), "--plan-check"},
       {"--cost-model", plans_schedule(a), "--memory-budget or --plan-check (the profile it writes)"},
       {"--project-worlds", !a.project.empty(), "--project"},
+      {"--project-tp", !a.project.empty(), "--project"},
       {"--gpus-per-host", !a.project.empty(), "--project"},
       {"--network-gb-per-s", !a.project.empty(), "--project"},
       {"--reduce-bucket-max-wait", a.runtime.bucket_mb > 0, "--bucket-mb (the buckets it caps)"},

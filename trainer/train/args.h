@@ -72,6 +72,7 @@ struct TrainArgs {
   std::string cost_model;  // with --memory-budget or --plan-check: write the profiled cost model here (rank 0)
   std::string project;     // print a --cost-model file's step projected to --project-worlds GPUs, train nothing
   std::string project_worlds = "8,16,32,64,128,256,512";
+  std::string project_tp = "1";  // tensor-parallel degrees --project tries
   int gpus_per_host = 8;            // plan::Cluster: GPUs a host joins by NVLink
   double network_gb_per_s = 50;     // plan::Cluster: each GPU's bandwidth to other hosts
   bool dry_run = false;  // check everything, print the plan, train nothing

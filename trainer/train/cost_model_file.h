@@ -9,14 +9,23 @@
 
 namespace fsdp::train {
 
+// A --cost-model file: the measured cost model and the tokens each rank computed a step (0 in files
+// of 0.5 and before: --project then takes --batch x --seq).
+struct CostModelFile {
+  plan::MeasuredCost measured;
+  int64_t tokens_per_rank = 0;
+};
+
 // Writes `measured` as JSON to `path` (replacing it: the flag names a file the run makes).
-void write_cost_model(const std::string& path, const plan::MeasuredCost& measured);
+void write_cost_model(const std::string& path, const plan::MeasuredCost& measured, int64_t tokens_per_rank);
 // Reads a file write_cost_model wrote; throws UsageError naming the file and what is wrong.
-plan::MeasuredCost read_cost_model(const std::string& path);
+CostModelFile read_cost_model(const std::string& path);
 // The sharded part of a planned run's fixed bytes on `shard_ranks` ranks: fp32 weights and AdamW's
 // two moments (none on the device with --cpu-offload).
 int64_t sharded_fixed_bytes(const TrainArgs& args, int shard_ranks);
-// --project: the table of plan::project_worlds for args.project's cost model. Throws UsageError.
+// --project: args.project's cost model projected to the layouts of --project-worlds and
+// --project-tp (plan::project_layouts), or with --memory-budget the planner's choice of layout and
+// schedule for each world (plan::plan_layouts). Throws UsageError.
 std::string projection_report(const TrainArgs& args);
 
 }  // namespace fsdp::train

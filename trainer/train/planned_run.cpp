@@ -42,7 +42,8 @@ PlannedRun::Next PlannedRun::report_and_plan(int step, const std::function<void(
   if (lead) std::printf("%s", contention_report(profile, calibration_schedule(*model_)).c_str());
   if (lead && !args_.cost_model.empty()) {
     const int world = launch_env_from_process().world_size;  // the planner plans plain FSDP: one shard group
-    write_cost_model(args_.cost_model, {profile, world, sharded_fixed_bytes(args_, world)});
+    write_cost_model(args_.cost_model, {profile, world, sharded_fixed_bytes(args_, world)},
+                     int64_t(args_.batch) * args_.seq);
     std::printf("fsdp-train: cost model written to %s (fsdp-train --project reads it)\n", args_.cost_model.c_str());
   }
   if (!args_.plan_check.empty()) {

@@ -167,7 +167,7 @@ Trainer::~Trainer() = default;
 // or the imported weights fill after sharding, with values that do not depend on the number of
 // ranks), sharded under the schedule's groups; then the optimizer and its state.
 void Trainer::shard_model() {
-  model::Placement where{device_, /*deferred=*/true};
+  model::Placement where{device_, /*deferred=*/true, /*mesh=*/{}};  // the mesh below where there is one
   if (args_.replicas > 1 || args_.tp > 1) {  // HSDP, tensor parallelism
     const Mesh mesh = make_mesh(args_.replicas, comm_, args_.tp);
     shard_.comm = mesh.shard;

@@ -26,6 +26,9 @@ struct GroupCost {
   int64_t backward_peak_bytes = 0;
   double forward_ms = 0;       ///< device time of the forward; a recompute costs it again
   double backward_ms = 0;      ///< device time of the backward
+  /// Device time of the tensor-parallel collectives of one forward, on the compute stream: the
+  /// backward makes as many, a recompute repeats them (a projection to tp > 1 sets it).
+  double tp_comm_ms = 0;
   double forward_cpu_ms = 0;   ///< host time to issue the forward (CPU-bound models)
   double backward_cpu_ms = 0;  ///< host time to issue the backward
   /// Device time of the copy of its gradients into the reduce-scatter input (with the unsynced
