@@ -258,6 +258,23 @@ PY
     python3 "$(dirname "$0")/check_train_log.py" "$work/modes.jsonl" --steps 3 \
       --same-loss-as "$work/plain.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 $modes"
   done
+  # Planned under tp: the profile prices the tp collectives as the groups' compute; the smallest
+  # budget that fits (as the planner names it) makes the plan recompute, on the same losses.
+  planned=(--model tiny --steps 8 --seq 32 --clip 0)
+  "$run" -n 1 --cpu "$train" "${planned[@]}" --batch 8 --log "$work/unplanned.jsonl" >/dev/null 2>&1 || fail "8 steps"
+  "$run" -n 4 --cpu "$train" "${planned[@]}" --batch 4 --tp 2 --memory-budget 0.0001 >"$work/out" 2>&1
+  least=$(sed -n 's/.*the smallest budget that fits is \([0-9.]*\) MiB.*/\1/p' "$work/out" | head -1)
+  [ -n "$least" ] || { cat "$work/out"; fail "--tp 2: no smallest budget named"; }
+  "$run" -n 4 --cpu "$train" "${planned[@]}" --batch 4 --tp 2 --log "$work/planned.jsonl" --cost-model "$work/tp-cost.json" \
+    --memory-budget "$(python3 -c "print(($least + 0.05) / 1024)")" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "--tp 2 --memory-budget"; }
+  grep -q "fsdp-train: plan for a .* budget .*: recompute [1-9]" "$work/out" || { cat "$work/out"; fail "no recompute planned"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/planned.jsonl" --steps 8 \
+    --same-loss-as "$work/unplanned.jsonl" --loss-tolerance 4.8e-4 || fail "--tp 2 --memory-budget"
+  # A projection starts from a profile without tp (its tp collectives are in the compute).
+  "$train" --project "$work/tp-cost.json" >"$work/out" 2>&1 && fail "--project took a profile measured under --tp"
+  grep -qF "was measured with --tp 2, and a projection starts from a profile without" "$work/out" ||
+    { cat "$work/out"; fail "no refusal of a tp profile"; }
   # Checkpoints: saved at dp 2 x tp 2 (step 2 in the background) and at dp 2 without tp, each
   # resumed on other layouts, follow the straight run; both hold the same tensors (the optimizer's
   # moments too), read whole by the offline converter.
@@ -297,7 +314,6 @@ print(f"{len(tp)} tensors alike, largest difference {worst:.2g} of a tensor's la
 PY
   expect_usage_error "--tp 3 does not divide the 4 ranks of a replica" -n 4 --cpu "$train" --model tiny --tp 3
   expect_usage_error "model's 4 key/value heads do not split over 8 ranks" -n 8 --cpu "$train" --model tiny --tp 8
-  expect_usage_error "--tp: the planner plans FSDP alone" -n 2 --cpu "$train" --model tiny --tp 2 --memory-budget 1
   echo "tp: ok"
   ;;
 grad-accum)

@@ -455,11 +455,6 @@ void check_ranges(const TrainArgs& a) {
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
   require(a.replicas >= 1, "--replicas must be at least 1");
   require(a.tp >= 1, "--tp must be at least 1");
-  if (a.tp > 1) {
-    // What does not price tensor parallelism yet (docs/parallelism.md).
-    require(!plans_schedule(a), "--tp: the planner plans FSDP alone (its cost model prices no tp collectives): drop "
-                                "--memory-budget and --plan-check (or --tp)");
-  }
   require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
           "--grad-accum-sync must be last or every, not '" + a.grad_accum_sync + "'");
   require(a.eval_every >= 0, "--eval-every must be 0 (after the last step) or positive");

@@ -30,9 +30,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(MeasuredCost, model, world, shar
 
 namespace train {
 
-void write_cost_model(const std::string& path, const plan::MeasuredCost& measured, int64_t tokens_per_rank) {
-  nlohmann::json j = measured;
-  j["tokens_per_rank"] = tokens_per_rank;
+void write_cost_model(const std::string& path, const CostModelFile& file) {
+  nlohmann::json j = file.measured;
+  j["tokens_per_rank"] = file.tokens_per_rank;
+  j["tp"] = file.tp;
   write_file(path, j.dump(1) + "\n");
 }
 
@@ -44,7 +45,7 @@ CostModelFile read_cost_model(const std::string& path) {
     if (!j.is_object() || !j.contains("model") || !j.contains("world"))
       throw UsageError("--project: '" + path + "' is not a cost model (no \"model\" and \"world\"): give a file "
                        "that --cost-model wrote");
-    return {j.get<plan::MeasuredCost>(), j.value("tokens_per_rank", int64_t(0))};
+    return {j.get<plan::MeasuredCost>(), j.value("tokens_per_rank", int64_t(0)), j.value("tp", 1)};
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("--project: '" + path + "' is not a cost model --cost-model wrote: " + e.what());
   }
@@ -145,6 +146,10 @@ std::string layout_plan_report(const TrainArgs& args, const CostModelFile& file,
 
 std::string projection_report(const TrainArgs& args) {
   const CostModelFile file = read_cost_model(args.project);
+  if (file.tp > 1)
+    throw UsageError("--project: " + args.project + " was measured with --tp " + std::to_string(file.tp) +
+                     ", and a projection starts from a profile without tensor parallelism (the tp collectives are "
+                     "in its compute): measure one without --tp, and give --project-tp the degrees to try");
   const plan::MeasuredCost& measured = file.measured;
   const std::vector<int> worlds = counts_of("--project-worlds", args.project_worlds, "8,16,64");
   const std::vector<int> degrees = counts_of("--project-tp", args.project_tp, "1,2,4,8");

@@ -9,15 +9,16 @@
 
 namespace fsdp::train {
 
-// A --cost-model file: the measured cost model and the tokens each rank computed a step (0 in files
-// of 0.5 and before: --project then takes --batch x --seq).
+// A --cost-model file: the measured cost model, the tokens each rank computed a step (0 in files
+// of 0.5 and before: --project then takes --batch x --seq) and the tp degree it ran at.
 struct CostModelFile {
   plan::MeasuredCost measured;
   int64_t tokens_per_rank = 0;
+  int tp = 1;  // above 1: measured under --tp, which --project does not carry to other layouts
 };
 
-// Writes `measured` as JSON to `path` (replacing it: the flag names a file the run makes).
-void write_cost_model(const std::string& path, const plan::MeasuredCost& measured, int64_t tokens_per_rank);
+// Writes `file` as JSON to `path` (replacing it: the flag names a file the run makes).
+void write_cost_model(const std::string& path, const CostModelFile& file);
 // Reads a file write_cost_model wrote; throws UsageError naming the file and what is wrong.
 CostModelFile read_cost_model(const std::string& path);
 // The sharded part of a planned run's fixed bytes on `shard_ranks` ranks: fp32 weights and AdamW's

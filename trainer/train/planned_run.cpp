@@ -41,9 +41,9 @@ PlannedRun::Next PlannedRun::report_and_plan(int step, const std::function<void(
   const plan::CostModel& profile = steps_.profile();
   if (lead) std::printf("%s", contention_report(profile, calibration_schedule(*model_)).c_str());
   if (lead && !args_.cost_model.empty()) {
-    const int world = launch_env_from_process().world_size;  // the planner plans plain FSDP: one shard group
-    write_cost_model(args_.cost_model, {profile, world, sharded_fixed_bytes(args_, world)},
-                     int64_t(args_.batch) * args_.seq);
+    const int world = launch_env_from_process().world_size;  // one shard group (planning refuses --replicas)
+    const int64_t tokens = int64_t(args_.batch) * args_.seq / args_.tp;  // --batch is a tp group's
+    write_cost_model(args_.cost_model, {{profile, world, sharded_fixed_bytes(args_, world)}, tokens, args_.tp});
     std::printf("fsdp-train: cost model written to %s (fsdp-train --project reads it)\n", args_.cost_model.c_str());
   }
   if (!args_.plan_check.empty()) {
