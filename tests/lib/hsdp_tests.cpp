@@ -290,8 +290,12 @@ TEST(Hsdp, TensorParallelCollectivesNeverHoldBackFsdps) {
   const auto count = [&](const std::string& what) {
     return std::count_if(log.begin(), log.end(), [&](const std::string& line) { return line.rfind(what, 0) == 0; });
   };
-  std::string order;
-  for (const auto& line : log) order += "\n  " + line;
+  const auto listed = [&] {
+    std::string text;
+    for (const auto& line : log) text += "\n  " + line;
+    return text;
+  };
+  const std::string order = listed();
   EXPECT_EQ(count("dp all_gather"), 1 + 2 * blocks) << order;  // the root, each block in forward and backward
   EXPECT_EQ(count("dp reduce_scatter"), blocks + 1) << order;
   EXPECT_EQ(count("tp all_gather"), 2 * blocks) << order;  // forward's gather, backward's of the scatter
@@ -305,6 +309,20 @@ TEST(Hsdp, TensorParallelCollectivesNeverHoldBackFsdps) {
     EXPECT_LT(position("dp all_gather", 1 + blocks + k + 1), position("tp all_gather", blocks + k)) << order;
     EXPECT_LT(position("dp reduce_scatter", k), position("tp all_gather", blocks + k + 1)) << order;
   }
+  // Buckets holding every group: one all-gather a pass, issued before the pass's first tp
+  // collective; the reduce-scatters coalesced too (the bucket goes out when the root's gradients,
+  // last, join it).
+  RuntimeOptions bucketed = runtime_options();
+  bucketed.bucket_mb = 1;
+  set_runtime_options(*model, bucketed);
+  step();  // options take effect from the next step
+  step();
+  const std::string bucketed_order = listed();
+  EXPECT_EQ(count("dp all_gather"), 2) << bucketed_order;
+  EXPECT_EQ(count("dp reduce_scatter"), 1) << bucketed_order;
+  EXPECT_EQ(count("tp all_gather"), 2 * blocks) << bucketed_order;
+  EXPECT_LT(position("dp all_gather", 0), position("tp all_gather", 0)) << bucketed_order;
+  EXPECT_LT(position("dp all_gather", 1), position("tp all_gather", blocks)) << bucketed_order;
 }
 
 TEST(Hsdp, BadLayoutsAreErrors) {
