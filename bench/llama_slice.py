@@ -5,6 +5,9 @@ cost model to all 80; the 8B's first 8 blocks, run_bench.py's one-GPU 8b-8l). tr
 normal(0, 0.02), norms 1, written as bf16 safetensors.
 
     python3 bench/llama_slice.py --model 70b --layers 4 --out /tmp/llama-70b-4
+
+With --config-only it writes config.json alone: the shapes `fsdp-train --project --project-tp`
+splits a stretched cost model by (--init-from the folder), no weights.
 """
 import argparse
 import os
@@ -34,6 +37,7 @@ def main():
     p.add_argument("--layers", type=int, required=True, help="blocks to keep (the released model's: " +
                    ", ".join(f"{k} {v['num_hidden_layers']}" for k, v in MODELS.items()) + ")")
     p.add_argument("--out", required=True, help="a folder that does not exist yet")
+    p.add_argument("--config-only", action="store_true", help="write config.json alone, no weights")
     args = p.parse_args()
     full = MODELS[args.model]["num_hidden_layers"]
     if not 1 <= args.layers <= full:
@@ -41,6 +45,11 @@ def main():
     if os.path.exists(args.out):
         p.error(f"--out {args.out} exists: give a new folder (nothing is overwritten)")
     config = transformers.LlamaConfig(**{**LLAMA_31, **MODELS[args.model], "num_hidden_layers": args.layers})
+    if args.config_only:
+        os.makedirs(args.out)
+        config.save_pretrained(args.out)
+        print(f"llama_slice: {args.out}: the {args.model}'s config.json, {args.layers} of {full} blocks, no weights")
+        return
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in transformers.LlamaForCausalLM(config).state_dict().items()}
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@
 namespace fsdp::train {
 
 // A --cost-model file: the measured cost model, the tokens each rank computed a step (0 in files
-// of 0.5 and before: --project then takes --batch x --seq) and the tp degree it ran at.
+// of 0.6.0 and before: --project then takes --batch x --seq) and the tp degree it ran at.
 struct CostModelFile {
   plan::MeasuredCost measured;
   int64_t tokens_per_rank = 0;

@@ -112,6 +112,7 @@ struct LayoutPlan {
   Layout layout;  ///< where
   Plan plan;      ///< the fastest schedule that fits (empty when none does)
   int64_t smallest_budget_bytes = 0;  ///< none fits: the least budget that would (margin included)
+  /// Whether a schedule fits the budget on this layout.
   bool fits() const { return smallest_budget_bytes == 0; }
 };
 
