@@ -103,6 +103,18 @@ void set_runtime_options(GroupState& state, const RuntimeOptions& options);
 /// The scheduling options that root runs with: its own, else the process-wide default.
 RuntimeOptions runtime_options(const GroupState& state);
 
+/// The copy of `param`'s shard in the compute dtype that its group keeps
+/// (ShardOptions::keep_compute_shards), shaped as the sharded parameter, on the device: what its
+/// next all-gather sends. Undefined where the group keeps none. An optimizer may write it from
+/// the updated master values (rounded to nearest even, as a cast) and then call
+/// mark_compute_shards_written; the all-gather reads it on its own stream, after the compute
+/// stream's work issued before it.
+at::Tensor compute_shard_of(const at::Tensor& param);
+/// Says that the compute shards of `params` (each sharded, its group keeping them) hold their
+/// masters' current values: the next all-gathers send them without a cast, until the master
+/// changes again. Throws std::invalid_argument for a parameter whose group keeps none.
+void mark_compute_shards_written(const std::vector<at::Tensor>& params);
+
 /// Collective over the parameter's group. A full (unsharded) copy of `param`: its group's
 /// parameter all-gathered, or a copy of it when it belongs to no group; for a tensor-parallel part
 /// (fsdp/tensor_parallel.h), the whole parameter, from the parts of the tp ranks (collective over

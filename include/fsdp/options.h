@@ -49,6 +49,17 @@ struct ShardOptions {
   /// parameters must share one dtype. On CPU ranks the shards already are in host memory: the
   /// same code paths run, placement does not change.
   bool cpu_offload = false;
+  /// Keep each shard's copy in the compute dtype (MixedPrecision::param_dtype) on the device, as
+  /// the all-gather sends it: made by the first all-gather after the master shard changes and
+  /// sent again until it changes, or written by an optimizer as it steps (compute_shard_of,
+  /// mark_compute_shards_written in fsdp/group.h), so no all-gather casts. Costs the shards'
+  /// bytes in the compute dtype; where a group is sharded over one rank the unsharded parameters
+  /// are that copy, kept across reshards (the group's parameters in the compute dtype, always allocated).
+  /// A change of a master shard is seen by its version counter (an in-place op on the parameter
+  /// or its shard, a checkpoint load); a write that does not move it, through a raw pointer or by
+  /// ATen's fused optimizers (`_fused_adamw_` counts nothing), must bump it
+  /// (`unsafeGetTensorImpl()->bump_version()`), as fsdp-train's AdamW does. Not with cpu_offload.
+  bool keep_compute_shards = false;
 };
 
 }  // namespace fsdp

@@ -296,7 +296,11 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
     if (pass != Pass::Copy && io::crc32(block.data_ptr(), block.nbytes()) != b.saved->block_crcs[b.rank])
       throw CheckpointError(shard_file(dir, meta, b.rank) + ": checksum mismatch in '" + b.saved->name +
                             "': the file is damaged");
-    if (pass == Pass::Check || in_place[i]) continue;
+    if (pass == Pass::Check) continue;
+    if (in_place[i]) {  // written through its pointer: its version counter says it changed (keep_compute_shards)
+      block.unsafeGetTensorImpl()->bump_version();
+      continue;
+    }
     for (const BlockRead::Copy& c : b.copies)
       c.into.copy_(block.narrow(0, c.row, c.into.size(0)).narrow(1, c.column, c.into.size(1)));
   }

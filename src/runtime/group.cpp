@@ -171,6 +171,21 @@ RuntimeOptions runtime_options(const GroupState& state) {
   return state.runtime_options().value_or(runtime_options());
 }
 
+at::Tensor compute_shard_of(const at::Tensor& param) {
+  auto owner = Runtime::get().owner_of(param);
+  return owner ? owner->state->params().compute_shard(owner->index) : at::Tensor();
+}
+
+void mark_compute_shards_written(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& param : params) {
+    auto owner = Runtime::get().owner_of(param);
+    if (!owner || !owner->state->params().compute_shard(owner->index).defined())
+      throw std::invalid_argument("fsdp::mark_compute_shards_written: a parameter whose group keeps no compute "
+                                  "shards (shard it with ShardOptions::keep_compute_shards)");
+    owner->state->params().note_compute_shard_written(owner->index);
+  }
+}
+
 at::Tensor full_parameter(const at::Tensor& param) {
   c10::NoGradGuard no_grad;
   auto owner = Runtime::get().owner_of(param);

@@ -71,7 +71,9 @@ GroupParams::GatherBuffers GroupParams::allocate_gather() {
     // input's layout (each parameter's padded shard at its offset) is the unsharded storage's, so
     // the shards are cast straight into it and nothing is gathered.
     (transformed ? b.transformed_input : b.input) =
-        world == 1 ? unsharded : at::empty({gather_numel(transformed)}, unsharded.options());
+        world == 1                                  ? unsharded
+        : !transformed && compute_shards_.defined() ? compute_shards_
+                                                    : at::empty({gather_numel(transformed)}, unsharded.options());
   }
   const auto options = at::TensorOptions().device(device_);
   for (auto& p : params_)
@@ -97,14 +99,18 @@ void GroupParams::copy_in(const GatherBuffers& buffers) {
     }
     return;
   }
-  std::vector<at::Tensor> shards;
-  std::vector<int64_t> sizes;
-  for (const auto& p : params_) {
-    if (p.transform) continue;
+  // Kept compute shards: only those whose master changed since their copy was made are cast.
+  std::vector<at::Tensor> shards, pieces;
+  for (auto& p : params_) {
+    if (p.transform || p.layout.shard_numel() == 0) continue;
+    if (compute_shards_.defined()) {
+      if (p.compute_copy_current()) continue;
+      p.note_compute_copy_made();
+    }
     shards.push_back(p.padded_shard.view(-1));
-    sizes.push_back(p.layout.shard_numel());
+    pieces.push_back(input.narrow(0, p.gather_offset, p.layout.shard_numel()));
   }
-  if (!shards.empty()) at::_foreach_copy_(input.split_with_sizes(sizes), shards);
+  if (!shards.empty()) at::_foreach_copy_(pieces, shards);
   if (transformed_numel_ == 0) return;
   const bool refreshed = std::all_of(params_.begin(), params_.end(),
                                      [](const ShardedParam& p) { return !p.transform || p.transform->refreshed(); });

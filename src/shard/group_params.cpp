@@ -76,11 +76,23 @@ GroupParams::GroupParams(std::vector<std::pair<std::string, at::Tensor>> params,
   }
   unsharded_storage_ = c10::Storage(c10::Storage::use_byte_size_t(), 0,
                                     c10::GetAllocator(device_.type()), /*resizable=*/false);
+  if (options.keep_compute_shards) {
+    if (cpu_offload)
+      throw std::invalid_argument("fsdp::fully_shard: keep_compute_shards keeps device copies of the shards, and "
+                                  "cpu_offload keeps the shards on the host: choose one");
+    if (world == 1) {  // the unsharded storage is the all-gather's input: kept, it is the copy
+      allocate_unsharded();
+      compute_shards_ = unsharded_flat_;
+    } else {
+      compute_shards_ = at::empty({gather_numel(false)}, at::TensorOptions().dtype(compute_dtype_).device(device_));
+    }
+  }
 }
 
 GroupParams::~GroupParams() = default;
 
 void GroupParams::allocate_unsharded() {
+  if (keeps_unsharded_storage()) return;
   const int64_t world = comm_->world_size(), numel = gather_numel(false) * world;
   const size_t compute_bytes = numel * c10::elementSize(compute_dtype_);
   // The transformed parameters follow, 16-byte aligned (float8 GEMMs' and casts' alignment).
@@ -100,11 +112,20 @@ void GroupParams::allocate_unsharded() {
 }
 
 void GroupParams::free_unsharded() {
+  if (keeps_unsharded_storage()) return;
   unsharded_flat_ = at::Tensor();
   unsharded_transformed_ = at::Tensor();
   unsharded_storage_.set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
   unsharded_storage_.set_nbytes(0);
 }
+
+at::Tensor GroupParams::compute_shard(size_t i) const {
+  const ShardedParam& p = params_.at(i);
+  if (!compute_shards_.defined() || p.transformed()) return {};
+  return compute_shards_.narrow(0, p.gather_offset, p.shard.numel()).view(p.shard.sizes());
+}
+
+void GroupParams::note_compute_shard_written(size_t i) { params_.at(i).note_compute_copy_made(); }
 
 void GroupParams::wait_for_unshard() {
   unshard();

@@ -97,6 +97,11 @@ class GroupParams {
   const std::string& label() const { return label_; }
   // Collective. A full copy of parameter i (in its own dtype), on device().
   at::Tensor gather_full(size_t i) const;
+  // ShardOptions::keep_compute_shards: parameter i's compute-dtype copy of its shard (the shard's
+  // shape), undefined without one (or for a transformed parameter); and the note that an
+  // optimizer wrote it from the current master.
+  at::Tensor compute_shard(size_t i) const;
+  void note_compute_shard_written(size_t i);
   // Collective over each communicator of `groups` (every rank passes its groups in the same order).
   // What the gather transforms' casts need from all ranks (float8: each weight's amax), from the
   // master shards as the optimizer left them: one collective per kind of transform for all of
@@ -146,6 +151,8 @@ class GroupParams {
   const at::Tensor& unsharded(bool transformed) const { return transformed ? unsharded_transformed_ : unsharded_flat_; }
   void allocate_unsharded();
   void free_unsharded();
+  // keep_compute_shards on one rank: the unsharded storage is the kept copy, allocated for good.
+  bool keeps_unsharded_storage() const { return compute_shards_.defined() && comm_->world_size() == 1; }
 
   std::vector<ShardedParam> params_;
   std::string label_ = "group";
@@ -166,6 +173,9 @@ class GroupParams {
   std::shared_ptr<c10::Event> gathered_;     // all-gather stream, after the all-gather
   std::vector<at::Tensor> gather_buffers_;   // GatherBuffers, until the compute stream waited
   at::Tensor host_shards_;                   // cpu_offload: every padded shard, flat, in host memory
+  // keep_compute_shards: the all-gather input of the parameters gathered in the compute dtype,
+  // kept ([gather_numel(false)]; sharded over one rank, unsharded_flat_ itself, never freed).
+  at::Tensor compute_shards_;
   // Prepared gradients awaiting the reduce-scatter, parameter-major (parameter_major_into): across
   // ranks a buffer per parameter's slot and one for the flags' slot; one rank, one flat buffer of
   // [shard_numel_ + one flag per parameter]; where reduces_each_in_place(), each parameter's

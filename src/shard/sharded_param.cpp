@@ -57,6 +57,16 @@ void ShardedParam::point_at_unsharded(const at::Tensor& unsharded, const at::Ten
     param.set_data(unsharded);
 }
 
+bool ShardedParam::compute_copy_current() const {
+  return compute_copy_versions[0] == int64_t(param._version()) &&
+         compute_copy_versions[1] == int64_t(padded_shard._version());
+}
+
+void ShardedParam::note_compute_copy_made() {
+  compute_copy_versions[0] = int64_t(param._version());
+  compute_copy_versions[1] = int64_t(padded_shard._version());
+}
+
 void ShardedParam::point_at_shard() {
   TORCH_INTERNAL_ASSERT(!param.grad().defined(), "fsdp: resharding '", name, "' would drop its unreduced gradient");
   if (transform) transform->detach(param);

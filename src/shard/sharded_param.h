@@ -30,8 +30,15 @@ struct ShardedParam {
   at::Tensor shard;         // padded_shard's real rows: what `param` holds while sharded
   at::Tensor stashed_grad;  // the sharded gradient, set aside while `param` is unsharded
   at::Tensor unsynced_grad; // full-shape gradients summed without reduce-scatter (reduce dtype)
+  // ShardOptions::keep_compute_shards: the version counters of `param` and `padded_shard` when its
+  // compute-dtype copy was last made from it (-1: never, or since changed).
+  int64_t compute_copy_versions[2] = {-1, -1};
 
   bool transformed() const { return transform != nullptr; }
+  // Whether its compute-dtype copy holds the master's current values.
+  bool compute_copy_current() const;
+  // Records that its compute-dtype copy now holds the master's values.
+  void note_compute_copy_made();
   // The shape of `rows` rows of it ([rows, ...]; a 0-dim parameter is one row of one element).
   std::vector<int64_t> rows_shape(int64_t rows) const;
   // Takes this rank's rows of the full value `param` holds into `padded` (zeros past the last

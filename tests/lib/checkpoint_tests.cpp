@@ -10,13 +10,6 @@
 namespace fsdp::testing {
 namespace {
 
-// One directory for all ranks of this run: rank 0's pid, broadcast.
-std::string shared_dir(const std::string& name) {
-  at::Tensor pid = torch::tensor({static_cast<int64_t>(getpid())}, on_device(at::kLong));
-  world()->broadcast(pid, 0);
-  return ::testing::TempDir() + "fsdp_ckpt_" + std::to_string(pid.item<int64_t>()) + "_" + name;
-}
-
 std::string load_error(const std::string& dir, CheckpointState& state) {
   try {
     load_checkpoint(dir, state);

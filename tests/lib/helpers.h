@@ -4,6 +4,8 @@
 #pragma once
 
 #include <gmock/gmock.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -26,6 +28,12 @@ inline std::shared_ptr<Communicator> world() { return default_communicator(); }
 inline at::Device device() { return world()->device(); }
 inline at::TensorOptions on_device(at::ScalarType dtype = at::kFloat) {
   return at::TensorOptions().dtype(dtype).device(device());
+}
+// One directory for all ranks of this run (under gtest's temporary directory): rank 0's pid, broadcast.
+inline std::string shared_dir(const std::string& name) {
+  at::Tensor pid = torch::tensor({static_cast<int64_t>(getpid())}, on_device(at::kLong));
+  world()->broadcast(pid, 0);
+  return ::testing::TempDir() + "fsdp_ckpt_" + std::to_string(pid.item<int64_t>()) + "_" + name;
 }
 
 inline TestLlamaConfig tiny_llama() { return TestLlamaConfig{}; }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/fsdp.h"
 #include "model/fused_ops.h"
 #include "model/linear_cross_entropy.h"
 #include "train/fused_adamw.h"
@@ -126,6 +127,33 @@ TEST(TrainerGpu, FusedAdamWKernelMatchesAtensFusedAdamW) {
   ASSERT_TRUE(model::have_fused_kernels()) << "this GPU build was made without the fused kernels (no nvcc?)";
   expect_adamw_kernel_matches_atens(torch::kFloat);
   expect_adamw_kernel_matches_atens(torch::kBFloat16);
+}
+
+// Under ShardOptions::keep_compute_shards the kernel writes each parameter's kept bf16 copy as it
+// steps (on one GPU the copy is the unsharded parameters' storage): after each step the copy is
+// the float32 parameter cast, bit for bit, and a forward computes with it.
+TEST(TrainerGpu, FusedAdamWWritesTheKeptComputeShards) {
+  static const auto world = fsdp::init();  // one rank
+  torch::manual_seed(3);
+  torch::nn::Linear linear(torch::nn::LinearOptions(70, 33));  // 33 x 70 and 33: the kernel's tails
+  linear->to(at::kCUDA);
+  ShardOptions o;
+  o.mixed_precision.param_dtype = at::kBFloat16;
+  o.keep_compute_shards = true;
+  fully_shard(linear, o);
+  train::FusedAdamW adam(linear->parameters(), torch::optim::AdamWOptions(3e-2).weight_decay(0.1));
+  adam.init_state();
+  for (int step = 0; step < 3; ++step) {
+    for (auto& p : linear->parameters()) p.mutable_grad() = torch::randn(p.sizes(), on_device());
+    adam.step();
+    for (const auto& p : linear->parameters())
+      EXPECT_TRUE(at::equal(compute_shard_of(p), p.to(at::kBFloat16))) << "step " << step << ", " << p.sizes();
+  }
+  const at::Tensor x = torch::randn({5, 70}, on_device(torch::kBFloat16));
+  c10::NoGradGuard no_grad;
+  const at::Tensor expected =
+      at::linear(x, linear->weight.to(at::kBFloat16), linear->bias.to(at::kBFloat16));  // the float32 shards, cast
+  EXPECT_TRUE(at::equal(fsdp::forward(linear, x), expected));
 }
 
 // The loss tests' inputs: hidden [1000, 64] (requiring gradients), weight [vocab, 64] ~ N(0,

@@ -25,6 +25,10 @@
 #                                             (dp, tp) layouts and hold the same tensors;
 #                                             layouts that do not split and what --tp does not follow
 #                                             yet are usage errors
+#   launcher_tests.sh BUILD_DIR compute-shards [cpu|gpu]  --keep-compute-shards (bf16 copies kept, on GPUs
+#                                             written by AdamW's kernel) trains as the casts do, a
+#                                             resume with it follows the straight run; what it cannot
+#                                             go with is a usage error
 #   launcher_tests.sh BUILD_DIR grad-accum    --grad-accum 2 x --batch 2 (sync after the last or every
 #                                             micro-batch) follows the losses of --batch 4
 #   launcher_tests.sh BUILD_DIR overlap       2 GPUs, the 1B: all-gathers beside compute; the CPU no more
@@ -315,6 +319,31 @@ PY
   expect_usage_error "--tp 3 does not divide the 4 ranks of a replica" -n 4 --cpu "$train" --model tiny --tp 3
   expect_usage_error "model's 4 key/value heads do not split over 8 ranks" -n 8 --cpu "$train" --model tiny --tp 8
   echo "tp: ok"
+  ;;
+compute-shards)
+  # On CPU ranks the same arithmetic, so the same bits; on GPUs atomics in backward kernels make
+  # no two runs bit-exact (the resume test's bound, tests/lib/helpers.h's for this model, a step).
+  if [ "${3:-cpu}" = gpu ]; then launch=(--gpu -n "$(nvidia-smi -L | wc -l)") tolerance=1.6e-3
+  else launch=(--cpu -n 2) tolerance=0; fi
+  common=(--model tiny --steps 8 --seq 32 --param-dtype bf16)
+  "$run" "${launch[@]}" "$train" "${common[@]}" --log "$work/cast.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "without --keep-compute-shards"; }
+  "$run" "${launch[@]}" "$train" "${common[@]}" --keep-compute-shards --log "$work/kept.jsonl" >"$work/out" 2>&1 ||
+    { cat "$work/out"; fail "--keep-compute-shards"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/kept.jsonl" --steps 8 --same-loss-as "$work/cast.jsonl" \
+    --loss-tolerance $tolerance || fail "--keep-compute-shards trains otherwise"
+  # The load writes the masters (its version counters move): the copies are made again from them.
+  "$run" "${launch[@]}" "$train" "${common[@]}" --keep-compute-shards --stop-at-step 4 --save-dir "$work/ck" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "save with --keep-compute-shards"; }
+  "$run" "${launch[@]}" "$train" "${common[@]}" --keep-compute-shards --resume "$work/ck" \
+    --log "$work/resumed.jsonl" >"$work/out" 2>&1 || { cat "$work/out"; fail "resume with --keep-compute-shards"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/resumed.jsonl" --first-step 5 --steps 8 \
+    --same-loss-as "$work/kept.jsonl" --loss-tolerance $tolerance || fail "the resume with --keep-compute-shards"
+  expect_usage_error "--keep-compute-shards keeps bf16 copies of the shards on the GPU, and --cpu-offload" \
+    -n 1 --cpu "$train" --model tiny --keep-compute-shards --cpu-offload
+  expect_usage_error "drop --keep-compute-shards" -n 1 --cpu "$train" --model tiny --keep-compute-shards \
+    --memory-budget 1
+  echo "compute-shards: ok"
   ;;
 grad-accum)
   common=(--model tiny --steps 3 --seq 32)

@@ -1,5 +1,5 @@
 // The trainer's AdamW step: one pass over parameters, gradients (float32 or bf16) and moments,
-// 16 bytes an access (8 for bf16 gradients), several accesses in flight per thread.
+// 16 bytes an access (8 for bf16 gradients and the bf16 copy), several accesses in flight per thread.
 #include <cstdint>
 #include <stdexcept>
 
@@ -50,6 +50,7 @@ __device__ __forceinline__ void step_chunk(const AdamWTensor& t, bool aligned, i
   const G* grad = static_cast<const G*>(t.grad) + start;
   float* exp_avg = t.exp_avg + start;
   float* exp_avg_sq = t.exp_avg_sq + start;
+  __nv_bfloat16* copy = t.compute_copy ? static_cast<__nv_bfloat16*>(t.compute_copy) + start : nullptr;
   int64_t done = 0;
   if (aligned) {
     const int64_t packs = n / 4;
@@ -73,6 +74,7 @@ __device__ __forceinline__ void step_chunk(const AdamWTensor& t, bool aligned, i
           update(p[u].v[e], grad_divisor ? g[u].v[e] / divisor : g[u].v[e], m[u].v[e], v[u].v[e], s, step_size,
                  bias_correction2_sqrt);
         *reinterpret_cast<Pack<float, 4>*>(param + 4 * k) = p[u];
+        if (copy) store_pack<4>(copy + 4 * k, p[u]);
         *reinterpret_cast<Pack<float, 4>*>(exp_avg + 4 * k) = m[u];
         *reinterpret_cast<Pack<float, 4>*>(exp_avg_sq + 4 * k) = v[u];
       }
@@ -84,6 +86,7 @@ __device__ __forceinline__ void step_chunk(const AdamWTensor& t, bool aligned, i
     const float g = load(grad + k);
     update(p, grad_divisor ? g / divisor : g, m, v, s, step_size, bias_correction2_sqrt);
     param[k] = p;
+    if (copy) store(copy + k, p);
     exp_avg[k] = m;
     exp_avg_sq[k] = v;
   }
@@ -125,7 +128,7 @@ void adamw_step(const std::vector<AdamWTensor>& tensors, const AdamWHyperparamet
       throw std::invalid_argument("adamw kernel: gradients must be float32 or bf16");
     const int grad_pack = t.grad_dtype == Dtype::Float ? 16 : 8;  // 4 elements
     launch.aligned[i] = aligned_to(t.param, 16) && aligned_to(t.grad, grad_pack) && aligned_to(t.exp_avg, 16) &&
-                        aligned_to(t.exp_avg_sq, 16);
+                        aligned_to(t.exp_avg_sq, 16) && aligned_to(t.compute_copy, 8);
     launch.first_block[i + 1] = launch.first_block[i] + (t.numel + kChunk - 1) / kChunk;
     if (launch.count == kMaxTensors) flush();
   }

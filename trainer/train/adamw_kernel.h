@@ -11,7 +11,8 @@ namespace fsdp::kernels {
 
 // One float32 parameter's step: the parameter, its gradient (float32 or bf16: grad_dtype), both
 // moments (all `numel` long, contiguous) and its step count (a float32 scalar on the device,
-// already advanced).
+// already advanced); where compute_copy is not null, the updated parameter also written there in
+// bf16 (`numel` long, rounded to nearest even as a cast): fsdp's kept compute shard.
 struct AdamWTensor {
   float* param;
   const void* grad;
@@ -20,6 +21,7 @@ struct AdamWTensor {
   float* exp_avg_sq;
   const float* step;
   int64_t numel;
+  void* compute_copy = nullptr;
 };
 
 struct AdamWHyperparameters {

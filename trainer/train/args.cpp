@@ -142,6 +142,12 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "keep the sharded weights, gradients and AdamW moments in host memory and step the "
         "optimizer on the CPU: the GPU holds only what forward and backward use",
         set_true(a.cpu_offload), false}},
+      {"--keep-compute-shards",
+       {Topic::Sharding,
+        "keep each shard's copy in the param dtype (bf16) on the device, written by AdamW as it steps, so "
+        "no all-gather casts the float32 shards (ShardOptions::keep_compute_shards): the shards' bytes "
+        "in bf16 more; on one GPU the parameters stay gathered in bf16",
+        set_true(a.keep_compute_shards), false}},
       {"--optimizer-in-backward",
        {Topic::Sharding,
         "step AdamW group by group in backward, as each group's gradients are reduced, and free them: no "
@@ -453,6 +459,9 @@ void check_ranges(const TrainArgs& a) {
     throw UsageError(std::string("--fp8: ") + e.what());
   }
   require(a.grad_accum >= 1, "--grad-accum must be at least 1");
+  require(!a.keep_compute_shards || !a.cpu_offload,
+          "--keep-compute-shards keeps bf16 copies of the shards on the GPU, and --cpu-offload keeps the shards "
+          "on the host: choose one");
   require(a.replicas >= 1, "--replicas must be at least 1");
   require(a.tp >= 1, "--tp must be at least 1");
   require(a.grad_accum_sync == "last" || a.grad_accum_sync == "every",
@@ -487,6 +496,9 @@ void check_ranges(const TrainArgs& a) {
                    "--reduce-bucket-max-wait");
     require(!a.optimizer_in_backward,
             flag + " plans a step whose optimizer runs after backward: drop --optimizer-in-backward");
+    require(!a.keep_compute_shards,
+            flag + " plans memory without kept compute shards (its cost model does not count them): drop "
+                   "--keep-compute-shards");
     require(a.replicas == 1,
             flag + " plans plain FSDP (its cost model has no all-reduce across replicas): drop --replicas");
     require(a.steps >= 5 + (a.plan_only || !a.plan_check.empty() ? 0 : 1),

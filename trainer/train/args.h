@@ -33,6 +33,7 @@ struct TrainArgs {
   std::string param_dtype = "auto", reduce_dtype = "fp32";
   bool reshard_after_forward = true, tie_embeddings = false, recompute = false;
   bool cpu_offload = false;  // ShardOptions::cpu_offload: sharded state and the optimizer step on the host
+  bool keep_compute_shards = false;  // ShardOptions::keep_compute_shards, written by AdamW
   bool optimizer_in_backward = false;  // fsdp::set_step_in_backward: AdamW per group as gradients arrive
   int replicas = 1;          // HSDP (fsdp::make_mesh): replica groups, each sharding the model over its ranks
   int tp = 1;                // tensor parallelism (fsdp::make_mesh's tp): ranks splitting each layer

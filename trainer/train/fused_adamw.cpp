@@ -5,6 +5,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/StringUtil.h>
 
+#include "fsdp/group.h"
+
 #ifdef FSDP_WITH_CUDA_KERNELS
 #include "kernels/kernel_launch.h"
 #include "train/adamw_kernel.h"
@@ -113,17 +115,30 @@ void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<a
   for (auto& [key, l] : batches) {
     at::_foreach_add_(l.steps, 1);
     const at::Tensor divisor = grad_divisor.defined() ? grad_divisor.to(l.params.front().device()) : at::Tensor();
-    if (step_with_kernel(o, l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps, divisor)) continue;
-    for (size_t i = 0; i < l.params.size(); ++i)
-      if (l.grads[i].scalar_type() != l.params[i].scalar_type())
-        throw std::invalid_argument(std::string("FusedAdamW: a ") + c10::toString(l.grads[i].scalar_type()) +
-                                    " gradient of a " + c10::toString(l.params[i].scalar_type()) +
-                                    " parameter needs the GPU kernel (contiguous float32 parameters on a GPU "
-                                    "with float32 or bf16 gradients); elsewhere give gradients of the parameters' dtype");
-    at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, l.steps, o.lr(),
-                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
-                      /*amsgrad=*/false, /*maximize=*/false, divisor.defined() ? std::optional(divisor) : std::nullopt);
+    std::vector<at::Tensor> copied;  // those whose kept compute shard the kernel wrote too
+    if (!step_with_kernel(o, l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps, divisor, copied))
+      step_with_aten(o, l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps, divisor);
+    // Neither step moves the parameters' version counters (the kernel writes through pointers,
+    // ATen's _fused_adamw_ does not count): moved here, so fsdp casts a kept compute shard again;
+    // then the copies the kernel wrote are current.
+    for (const at::Tensor& p : l.params) p.unsafeGetTensorImpl()->bump_version();
+    if (!copied.empty()) fsdp::mark_compute_shards_written(copied);
   }
+}
+
+void FusedAdamW::step_with_aten(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
+                                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                                const at::Tensor& divisor) {
+  for (size_t i = 0; i < params.size(); ++i)
+    if (grads[i].scalar_type() != params[i].scalar_type())
+      throw std::invalid_argument(std::string("FusedAdamW: a ") + c10::toString(grads[i].scalar_type()) +
+                                  " gradient of a " + c10::toString(params[i].scalar_type()) +
+                                  " parameter needs the GPU kernel (contiguous float32 parameters on a GPU "
+                                  "with float32 or bf16 gradients); elsewhere give gradients of the parameters' dtype");
+  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                    std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                    /*amsgrad=*/false, /*maximize=*/false, divisor.defined() ? std::optional(divisor) : std::nullopt);
 }
 
 // Float32 contiguous tensors on a GPU, the gradients float32 or bf16 (fsdp's
@@ -132,7 +147,7 @@ void FusedAdamW::update(const torch::optim::AdamWOptions& o, const std::vector<a
 bool FusedAdamW::step_with_kernel(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                                   const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
-                                  const at::Tensor& grad_divisor) {
+                                  const at::Tensor& grad_divisor, std::vector<at::Tensor>& copied) {
 #ifdef FSDP_WITH_CUDA_KERNELS
   const auto takes = [](const at::Tensor& t, bool or_bf16 = false) {
     return t.is_cuda() && t.is_contiguous() &&
@@ -144,16 +159,21 @@ bool FusedAdamW::step_with_kernel(const torch::optim::AdamWOptions& o, const std
       return false;
   const c10::DeviceGuard on_device(params.front().device());
   std::vector<kernels::AdamWTensor> tensors;
-  for (size_t i = 0; i < params.size(); ++i)
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor copy = fsdp::compute_shard_of(params[i]);
+    const bool writes_copy = copy.defined() && copy.scalar_type() == at::kBFloat16 && copy.is_contiguous();
+    if (writes_copy) copied.push_back(params[i]);
     tensors.push_back({params[i].data_ptr<float>(), grads[i].const_data_ptr(),
                        grads[i].scalar_type() == at::kBFloat16 ? kernels::Dtype::BFloat16 : kernels::Dtype::Float,
                        exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(),
-                       params[i].numel()});
+                       params[i].numel(), writes_copy ? copy.data_ptr() : nullptr});
+  }
   kernels::adamw_step(tensors, {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps()},
                       grad_divisor.defined() ? grad_divisor.data_ptr<float>() : nullptr,
                       kernels::current_stream(params.front()));
   return true;
 #else
+  (void)copied;
   return false;
 #endif
 }

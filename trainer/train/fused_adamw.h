@@ -49,10 +49,17 @@ class FusedAdamW : public torch::optim::Optimizer {
   FusedAdamWState& state_of(const at::Tensor& param);
   void update(const torch::optim::AdamWOptions& options, const std::vector<at::Tensor>& params,
               const at::Tensor& grad_divisor);
+  // The trainer's kernel where it takes the tensors (false: not taken); `copied` gets the
+  // parameters whose kept compute shard (fsdp::compute_shard_of) it wrote too.
   static bool step_with_kernel(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
-                               const at::Tensor& grad_divisor);
+                               const at::Tensor& grad_divisor, std::vector<at::Tensor>& copied);
+  // ATen's _fused_adamw_ (CPUs, and tensors the kernel does not take).
+  static void step_with_aten(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
+                             const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                             const at::Tensor& divisor);
 };
 
 }  // namespace fsdp::train

@@ -177,6 +177,7 @@ void Trainer::shard_model() {
   model_ = model::Llama(config_, where);
   shard_.reshard_after_forward = args_.reshard_after_forward;
   shard_.cpu_offload = args_.cpu_offload;
+  shard_.keep_compute_shards = args_.keep_compute_shards;
   if (args_.cpu_offload && device_.is_cuda()) share_host_cores();  // for the host optimizer
   shard_.mixed_precision.param_dtype = dtype_named(args_.param_dtype, device_.is_cuda());
   shard_.mixed_precision.reduce_dtype = dtype_named(args_.reduce_dtype, device_.is_cuda());
