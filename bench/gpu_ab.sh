@@ -10,17 +10,20 @@
 #   AB_GPUS: how many GPUs (default 1)
 #   AB_BASE_ENV: environment assignments for the base side's runs alone (an allocator setting,
 #     say: "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,roundup_power2_divisions:4")
+#   AB_NEW_FLAGS: flags the new side's runs alone take (a flag's A/B on one build: "--keep-compute-shards")
 #   git archive BASE | tar -x -C build/ab-base     # here; carry build/ab-base to the device
 #     (or HEAD, then git apply --directory=build/ab-base one of bench/variants/: a variant)
 #   bash bench/gpu_ab.sh OUT_DIR build/ab-base [RUNS]
 #   AB_BASE_ENV=... bash bench/gpu_ab.sh OUT_DIR . [RUNS]   # BASE_SRC '.': this build on both sides
+#   AB_NEW_FLAGS=... bash bench/gpu_ab.sh OUT_DIR . [RUNS]  # the same
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder} base=${2:?base sources} runs=${3:-3}
 model=${AB_MODEL:---model 1b --seq 2048 --batch 4} gpus=${AB_GPUS:-1} front_end=${AB_FRONT_END:-trainer}
 read -r -a base_env <<< "${AB_BASE_ENV:-}"
-if [ "$base" = . ] && [ ${#base_env[@]} -eq 0 ]; then
-  echo "gpu_ab.sh: BASE_SRC '.' runs this build on both sides: set AB_BASE_ENV to what the base side changes"; exit 2
+read -r -a new_flags <<< "${AB_NEW_FLAGS:-}"
+if [ "$base" = . ] && [ ${#base_env[@]} -eq 0 ] && [ ${#new_flags[@]} -eq 0 ]; then
+  echo "gpu_ab.sh: BASE_SRC '.' runs this build on both sides: set AB_BASE_ENV or AB_NEW_FLAGS to what differs"; exit 2
 fi
 case $front_end in
   trainer) target=fsdp-train python=OFF ;;
@@ -38,16 +41,16 @@ if [ "$base" != . ]; then
 fi
 for i in $(seq "$runs"); do
   for side in new base; do
-    tree=. side_env=()
-    [ "$side" = base ] && tree=$base side_env=("${base_env[@]}")
+    tree=. side_env=() side_flags=("${new_flags[@]}")
+    [ "$side" = base ] && tree=$base side_env=("${base_env[@]}") side_flags=()
     if [ "$front_end" = trainer ]; then
       # The base may predate --overwrite-log: a rerun into OUT removes its own log first.
       rm -f "$out/ab-$side-$i.jsonl"
-      env "${side_env[@]}" build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model --param-dtype bf16 --steps 30 \
+      env "${side_env[@]}" build/fsdp-run --gpu -n "$gpus" "$tree/build/fsdp-train" $model "${side_flags[@]}" --param-dtype bf16 --steps 30 \
         --log "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
     else
       env "${side_env[@]}" PYTHONPATH="$tree/build/py" python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" \
-        bench/fsdp2_llama.py --runtime fsdpcpp $model --steps 30 --jsonl "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
+        bench/fsdp2_llama.py --runtime fsdpcpp $model "${side_flags[@]}" --steps 30 --jsonl "$out/ab-$side-$i.jsonl" > "$out/ab-$side-$i.log" 2>&1
     fi || { tail -5 "$out/ab-$side-$i.log"; exit 1; }
   done
 done
