@@ -208,13 +208,13 @@ std::vector<BlockRead> blocks_to_read(const std::string& dir, const io::Checkpoi
   for (const WantedTensor& w : wanted) {
     const io::TensorMeta& saved = meta.sharded[w.index];
     const auto places = places_of(saved, meta.world);
-    const int64_t first_column = std::max(w.place.first_column, int64_t(0));
+    const int64_t first_column = w.place.first_column;
     for (uint32_t r = 0; r < meta.world; ++r) {
       const io::BlockPlace& then = places[r];
       const int64_t column = std::max(first_column, then.first_column);
       const int64_t columns = std::min(first_column + w.place.columns, then.first_column + then.columns) - column;
-      BlockRead read{&saved, r, blocks.offset[w.index][r], then.rows(), then.columns, {}};
       if (columns <= 0) continue;
+      BlockRead read{&saved, r, blocks.offset[w.index][r], then.rows(), then.columns, {}};
       int64_t into_row = 0;  // of the wanted run in `into`
       for (const auto& [want_first, want_rows] : w.place.row_runs) {
         int64_t block_row = 0;  // of the saved run in the block
@@ -321,19 +321,26 @@ void CheckpointState::add_sharded(const std::string& name, at::Tensor local, con
                                 "parameter's shard " + c10::str(p.shard.sizes()));
   sharded_.push_back({name, std::move(local), held_elements_of(like), &owner->state->params().comm(),
                       owner->state->params().replicate()});
-  if (const TpPart* part = tp_part_of(like)) {
+  const TpPart* part = tp_part_of(like);
+  const bool first_part = part && !replica_;
+  if (part) {
     tp_ = part->tp.get();
     replica_ = part->replica.get();
     sharded_.back().comm = replica_;
   }
-  // Under tensor parallelism a replica's ranks save every entry; what the tp ranks hold alike
-  // (the entries not yet over the replica), the first of them.
   if (!replica_) return;
-  for (Sharded& entry : sharded_) {
-    if (entry.comm == replica_) continue;
+  // Under tensor parallelism a replica's ranks save every entry; what the tp ranks hold alike
+  // (an entry not over the replica yet), the first of them: this entry, and with the first part
+  // every earlier one.
+  const auto over_the_replica = [this](Sharded& entry) {
+    if (entry.comm == replica_) return;
     entry.comm = replica_;
     entry.saves = tp_->rank() == 0;
-  }
+  };
+  if (first_part)
+    for (Sharded& entry : sharded_) over_the_replica(entry);
+  else
+    over_the_replica(sharded_.back());
 }
 
 void CheckpointState::add_replicated(const std::string& name, at::Tensor value) {

@@ -84,21 +84,6 @@ at::Tensor hashed_sums_by_loop(const at::Tensor& positions, const StreamKeys& ke
 
 }  // namespace init_detail
 
-int64_t ShardRows::row_numel() const {
-  int64_t n = 1;
-  for (size_t d = 1; d < full_shape.size(); ++d) n *= full_shape[d];
-  return n;
-}
-
-ShardRows shard_rows_of(const at::Tensor& param) {
-  if (auto owner = Runtime::get().owner_of(param)) {
-    const ShardedParam& p = owner->state->params().sharded()[owner->index];
-    const int rank = owner->state->params().comm().rank();
-    return {std::min(p.layout.first_row(rank), p.layout.rows), p.layout.local_rows(rank), p.full_shape};
-  }
-  return {0, param.dim() == 0 ? 1 : param.size(0), param.sizes().vec()};
-}
-
 at::Tensor deferred_parameter(at::IntArrayRef shape, const at::TensorOptions& options) {
   return at::zeros({}, options).expand(shape);
 }

@@ -1,5 +1,6 @@
-// Tensor-parallel parts (fsdp/tensor_parallel.h): where a part lies in its full parameter, and
-// which parameters are parts. The collectives that move activations are the front end's
+// Where a rank's elements lie in a full parameter: its shard's rows (shard_rows_of,
+// fsdp/fully_shard.h) and, for a tensor-parallel part (fsdp/tensor_parallel.h), the part's place
+// in the full parameter; which parameters are parts. The collectives that move activations are the front end's
 // (src/fully_shard/tp_collectives.cpp).
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
@@ -12,6 +13,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "fsdp/fully_shard.h"
 #include "fsdp/tensor_parallel.h"
 #include "runtime/group_state.h"
 #include "runtime/runtime.h"
@@ -102,20 +104,28 @@ int64_t HeldElements::rows() const {
   return n;
 }
 
-HeldElements held_elements_of(const at::Tensor& param) {
-  // The rows of the tensor fully_shard sharded (the part, or the parameter) this rank holds.
-  std::vector<int64_t> sharded_shape = param.sizes().vec();
-  int64_t first_row = 0, rows = param.dim() == 0 ? 1 : param.size(0);
+int64_t ShardRows::row_numel() const {
+  int64_t n = 1;
+  for (size_t d = 1; d < full_shape.size(); ++d) n *= full_shape[d];
+  return n;
+}
+
+ShardRows shard_rows_of(const at::Tensor& param) {
   if (auto owner = Runtime::get().owner_of(param)) {
     const ShardedParam& p = owner->state->params().sharded()[owner->index];
     const int rank = owner->state->params().comm().rank();
-    sharded_shape = p.full_shape;
-    first_row = std::min(p.layout.first_row(rank), p.layout.rows);
-    rows = p.layout.local_rows(rank);
+    return {std::min(p.layout.first_row(rank), p.layout.rows), p.layout.local_rows(rank), p.full_shape};
   }
+  return {0, param.dim() == 0 ? 1 : param.size(0), param.sizes().vec()};
+}
+
+HeldElements held_elements_of(const at::Tensor& param) {
+  // The rows of the tensor fully_shard sharded (the part, or the parameter) this rank holds.
+  const ShardRows sharded = shard_rows_of(param);
+  const int64_t first_row = sharded.first_row, rows = sharded.rows;
   const TpPart* part = tp_part_of(param);
   HeldElements held;
-  held.full_shape = part ? part->full_shape : sharded_shape;
+  held.full_shape = part ? part->full_shape : sharded.full_shape;
   held.columns = 1;
   for (size_t d = 1; d < held.full_shape.size(); ++d) held.columns *= held.full_shape[d];
   if (!part || part->dim == 1) {

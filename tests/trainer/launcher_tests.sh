@@ -234,7 +234,7 @@ PY
       name="n$n$tag"
       "$run" -n "$n" --cpu "$train" "${common[@]}" $extra "$@" --log "$work/$name.jsonl" \
         --export "$work/$name.safetensors" >"$work/out" 2>&1 || { cat "$work/out"; fail "$n ranks: $* $extra"; }
-      grep -q "tensor parallel: 2 ranks a layer" "$work/out" || { cat "$work/out"; fail "no tp in the banner"; }
+      grep -q "x 32 tokens per tp group .* tensor parallel: 2 ranks a layer" "$work/out" || { cat "$work/out"; fail "no tp in the banner"; }
       # The same sums in another order (tests/lib/helpers.h's bound, 1.6e-4 a step, as grad-accum).
       python3 "$(dirname "$0")/check_train_log.py" "$work/$name.jsonl" --steps 3 \
         --same-loss-as "$work/one$tag.jsonl" --loss-tolerance 4.8e-4 || fail "$n ranks: $* $extra"
@@ -330,6 +330,7 @@ compute-shards)
     { cat "$work/out"; fail "without --keep-compute-shards"; }
   "$run" "${launch[@]}" "$train" "${common[@]}" --keep-compute-shards --log "$work/kept.jsonl" >"$work/out" 2>&1 ||
     { cat "$work/out"; fail "--keep-compute-shards"; }
+  grep -q " | compute shards kept" "$work/out" || { cat "$work/out"; fail "the banner does not say so"; }
   python3 "$(dirname "$0")/check_train_log.py" "$work/kept.jsonl" --steps 8 --same-loss-as "$work/cast.jsonl" \
     --loss-tolerance $tolerance || fail "--keep-compute-shards trains otherwise"
   # The load writes the masters (its version counters move): the copies are made again from them.

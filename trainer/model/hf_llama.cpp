@@ -252,9 +252,11 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
     const HeldElements held = held_elements_of(param);
     std::vector<at::Tensor> pieces;  // this rank's rows, run by run and part by part
     const auto parts = sized_parts(ours, model.config, held.full_shape);
+    std::vector<const io::SafetensorsFile*> holding;  // each part's file; null: missing
     for (const auto& [part, expected] : parts) {
       const auto it = where.find(part.name);
-      if (it == where.end()) {
+      holding.push_back(it == where.end() ? nullptr : it->second);
+      if (!holding.back()) {
         missing += " " + part.name;
         continue;
       }
@@ -266,14 +268,14 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
                                     shape_text(expected) + " (another model size?)");
     }
     for (const auto& [first_row, rows] : held.row_runs) {
-      for (const auto& [part, expected] : parts) {
-        const auto it = where.find(part.name);
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const HfPart& part = parts[k].part;
         const int64_t first = std::max(first_row, part.first_row);
         const int64_t last = std::min(first_row + rows, part.first_row + part.rows);
-        if (it == where.end() || first >= last) continue;
-        pieces.push_back(it->second->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
+        if (!holding[k] || first >= last) continue;
+        pieces.push_back(holding[k]->read_rows(part.name, first - part.first_row, last - first, param.scalar_type()));
         if (!pieces.back().isfinite().all().item<bool>())  // else the first step's divergence would blame --lr
-          throw std::invalid_argument("'" + it->second->path() + "': tensor '" + part.name +
+          throw std::invalid_argument("'" + holding[k]->path() + "': tensor '" + part.name +
                                       "' holds NaN or infinite values: damaged weights, which no training can start from");
       }
     }

@@ -290,14 +290,16 @@ void Trainer::set_aside_abandoned_branch() {
 
 void Trainer::print_banner() const {
   std::printf("fsdp-train: %d rank(s), %s on %s | model %s (%.2fM parameters) | batch %d x %lld x %lld "
-              "tokens per rank | param %s, reduce %s",
+              "tokens per %s | param %s, reduce %s",
               comm_->world_size(), comm_->backend(), device_.str().c_str(), model_name(args_).c_str(),
               config_.parameter_count() / 1e6, args_.grad_accum, (long long)args_.batch, (long long)args_.seq,
+              args_.tp > 1 ? "tp group" : "rank",
               c10::toString(*shard_.mixed_precision.param_dtype), c10::toString(*shard_.mixed_precision.reduce_dtype));
   if (shard_.mixed_precision.keep_low_precision_grads) std::printf(" (one rank: gradients kept in it, nothing to reduce)");
   if (args_.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args_.replicas, comm_->world_size() / args_.replicas);
   if (args_.tp > 1) std::printf(" | tensor parallel: %d ranks a layer", args_.tp);
   if (args_.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
+  if (args_.keep_compute_shards) std::printf(" | compute shards kept");
   if (args_.optimizer_in_backward) std::printf(" | optimizer in backward");
   if (config_.float8 != Float8Recipe::Off)
     std::printf(" | float8 %s (weights gathered in %s)", args_.fp8.c_str(),
