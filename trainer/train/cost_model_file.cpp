@@ -81,7 +81,8 @@ std::vector<int> counts_of(const std::string& flag, const std::string& text, con
 // the root reduce-scatters the vocabulary-parallel embedding's output and all-gathers the final
 // norm's before the head. The norms' weights are replicated. Checked against the cost model's
 // groups: each block's parameter bytes must be the model's block in one dtype.
-plan::TpShape llama_tp_shape(const TrainArgs& args, const CostModelFile& file, int64_t tokens) {
+plan::TpShape llama_tp_shape(const TrainArgs& args, const CostModelFile& file, const std::vector<int>& degrees,
+                             int64_t tokens) {
   const model::LlamaConfig config = model_config(args);
   const auto& groups = file.measured.model.groups;
   const auto mismatch = [&](const std::string& what) {
@@ -96,7 +97,7 @@ plan::TpShape llama_tp_shape(const TrainArgs& args, const CostModelFile& file, i
     throw mismatch("a block of " + std::to_string(block_bytes) + " bytes, not " +
                    std::to_string(config.block_parameter_count()) + " parameters of one dtype");
   for (int64_t divided : {config.n_kv_heads, config.ffn, config.vocab})
-    for (int tp : counts_of("--project-tp", args.project_tp, "1,2,4,8"))
+    for (int tp : degrees)
       if (divided % tp != 0)
         throw UsageError("--project-tp " + std::to_string(tp) + ": the " + model_name(args) +
                          " model's key/value heads, FFN columns and vocabulary (" + std::to_string(config.n_kv_heads) +
@@ -155,7 +156,7 @@ std::string projection_report(const TrainArgs& args) {
   const std::vector<int> degrees = counts_of("--project-tp", args.project_tp, "1,2,4,8");
   const bool split = std::any_of(degrees.begin(), degrees.end(), [](int tp) { return tp > 1; });
   const int64_t tokens = file.tokens_per_rank > 0 ? file.tokens_per_rank : int64_t(args.batch) * args.seq;
-  const plan::TpShape tp = split ? llama_tp_shape(args, file, tokens) : plan::TpShape{};
+  const plan::TpShape tp = split ? llama_tp_shape(args, file, degrees, tokens) : plan::TpShape{};
   const plan::Cluster cluster{args.gpus_per_host, args.network_gb_per_s};
   const std::vector<plan::Layout> layouts = plan::layouts_of(worlds, degrees, cluster);
   if (layouts.empty())
