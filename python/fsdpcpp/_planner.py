@@ -63,12 +63,6 @@ class _Root:
             raise NotImplementedError(f"fsdpcpp.plan_memory_budget({self.name}): '{grouped[0]}' was sharded in a list "
                                       "with other modules (one group); the planner plans one module a group: shard "
                                       "them one by one, or together through their parent")
-        split = next((f"{path}.{name}" if path != "root" else name for path, m in self.modules.items()
-                      for name, p in m.named_parameters() if _dtensor.tp_spec_of(_dtensor.managed(p)) is not None), None)
-        if split is not None:
-            raise NotImplementedError(f"fsdpcpp.plan_memory_budget({self.name}): '{split}' is split by tensor "
-                                      "parallelism; the planner plans FSDP alone (it prices no tp collectives): "
-                                      "set reshard_after_forward and recomputation by hand under tensor parallelism")
         self.groups = [(path, m._fsdpcpp.group) for path, m in self.modules.items()]
 
     def call(self, function, *args):

@@ -129,6 +129,8 @@ def case_torch_calls(args):
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+    restarts = []
+
     def restart_at_step_2(step):
         if step != 2 or args.resume_from:
             return None
@@ -136,6 +138,7 @@ def case_torch_calls(args):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.dir, "step-2"))
         restarted = fresh()  # as a job that restarts
         load(*restarted, os.path.join(args.dir, "step-2"))
+        restarts.append(restarted)
         return restarted
 
     model, opt = fresh()
@@ -148,20 +151,49 @@ def case_torch_calls(args):
                      f"{', resumed from ' + args.resume_from if args.resume_from else ''}",
                      ref, model, losses, norms, first)
     if args.tp > 1 and args.runtime == "fsdpcpp":
+        opt = restarts[-1][1] if restarts else opt  # the restarted job's
         check_tensor_parallel_refusals(model, opt, tp_mesh, args)
+        if not args.resume_from and args.replicas == 1:
+            check_planned_under_tp(model, opt, steps, clip, args)
+
+
+def check_planned_under_tp(model, opt, first, clip, args):
+    """fsdpcpp.plan_memory_budget on the tp-split model plans the layout it runs, as profiled (the
+    DTensor ops' tp collectives inside each module's compute): a 1 KiB budget refused, naming the
+    smallest, and a budget near it planned; every step from `first` on, the planner's ten included,
+    within the parity bounds of one process, and the planned step under the budget."""
+    losses, norms = [], []
+
+    def train_step():
+        step = first + len(losses)
+        _, loss, norm = torch_loop(model, opt, step + 1, clip, first=step, tp=args.tp)
+        losses.extend(loss)
+        norms.extend(norm)
+
+    try:
+        fsdpcpp.plan_memory_budget(model, train_step, 1 << 10, verbose=False)
+        raise AssertionError("a 1 KiB budget was not refused")
+    except fsdpcpp.BudgetTooSmall as refused:
+        assert "smallest" in str(refused), str(refused)
+        # A tenth above it: a second profile may peak a few allocations higher.
+        budget = refused.smallest_budget_bytes * 11 // 10
+    plan = fsdpcpp.plan_memory_budget(model, train_step, budget, verbose=False)
+    fsdpcpp.reset_peak_allocated()
+    train_step()
+    measured = fsdpcpp.allocated_bytes()["peak"]
+    assert measured <= budget, f"the planned step peaked at {measured} bytes, over the budget {budget}: {plan}"
+    check_torch_loop(f"torch_calls: {args.model} on fsdpcpp at tp {args.tp}, planned ({plan.description})",
+                     Reference(args.model, first + len(losses), clip=clip), model, losses, norms, first)
 
 
 def check_tensor_parallel_refusals(model, opt, tp_mesh, args):
     """What fsdpcpp cannot follow under tensor parallelism is refused, naming the parameter and
-    what to use instead: its own clip and checkpoints (torch's work), the planner (it prices no tp
-    collectives), and a module split over
+    what to use instead: its own clip and checkpoints (torch's work), and a module split over
     other ranks than the tp ranks of this rank's dp mesh (a mesh laid out (tp, dp))."""
     expect_error(NotImplementedError, "split by tensor parallelism, which this call does not follow: use "
                  "torch.nn.utils.clip_grad_norm_", lambda: fsdpcpp.clip_grad_norm_(model.parameters(), 1.0))
     expect_error(NotImplementedError, "use torch.distributed.checkpoint (DCP)",
                  lambda: fsdpcpp.save_checkpoint(os.path.join(args.dir or ".", "own"), model, opt))
-    expect_error(NotImplementedError, "is split by tensor parallelism; the planner plans FSDP alone",
-                 lambda: fsdpcpp.plan_memory_budget(model, lambda: None, 1 << 40))
     from torch.distributed.device_mesh import init_device_mesh
     world = fsdpcpp.world_size()
     across = init_device_mesh(tp_mesh.device_type, (args.tp, world // args.tp), mesh_dim_names=("tp", "dp"))["tp"]
