@@ -12,30 +12,35 @@ namespace {
 // The bytes each of `ranks` moves in a ring collective of `bytes` (the gathered or reduced size).
 double ring_share(int64_t bytes, int ranks) { return double(ranks - 1) / ranks * double(bytes); }
 
+// A latency measured on a ring of `from` ranks, on one of `to`: it grows with the ring's steps.
+double ring_latency(double latency_ms, int from, int to) { return latency_ms * double(to - 1) / double(from - 1); }
+
+// The bus bandwidth (bytes a ms) of a ring collective of `bytes` measured at `measured_ms` over
+// `ranks`: the time beyond the latency carries the bytes (0 for a measurement all latency).
+double ring_bandwidth(double measured_ms, double latency_ms, int64_t bytes, int ranks) {
+  const double transfer_ms = measured_ms - std::min(latency_ms, measured_ms);
+  return transfer_ms > 0 ? ring_share(bytes, ranks) / transfer_ms : 0;
+}
+
 // A ring collective measured at `measured_ms` over `from` ranks moving `from_bytes`, on `to` ranks
 // moving `to_bytes`: its bandwidth part at the measured bandwidth, bounded by
 // `bandwidth_cap_bytes_per_ms` (0: none), its latency grown with the ring's steps.
 double ring_ms(double measured_ms, double latency_ms, int64_t from_bytes, int64_t to_bytes, int from, int to,
                double bandwidth_cap_bytes_per_ms) {
   if (from_bytes <= 0 || measured_ms <= 0) return measured_ms;
-  const double latency = std::min(latency_ms, measured_ms);
-  // The time beyond the latency carries the bytes; a measurement all latency has none to rescale.
-  const double transfer_ms = measured_ms - latency;
-  double bandwidth = transfer_ms > 0 ? ring_share(from_bytes, from) / transfer_ms : 0;
+  double bandwidth = ring_bandwidth(measured_ms, latency_ms, from_bytes, from);
   if (bandwidth_cap_bytes_per_ms > 0 && (bandwidth == 0 || bandwidth > bandwidth_cap_bytes_per_ms))
     bandwidth = bandwidth_cap_bytes_per_ms;
-  const double scaled_latency = latency * double(to - 1) / double(from - 1);
-  return (bandwidth > 0 ? ring_share(to_bytes, to) / bandwidth : 0) + scaled_latency;
+  return (bandwidth > 0 ? ring_share(to_bytes, to) / bandwidth : 0) +
+         ring_latency(std::min(latency_ms, measured_ms), from, to);
 }
 
-// The fastest bus bandwidth (bytes a ms) a measured all-gather reached within the host: the one
-// the tensor-parallel rings run at.
+// The fastest bus bandwidth a measured all-gather reached within the host: the one the
+// tensor-parallel rings run at.
 double host_bandwidth(const CostModel& model, int from) {
   double best = 0;
-  for (const GroupCost& g : model.groups) {
-    const double transfer_ms = g.allgather_ms - std::min(model.allgather_latency_ms, g.allgather_ms);
-    if (transfer_ms > 0) best = std::max(best, ring_share(g.memory.param_bytes, from) / transfer_ms);
-  }
+  for (const GroupCost& g : model.groups)
+    best = std::max(best, ring_bandwidth(g.allgather_ms, model.allgather_latency_ms, g.memory.param_bytes, from));
   return best;
 }
 
@@ -82,7 +87,7 @@ void split_group(GroupCost& g, const TpGroupShape& shape, int tp, double bandwid
   // A gather makes tp ranks' activations of one rank's, a scatter the reverse: the ring moves
   // (tp - 1) / tp of the tp-rank tensor either way.
   const double one_exchange_ms = (bandwidth > 0 ? ring_share(shape.exchange_bytes * tp, tp) / bandwidth : 0) +
-                                 latency_ms * double(tp - 1) / double(from - 1);
+                                 ring_latency(latency_ms, from, tp);
   g.tp_comm_ms = (shape.gathers + shape.scatters) * one_exchange_ms;
   const int64_t gathered_extra = (tp - 1) * shape.exchange_bytes;  // a gathered input beyond the rank's own
   g.saved_bytes += shape.gathers * gathered_extra;
@@ -131,8 +136,8 @@ CostModel project(const MeasuredCost& measured, const Layout& layout, const Clus
     }
   }
   if (to > 1) {
-    model.allgather_latency_ms = ag_latency * double(to - 1) / double(from - 1);
-    model.reduce_scatter_latency_ms = rs_latency * double(to - 1) / double(from - 1);
+    model.allgather_latency_ms = ring_latency(ag_latency, from, to);
+    model.reduce_scatter_latency_ms = ring_latency(rs_latency, from, to);
   } else {
     model.allgather_latency_ms = model.reduce_scatter_latency_ms = 0;
   }

@@ -724,6 +724,13 @@ double host_gradient_bytes(const TrainArgs& a, const model::LlamaConfig& config,
   return std::max(root, waiting_blocks * block) * c10::elementSize(dtype_named(a.reduce_dtype, true)) / shard_ranks;
 }
 
+std::string unsplit_by_tp(const model::LlamaConfig& config, int64_t tp) {
+  for (const auto& [size, what] : {std::pair<int64_t, const char*>{config.n_kv_heads, "key/value heads"},
+                                   {config.ffn, "FFN columns"}, {config.vocab, "vocabulary ids"}})
+    if (size % tp != 0) return std::to_string(size) + " " + what;
+  return "";
+}
+
 namespace {
 
 // Lower bounds, not estimates: a run below them cannot fit, a run above them still may not.
@@ -741,13 +748,13 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
   if (world % (a.replicas * a.tp) != 0)
     throw UsageError("--tp " + std::to_string(a.tp) + " does not divide the " + std::to_string(world / a.replicas) +
                      " ranks of a replica: ranks = replicas x shards x tp");
-  const int64_t tp = a.tp;
-  for (const auto& [size, what] : {std::pair<int64_t, const char*>{config.n_kv_heads, "key/value heads"},
-                                   {config.ffn, "FFN columns"}, {config.vocab, "vocabulary ids"},
-                                   {int64_t(a.batch) * a.seq, "tokens of a micro-batch (--batch x --seq)"}})
-    if (size % tp != 0)
-      throw UsageError("--tp " + std::to_string(tp) + ": the " + model_name(a) + " model's " + std::to_string(size) +
-                       " " + what + " do not split over " + std::to_string(tp) + " ranks: choose a --tp that divides them");
+  const int64_t tp = a.tp, micro_batch_tokens = int64_t(a.batch) * a.seq;
+  std::string unsplit = unsplit_by_tp(config, tp);
+  if (unsplit.empty() && micro_batch_tokens % tp != 0)
+    unsplit = std::to_string(micro_batch_tokens) + " tokens of a micro-batch (--batch x --seq)";
+  if (!unsplit.empty())
+    throw UsageError("--tp " + std::to_string(tp) + ": the " + model_name(a) + " model's " + unsplit +
+                     " do not split over " + std::to_string(tp) + " ranks: choose a --tp that divides them");
   const int shard_ranks = world / a.replicas;  // HSDP: the state is sharded over one replica's ranks
   const double tokens = static_cast<double>(a.batch) * a.seq;
   // Sharded fp32 weights, gradients and AdamW's two moments; one chunk of the loss's float32

@@ -125,6 +125,10 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu);
 // The model to train: config.json of --init-from where there is one, else the --model preset
 // (with --tie-embeddings, --recompute and --seed applied).
 model::LlamaConfig model_config(const TrainArgs& args);
+// What tensor parallelism splits over `tp` ranks and `tp` does not divide, as "4 key/value heads":
+// the first such of the model's key/value heads, FFN columns and vocabulary ("" where it divides
+// them all; --tp also splits each micro-batch's tokens).
+std::string unsplit_by_tp(const model::LlamaConfig& config, int64_t tp);
 // How messages name that model: the --init-from directory, or the preset.
 std::string model_name(const TrainArgs& args);
 

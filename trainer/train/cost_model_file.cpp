@@ -96,13 +96,12 @@ plan::TpShape llama_tp_shape(const TrainArgs& args, const CostModelFile& file, c
   if (element < 1 || block_bytes != element * config.block_parameter_count())
     throw mismatch("a block of " + std::to_string(block_bytes) + " bytes, not " +
                    std::to_string(config.block_parameter_count()) + " parameters of one dtype");
-  for (int64_t divided : {config.n_kv_heads, config.ffn, config.vocab})
-    for (int tp : degrees)
-      if (divided % tp != 0)
-        throw UsageError("--project-tp " + std::to_string(tp) + ": the " + model_name(args) +
-                         " model's key/value heads, FFN columns and vocabulary (" + std::to_string(config.n_kv_heads) +
-                         ", " + std::to_string(config.ffn) + ", " + std::to_string(config.vocab) +
-                         ") must divide by it: choose degrees that divide them");
+  for (int tp : degrees) {
+    const std::string unsplit = unsplit_by_tp(config, tp);
+    if (!unsplit.empty())
+      throw UsageError("--project-tp " + std::to_string(tp) + ": the " + model_name(args) + " model's " + unsplit +
+                       " must divide by it: choose degrees that divide them");
+  }
   const int64_t exchange = tokens * config.dim * element;
   plan::TpShape shape;
   shape.groups.push_back({config.dim * element, exchange, /*gathers=*/1, /*scatters=*/1});
@@ -136,8 +135,7 @@ std::string layout_plan_report(const TrainArgs& args, const CostModelFile& file,
     }
     if (plans.front().fits())
       out += "      chosen schedule: " +
-             plan::describe(plans.front().plan.chosen.schedule,
-                            plan::project(file.measured, plans.front().layout, cluster, tp)) + "\n";
+             plan::describe(plans.front().plan.chosen.schedule, file.measured.model) + "\n";  // its groups' names
     first = end;
   }
   return out;
