@@ -6,6 +6,7 @@ common.py; the sweep of changes to a sharded model's parameters in touches.py.""
 import argparse
 import atexit
 import copy
+import gc
 import json
 import os
 import sys
@@ -809,7 +810,10 @@ def check_gloo_threads_joined():
         os._exit(3)  # an exception in an exit handler would not change the exit status
 
 
-def main():
+def parse_runs(words):
+    """The runs a job makes, one after another in the same processes: `CASE [options]` runs
+    separated by `--then` (the tests share one start-up, most of a small case's time, between the
+    runs of a test that need the same rank count)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--model", default="plain", choices=sorted(MODELS))
@@ -832,19 +836,38 @@ def main():
     parser.add_argument("--seq", type=int, default=common.SEQ, help="tokens a row (a GPU's fixed workspaces dwarf 16)")
     parser.add_argument("--exit-threads", action="store_true",
                         help="after every exit handler, no gloo worker thread may be left (pytorch#190489)")
-    args = parser.parse_args()
-    common.SEQ = args.seq
-    if args.exit_threads:
+    runs, words = [], list(words)
+    while True:
+        cut = words.index("--then") if "--then" in words else len(words)
+        runs.append(parser.parse_args(words[:cut]))
+        if cut == len(words):
+            break
+        words = words[cut + 1:]
+    if len(runs) > 1 and any(args.case == "beside_process_group" for args in runs):
+        parser.error("beside_process_group makes its own process group: run it alone")
+    if any(args.exit_threads for args in runs) and any(args.runtime == "fsdp2" for args in runs):
+        parser.error("--exit-threads checks fsdpcpp's exit: FSDP2's state keeps its groups' threads (run it apart)")
+    return runs
+
+
+def main():
+    runs = parse_runs(sys.argv[1:])  # every run's options checked before any work
+    if any(args.exit_threads for args in runs):
         atexit.register(check_gloo_threads_joined)  # registered first: runs after fsdpcpp's
     torch.set_num_threads(1)
-    if args.case != "beside_process_group":
+    if runs[0].case != "beside_process_group":
         fsdpcpp.init()  # CPU ranks: MPI under mpirun, gloo under torchrun; GPUs (fsdp-run --gpu): NCCL
         if fsdpcpp.device().type == "cuda" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             probe = torch.empty(1 << 20, device=fsdpcpp.device())
             segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == fsdpcpp.device().index]
             assert segments and all(s["is_expandable"] for s in segments), "init() left expandable segments off"
             del probe
-    CASES[args.case](args)
+    for i, args in enumerate(runs):
+        if i:  # the last run's models freed, and what it wrote (a checkpoint the next resumes) complete on every rank
+            gc.collect()
+            fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))
+        common.SEQ = args.seq
+        CASES[args.case](args)
 
 
 if __name__ == "__main__":

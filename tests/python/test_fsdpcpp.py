@@ -55,27 +55,27 @@ def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=12
     return output
 
 
-@cpu_only
-@pytest.mark.parametrize("ranks", [1, 3, 4])  # 2 ranks: the plain cases of test_parity
-def test_plain_llama_parity(ranks):
-    run(ranks, "parity", "--model", "plain")
+def chain(*runs):
+    """Several runs of cases.py made one after another by the same processes (`--then` between
+    them): the runs of a test on one rank count share one start-up, most of a small run's time."""
+    words = []
+    for i, run_words in enumerate(runs):
+        words += (["--then"] if i else []) + list(run_words)
+    return words
 
 
 @cpu_only
-@pytest.mark.parametrize("model,ranks,options", [
-    ("llama", 2, ["--optimizer-before"]),
-    ("llama", 3, ["--checkpointed"]),
-    ("gpt2", 2, ["--optimizer-before"]),
-    ("gpt2", 4, ["--clip", "0.5"]),
-    ("plain", 2, ["--accum", "2"]),
-    ("plain", 3, ["--keep-after-forward", "--checkpointed"]),
-    # Checkpointing around the block's call, hooks included (recomputation stops early, by an
-    # exception, once backward has its tensors), and transformers' gradient checkpointing.
-    ("plain", 2, ["--checkpoint-calls"]),
-    ("llama", 2, ["--checkpoint-calls"]),
+@pytest.mark.parametrize("ranks,runs", [
+    (1, [["plain"]]),
+    (2, [["llama", "--optimizer-before"], ["gpt2", "--optimizer-before"], ["plain", "--accum", "2"],
+         # Checkpointing around the block's call, hooks included (recomputation stops early, by an
+         # exception, once backward has its tensors), and transformers' gradient checkpointing.
+         ["plain", "--checkpoint-calls"], ["llama", "--checkpoint-calls"]]),
+    (3, [["plain"], ["llama", "--checkpointed"], ["plain", "--keep-after-forward", "--checkpointed"]]),
+    (4, [["plain"], ["gpt2", "--clip", "0.5"]]),
 ])
-def test_parity(model, ranks, options):
-    run(ranks, "parity", "--model", model, *options)
+def test_parity(ranks, runs):
+    run(ranks, *chain(*(["parity", "--model", *words] for words in runs)))
 
 
 @cpu_only
@@ -86,9 +86,8 @@ def test_bounds_catch_a_small_error():
 
 
 @cpu_only
-@pytest.mark.parametrize("model,ranks", [("llama", 2), ("gpt2", 2)])
-def test_mixed_precision(model, ranks):
-    run(ranks, "mixed_precision", "--model", model)
+def test_mixed_precision():
+    run(2, *chain(["mixed_precision", "--model", "llama"], ["mixed_precision", "--model", "gpt2"]))
 
 
 def convert(*args):
@@ -131,10 +130,11 @@ def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
 def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
     get_state_dict, get_model_state_dict, numel; each checkpoint resumed by the other runtime, on
-    another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs end with every
-    gloo worker thread joined (--exit-threads): its exit handler lets go of the groups torch keeps."""
-    run(2, "torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2")
-    run(2, "torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp", "--exit-threads")
+    another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs alone in their
+    processes end with every gloo worker thread joined (--exit-threads): its exit handler lets go
+    of the groups torch keeps (FSDP2's state keeps them)."""
+    run(2, *chain(["torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2"],
+                  ["torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"]))
     run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2", "--exit-threads")
     run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
     # HSDP from a 2-D mesh, 2 replicas of 2 shards: its own DCP checkpoint saved and resumed.
@@ -148,13 +148,12 @@ def test_tensor_parallel_as_on_fsdp2_with_tp(tmp_path):
     torchtitan-style Llama at dp 2 x tp 2, each runtime's DCP checkpoint resumed by the other;
     transformers' Llama under its base_model_tp_plan; HSDP x TP at 2 x 2 x 2. Every run's losses,
     gradient norms and parameters within the parity bounds of one process."""
-    run(4, "torch_calls", "--runtime", "fsdp2", "--model", "titan", "--tp", 2, "--dir", tmp_path / "fsdp2")
-    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--tp", 2, "--dir", tmp_path / "fsdpcpp")
-    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--tp", 2,
-        "--resume-from", tmp_path / "fsdp2" / "step-2")
-    run(4, "torch_calls", "--runtime", "fsdp2", "--model", "titan", "--tp", 2,
-        "--resume-from", tmp_path / "fsdpcpp" / "step-2")
-    run(4, "torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2, "--dir", tmp_path / "hf")
+    titan = ["torch_calls", "--model", "titan", "--tp", 2]
+    run(4, *chain([*titan, "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2"],
+                  [*titan, "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"],
+                  [*titan, "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2"],
+                  [*titan, "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2"],
+                  ["torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2, "--dir", tmp_path / "hf"]))
     run(8, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--replicas", 2, "--tp", 2,
         "--dir", tmp_path / "hsdp")
 
@@ -171,8 +170,7 @@ def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
 
 
 def check_touches(ranks, tmp_path):
-    run(ranks, "touches", "--runtime", "fsdp2", "--dir", tmp_path)
-    run(ranks, "touches", "--runtime", "fsdpcpp", "--dir", tmp_path)
+    run(ranks, *chain(*(["touches", "--runtime", runtime, "--dir", tmp_path] for runtime in ("fsdp2", "fsdpcpp"))))
     theirs, ours = (json.load(open(tmp_path / f"touches-{runtime}.json")) for runtime in ("fsdp2", "fsdpcpp"))
     assert set(theirs) < set(ours), (sorted(theirs), sorted(ours))
     for touch, expected in theirs.items():
@@ -248,15 +246,14 @@ def test_cpu_ranks_under_torchrun_meet_through_torchs_gloo(tmp_path):
 def check_meta_init_as_on_fsdp2(ranks, tmp_path):
     """FSDP2's recipe for a model built on meta: the same parameters after transformers'
     init_weights under both runtimes, then rank 0's weights broadcast and trained to parity."""
-    for runtime in ("fsdp2", "fsdpcpp"):
-        (tmp_path / runtime).mkdir()
-        run(ranks, "meta_init", "--runtime", runtime, "--dir", tmp_path / runtime)
+    for name in ("fsdp2", "fsdpcpp", "safetensors"):
+        (tmp_path / name).mkdir()
+    run(ranks, *chain(*(["meta_init", "--runtime", runtime, "--dir", tmp_path / runtime] for runtime in ("fsdp2", "fsdpcpp")),
+                      ["meta_init", "--load", "safetensors", "--dir", tmp_path / "safetensors"]))
     ours, theirs = (torch.load(tmp_path / runtime / "init.pt") for runtime in ("fsdpcpp", "fsdp2"))
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), f"{name} differs from FSDP2's after init_weights"
-    (tmp_path / "safetensors").mkdir()
-    run(ranks, "meta_init", "--load", "safetensors", "--dir", tmp_path / "safetensors")
 
 
 @cpu_only
@@ -271,9 +268,8 @@ def test_errors(tmp_path):
 
 
 @cpu_only
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_hugging_face_round_trip(model, tmp_path):
-    run(2, "hf_roundtrip", "--model", model, "--dir", tmp_path / "export")
+def test_hugging_face_round_trip(tmp_path):
+    run(2, *chain(*(["hf_roundtrip", "--model", model, "--dir", tmp_path / model] for model in ("llama", "gpt2"))))
 
 
 @cpu_only
@@ -362,14 +358,9 @@ def test_memory_budget_planner(model, ranks, accum, bf16):
 
 
 @cpu_only
-@pytest.mark.parametrize("model,ranks", [("llama", 2), ("plain", 3)])
-def test_float8(model, ranks):
-    run(ranks, "float8", "--model", model)
-
-
-@cpu_only
-def test_float8_tied_head():
-    run(2, "float8_tied")
+@pytest.mark.parametrize("ranks,runs", [(2, [["float8", "--model", "llama"], ["float8_tied"]]), (3, [["float8", "--model", "plain"]])])
+def test_float8(ranks, runs):
+    run(ranks, *chain(*runs))
 
 
 @cpu_only
