@@ -4,7 +4,7 @@
 #   torch: a python3 that already has torch 2.11 (the GPU machines), else a
 #          venv at $FSDP_VENV (default ~/.cache/fsdp.cpp/venv) with the PyPI
 #          wheel torch==2.11.0, installed once and reused by every checkout.
-#   Debian packages: OpenMPI, GoogleTest, ninja, cmake, ccache, doxygen (when missing).
+#   Debian packages: OpenMPI, GoogleTest, ninja, cmake, ccache, doxygen, toml++ (when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
@@ -35,6 +35,8 @@ apt_install() {
 command -v ccache >/dev/null || apt_install ccache || log "no ccache; building without it"
 # doxygen builds the API reference (ctest api_docs); without it that test is not registered.
 command -v doxygen >/dev/null || apt_install doxygen || log "no doxygen; the API reference test is skipped"
+# toml++ reads fsdp-train --config FILE.toml; without it the trainer reads JSON configs only.
+[ -f /usr/include/toml++/toml.h ] || apt_install libtomlplusplus-dev || log "no toml++; fsdp-train reads JSON configs only"
 
 has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; }
 PYTHON=

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "train/args.h"
+#include "train/config_file.h"
 
 namespace {
 
@@ -155,7 +156,6 @@ TEST(TrainArgs, NoOutputIsAnInputOrAnotherOutput) {
   EXPECT_EQ(usage_error_of({"--log", dir + "model.jsonl", "--save-init", dir + "init.safetensors"}), "(accepted)");
 }
 
-// --help shows each flag's default from the field itself, the runtime knobs' too.
 // --config: a JSON object of flags, which the command line overrides; a run's given flags written
 // beside its log read back as the same arguments.
 TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
@@ -211,6 +211,69 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   EXPECT_EQ(fsdp::train::changed_flags("not json", given), "");
 }
 
+// A flag in its topic's table, in a JSON or TOML config (torchtitan's format) and on the command
+// line (--training.steps); a flag in another topic's table refused naming its own.
+TEST(TrainArgs, ConfigTablesAreTheHelpsTopics) {
+  using ::testing::HasSubstr;
+  const std::string dir = ::testing::TempDir();
+  const auto config = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + name) << text;
+    return dir + name;
+  };
+  const TrainArgs json = checked({"--config", config("tables.json", R"({"batch": 2, "training": {"steps": 9},
+                                                                        "sharding": {"recompute": true}})")});
+  EXPECT_EQ(json.batch, 2);
+  EXPECT_EQ(json.steps, 9);
+  EXPECT_TRUE(json.recompute);
+  const TrainArgs line = checked({"--training.steps=11", "--model.seq", "24"});
+  EXPECT_EQ(line.steps, 11);
+  EXPECT_EQ(line.seq, 24);
+  EXPECT_THAT(usage_error_of({"--model.steps=3"}), HasSubstr("--model.steps: --steps belongs in [training] (--training.steps)"));
+  EXPECT_THAT(usage_error_of({"--config", config("t1.json", R"({"model": {"steps": 3}})")}),
+              HasSubstr("'model.steps': --steps belongs in [training]"));
+  EXPECT_THAT(usage_error_of({"--config", config("t2.json", R"({"steps": 3, "training": {"steps": 4}})")}),
+              HasSubstr("gives 'steps' twice"));
+  EXPECT_THAT(usage_error_of({"--config", config("t3.json", R"({"training": {"x": {"steps": 4}}})")}),
+              HasSubstr("nests too deep"));
+  EXPECT_THAT(usage_error_of({"--config", config("t4.json", R"({"training": {"steps": 3, "steps": 4}})")}),
+              HasSubstr("gives 'steps' twice"));
+  const std::string toml = config("run.toml", R"(batch = 2
+[model]
+seq = 32
+[training]
+steps = 7
+lr = 1e-3
+[sharding]
+recompute = true
+cpu-offload = false
+)");
+  if (!fsdp::train::reads_toml()) {  // a build without toml++ names the package
+    EXPECT_THAT(usage_error_of({"--config", toml}), HasSubstr("install libtomlplusplus-dev"));
+    return;
+  }
+  const TrainArgs a = checked({"--config", toml, "--training.steps=8"});
+  EXPECT_EQ(a.batch, 2);
+  EXPECT_EQ(a.seq, 32);
+  EXPECT_EQ(a.steps, 8);  // the command line's
+  EXPECT_DOUBLE_EQ(a.lr, 1e-3);
+  EXPECT_TRUE(a.recompute);
+  EXPECT_FALSE(a.cpu_offload);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"[model]\nsteps = 3\n", "'model.steps': --steps belongs in [training]"},
+      {"steps = 3\n[training]\nsteps = 4\n", "gives 'steps' twice"},
+      {"[training]\nsteps = 3\nsteps = 4\n", "line 3"},  // toml++ refuses a key redefined
+      {"[training.x]\nsteps = 3\n", "nests too deep"},
+      {"[sharding]\nrecompute = \"yes\"\n", "'sharding.recompute' is a switch: give true or false"},
+      {"[training]\nsteps = [1]\n", "'training.steps' needs a string or a number"},
+      {"[training]\nsteps = 2.5\n", "--steps (from --config"},
+      {"steps = \n", "line 1"},
+      {"bogus = 1\n", "unknown flag 'bogus'"},
+  };
+  for (const auto& [text, message] : refused)
+    EXPECT_THAT(usage_error_of({"--config", config("bad.toml", text)}), HasSubstr(message)) << text;
+}
+
+// --help shows each flag's default from the field itself, the runtime knobs' too.
 TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
   using ::testing::HasSubstr;
   using ::testing::Not;
@@ -227,15 +290,15 @@ TEST(TrainArgs, HelpShowsTheDefaultsOfTheFields) {
   }
   EXPECT_THAT(help, Not(HasSubstr("--recompute V")));  // a switch takes no value and shows no default
   // Grouped by topic: each flag once, under its section (the planner's checks beside the budget, the
-  // runtime's knobs with sharding, not among the basics).
+  // runtime's knobs with sharding, not among the basics), which names its --config table.
   const auto section_of = [&help](const std::string& flag) {
     const size_t at = help.find("\n  " + flag + " ");
     const size_t title = help.rfind("\n\n", at), end = help.find(":\n", title + 2);
     return at == std::string::npos || title == std::string::npos ? std::string() : help.substr(title + 2, end - title - 2);
   };
-  EXPECT_EQ(section_of("--plan-check-steps"), "memory-budget planner");
-  EXPECT_EQ(section_of("--prefetch-depth"), "sharding, recomputation and scheduling");
-  EXPECT_EQ(section_of("--keep-last"), "checkpoints and export");
+  EXPECT_EQ(section_of("--plan-check-steps"), "memory-budget planner ([planner])");
+  EXPECT_EQ(section_of("--prefetch-depth"), "sharding, recomputation and scheduling ([sharding])");
+  EXPECT_EQ(section_of("--keep-last"), "checkpoints and export ([checkpoint])");
   EXPECT_EQ(help.find("\n  --steps "), help.rfind("\n  --steps "));
 }
 

@@ -24,6 +24,7 @@
 #include "model/hf_llama.h"
 #include "model/linear_cross_entropy.h"
 #include "model/llama.h"
+#include "train/config_file.h"
 #include "train/data.h"
 #include "train/lineage.h"
 #include "train/memory.h"
@@ -45,11 +46,22 @@ struct Setter {
 };
 
 // The help's sections, in its order.
+// Each flag's topic: its section of --help, and its table in a --config file ([training] steps =
+// 100) and in a --table.flag=value word.
 enum class Topic { Model, Training, Precision, Sharding, Planner, Checkpoints, Logs, Launch };
-constexpr const char* kTopicTitles[] = {"model and data", "training", "precision and kernels",
-                                        "sharding, recomputation and scheduling", "memory-budget planner",
-                                        "checkpoints and export", "configuration, logs, traces and profiles",
-                                        "launch and checks"};
+struct TopicName {
+  const char* table;
+  const char* title;
+};
+constexpr TopicName kTopics[] = {{"model", "model and data"},
+                                 {"training", "training"},
+                                 {"precision", "precision and kernels"},
+                                 {"sharding", "sharding, recomputation and scheduling"},
+                                 {"planner", "memory-budget planner"},
+                                 {"checkpoint", "checkpoints and export"},
+                                 {"logging", "configuration, logs, traces and profiles"},
+                                 {"launch", "launch and checks"}};
+const char* table_of(Topic topic) { return kTopics[static_cast<int>(topic)].table; }
 
 struct Flag {
   Topic topic;
@@ -185,8 +197,9 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--config",
        {Topic::Logs,
         "a JSON object of flags and their values ({\"model\": \"1b\", \"steps\": 100, \"recompute\": "
-        "true}), taken before the command line's, which override them; every run writes the flags it was "
-        "given beside its log (LOG.config.json), which --config reads back",
+        "true}) or a .toml file of them, each at the top or in its topic's [table] (below), taken before "
+        "the command line's, which override them (--training.steps=200 names a flag by its table too); "
+        "every run writes the flags it was given beside its log (LOG.config.json), which --config reads back",
         text(a.config)}},
       {"--log",
        {Topic::Logs, "JSONL log written by rank 0 (none given: runs/<date-time>/fsdp-train.jsonl)", text(a.log)}},
@@ -810,51 +823,46 @@ void check_memory(const TrainArgs& a, const model::LlamaConfig& config, double g
 }
 
 // The flags of --config FILE as command-line words: "--name=value", a switch given true alone (one
-// given false is left out), in the file's order.
+// given false is left out), in the file's order. A key in a table must be a flag of that topic.
 std::vector<std::string> config_words(const std::string& path, const std::map<std::string, Flag>& table) {
-  if (path.empty()) throw UsageError("--config needs a value");
-  if (io::is_directory(path)) throw UsageError("--config: '" + path + "' is a directory, not a JSON file of flags");
-  std::ifstream in(path);
-  if (!in) throw UsageError("--config: cannot read '" + path + "': " + std::strerror(errno));
-  // A flag given twice is refused, as on the command line: the file's top-level keys are counted.
-  std::set<std::string> keys;
-  std::string twice;
-  const auto count_keys = [&](int depth, nlohmann::ordered_json::parse_event_t event, nlohmann::ordered_json& parsed) {
-    if (event == nlohmann::ordered_json::parse_event_t::key && depth == 1 && !keys.insert(parsed.get<std::string>()).second &&
-        twice.empty())
-      twice = parsed.get<std::string>();
-    return true;
-  };
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(in, count_keys, /*allow_exceptions=*/false);
-  } catch (const std::exception& e) {  // a read that fails midway
-    throw UsageError("--config: cannot read '" + path + "': " + e.what());
-  }
-  if (!j.is_object())
-    throw UsageError("--config: '" + path + "' is not a JSON object of flags and values ({\"steps\": 100, ...})");
-  if (!twice.empty())
-    throw UsageError("--config: '" + path + "' gives '" + twice + "' twice: give each flag once");
   std::vector<std::string> words;
-  for (const auto& [key, value] : j.items()) {
-    const std::string flag = "--" + key;
+  std::set<std::string> seen;
+  const std::string where = "--config '" + path + "': ";
+  for (const ConfigEntry& e : read_config_file(path)) {
+    const std::string flag = "--" + e.key;
+    const std::string shown = e.table.empty() ? "'" + e.key + "'" : "'" + e.table + "." + e.key + "'";
     const auto it = table.find(flag);
-    const std::string where = "--config '" + path + "': ";
-    if (it == table.end() || key == "config")
-      throw UsageError(
-          where + (key == "config" ? "a --config cannot name another" : "unknown flag '" + key + "' (see --help)"));
+    if (e.key == "config") throw UsageError(where + "a --config cannot name another");
+    if (it == table.end()) throw UsageError(where + "unknown flag " + shown + " (see --help)");
+    if (!e.table.empty() && e.table != table_of(it->second.topic))
+      throw UsageError(where + shown + ": --" + e.key + " belongs in [" + table_of(it->second.topic) + "]");
+    if (!seen.insert(e.key).second)
+      throw UsageError(where + "gives '" + e.key + "' twice: give each flag once");
     if (!it->second.takes_value) {
-      if (!value.is_boolean()) throw UsageError(where + "'" + key + "' is a switch: give true or false");
-      if (value.get<bool>()) words.push_back(flag);
-    } else if (value.is_string()) {
-      words.push_back(flag + "=" + value.get<std::string>());
-    } else if (value.is_number()) {
-      words.push_back(flag + "=" + value.dump());
+      if (e.kind != ConfigEntry::Kind::Boolean) throw UsageError(where + shown + " is a switch: give true or false");
+      if (e.value == "true") words.push_back(flag);
+    } else if (e.kind == ConfigEntry::Kind::Text || e.kind == ConfigEntry::Kind::Number) {
+      words.push_back(flag + "=" + e.value);
     } else {
-      throw UsageError(where + "'" + key + "' needs a string or a number");
+      throw UsageError(where + shown + " needs a string or a number");
     }
   }
   return words;
+}
+
+// "--training.steps" as the flag it names, "--steps" (the table checked against the flag's
+// topic); any other word as it is.
+std::string untabled(const std::string& word, const std::map<std::string, Flag>& table) {
+  const size_t equals = word.find('=');
+  const size_t dot = word.find('.');
+  if (word.rfind("--", 0) != 0 || dot == std::string::npos || dot > equals) return word;
+  const std::string section = word.substr(2, dot - 2), flag = "--" + word.substr(dot + 1);
+  const auto it = table.find(flag.substr(0, flag.find('=')));
+  if (it == table.end()) return word;  // reported as an unknown flag
+  if (section != table_of(it->second.topic))
+    throw UsageError(word.substr(0, equals) + ": " + it->first + " belongs in [" + table_of(it->second.topic) +
+                     "] (--" + table_of(it->second.topic) + "." + it->first.substr(2) + ")");
+  return flag;
 }
 
 }  // namespace
@@ -871,18 +879,20 @@ c10::ScalarType dtype_named(const std::string& name, bool on_gpu) {
 TrainArgs parse_train_args(const std::vector<std::string>& argv) {
   TrainArgs a;
   auto table = flags(a);
+  std::vector<std::string> command_line;  // --training.steps=100 as --steps=100
+  for (const std::string& word : argv) command_line.push_back(untabled(word, table));
   // --config's flags come first, as --name=value words (a switch alone), then the command line's.
   std::vector<std::string> words;
-  for (size_t i = 0; i < argv.size(); ++i) {
-    const bool spaced = argv[i] == "--config" && i + 1 < argv.size();
-    if (spaced || argv[i].rfind("--config=", 0) == 0) {
-      a.config = spaced ? argv[i + 1] : argv[i].substr(9);
+  for (size_t i = 0; i < command_line.size(); ++i) {
+    const bool spaced = command_line[i] == "--config" && i + 1 < command_line.size();
+    if (spaced || command_line[i].rfind("--config=", 0) == 0) {
+      a.config = spaced ? command_line[i + 1] : command_line[i].substr(9);
       words = config_words(a.config, table);
       break;
     }
   }
   const size_t from_command_line = words.size();
-  words.insert(words.end(), argv.begin(), argv.end());
+  words.insert(words.end(), command_line.begin(), command_line.end());
   std::set<std::string> from_config;
   for (size_t i = 0; i < words.size(); ++i) {
     if (words[i] == "--help" || words[i] == "-h" || words[i] == "--version") {
@@ -981,8 +991,8 @@ std::string train_help_text() {
       "Exit codes: 0 done, 2 a usage error (nothing started), 1 a failure during the run, 3 stopped by a\n"
       "signal with its state saved (run the same command with --resume to finish it).\n\n";
   const auto table = flags(defaults);
-  for (int topic = 0; topic < static_cast<int>(std::size(kTopicTitles)); ++topic) {
-    out += std::string(topic ? "\n" : "") + kTopicTitles[topic] + ":\n";
+  for (int topic = 0; topic < static_cast<int>(std::size(kTopics)); ++topic) {
+    out += std::string(topic ? "\n" : "") + kTopics[topic].title + " ([" + kTopics[topic].table + "]):\n";
     for (const auto& [name, f] : table) {
       if (static_cast<int>(f.topic) != topic) continue;
       char line[512];

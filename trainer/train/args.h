@@ -7,19 +7,14 @@
 
 #include <map>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "fsdp/runtime_options.h"
 #include "model/llama.h"
+#include "train/usage_error.h"
 
 namespace fsdp::train {
-
-// Bad flags or a run this machine cannot do: the user's to fix, reported without a backtrace.
-struct UsageError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
 
 struct TrainArgs {
   std::string model = "tiny";
