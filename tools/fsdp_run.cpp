@@ -403,6 +403,9 @@ int main(int argc, char** argv) {
                  std::strchr(argv[i], '/') ? "no such executable file" : "not found on PATH");
     return 127;
   }
+  // The ranks write to pipes that reach this terminal: a program that shows a progress line on a
+  // terminal alone (fsdp-train's saves, loads and exports) learns that it may.
+  if (isatty(STDOUT_FILENO)) setenv("FSDP_STDOUT_IS_TERMINAL", "1", 1);
   const int gpus = visible_gpus();
   if (mode == Auto) mode = gpus > 0 ? Gpu : Cpu;
   if (ranks == 0) ranks = mode == Gpu ? gpus : 2;

@@ -37,6 +37,9 @@ inline constexpr char kAdamPrefix[] = "adam.";
 /// Whether a checkpoint's entry `name` is optimizer state (under either optimizer prefix).
 bool is_optimizer_state(const std::string& name);
 
+/// Told the bytes this rank has moved so far and the bytes it moves in all, after each piece.
+using ByteProgress = std::function<void(int64_t done, int64_t total)>;
+
 /// What save_checkpoint writes and load_checkpoint fills: sharded tensors (each rank's rows),
 /// replicated tensors and the caller's entries. Building it is local; saving and loading are
 /// collective.
@@ -52,6 +55,11 @@ class CheckpointState {
   void add_replicated(const std::string& name, at::Tensor value);
   /// The caller's own entries (a trainer's step, data position): saved and loaded as bytes.
   std::map<std::string, std::string> extra;
+  /// Called on this rank's thread as save_checkpoint writes its file (each tensor) and as
+  /// load_checkpoint reads its blocks (each block, both the checksum pass and the copy: the total
+  /// counts both); start_checkpoint_save, whose thread writes beside training, does not call it.
+  /// A progress line, say. Unset: nothing.
+  ByteProgress progress;
 
   /// One sharded tensor as add_sharded recorded it.
   struct Sharded {

@@ -196,6 +196,19 @@ struct BlockRead {
   std::vector<Copy> copies;
 };
 
+int64_t bytes_of(const BlockRead& b) { return b.rows * b.columns * static_cast<int64_t>(io::element_size(b.saved->dtype)); }
+
+// The bytes a save or load has moved on this rank, told to its CheckpointState::progress.
+struct BytesMoved {
+  const ByteProgress* progress = nullptr;  // null: told to no one
+  int64_t total = 0;
+  int64_t done = 0;
+  void add(int64_t bytes) {
+    done += bytes;
+    if (progress && *progress) (*progress)(done, total);
+  }
+};
+
 std::string shard_file(const std::string& dir, const io::CheckpointMeta& meta, uint32_t rank) {
   return dir + "/" + io::shard_file_name(static_cast<int>(rank), static_cast<int>(meta.world));
 }
@@ -256,16 +269,12 @@ bool reads_into_place(const BlockRead& b, Pass pass) {
          c.into.is_contiguous();
 }
 
-// Loads the wanted tensors' blocks: each read whole, its checksum checked, its overlap copied, or
-// both (`pass`). The next block is read on a thread of its own while this one is checked or
+// Loads the blocks `reads` (blocks_to_read's): each read whole, its checksum checked, its overlap
+// copied, or both (`pass`), and counted in `moved`. The next block is read on a thread of its own while this one is checked or
 // copied, so the disk and the checksum overlap. Blocks not read into place take turns in two
 // buffers as large as the largest block: fresh memory for each would be faulted in page by page.
-void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const BlockMap& blocks,
-               std::vector<FileIdentity>& identities, const std::vector<WantedTensor>& wanted, Pass pass) {
-  const std::vector<BlockRead> reads = blocks_to_read(dir, meta, blocks, wanted);
-  const auto bytes_of = [](const BlockRead& b) {
-    return static_cast<int64_t>(b.rows * b.columns * io::element_size(b.saved->dtype));
-  };
+void load_rows(const std::vector<BlockRead>& reads, const std::string& dir, const io::CheckpointMeta& meta,
+               std::vector<FileIdentity>& identities, Pass pass, BytesMoved& moved) {
   std::vector<bool> in_place;  // reads_into_place, once per block
   int64_t largest = 0;
   for (const BlockRead& b : reads) {
@@ -296,6 +305,7 @@ void load_rows(const std::string& dir, const io::CheckpointMeta& meta, const Blo
     if (pass != Pass::Copy && io::crc32(block.data_ptr(), block.nbytes()) != b.saved->block_crcs[b.rank])
       throw CheckpointError(shard_file(dir, meta, b.rank) + ": checksum mismatch in '" + b.saved->name +
                             "': the file is damaged");
+    moved.add(bytes_of(b));
     if (pass == Pass::Check) continue;
     if (in_place[i]) {  // written through its pointer: its version counter says it changed (keep_compute_shards)
       block.unsafeGetTensorImpl()->bump_version();
@@ -413,9 +423,9 @@ void prepare_save(const std::string& dir, Communicator& comm) {
 }
 
 // 2. This rank's file: the host rows of each sharded tensor in turn (`rows(i)`); their checksums.
-// Local: no collective (an asynchronous save runs it on its own thread).
+// Local: no collective (an asynchronous save runs it on its own thread, without `moved`).
 std::vector<int64_t> write_rows(const std::string& dir, int rank, int world, size_t count,
-                                const std::function<at::Tensor(size_t)>& rows) {
+                                const std::function<at::Tensor(size_t)>& rows, BytesMoved* moved = nullptr) {
   std::vector<int64_t> crcs;
   io::OutputFile out(dir + ".tmp/" + io::shard_file_name(rank, world));
   for (size_t i = 0; i < count; ++i) {
@@ -424,6 +434,7 @@ std::vector<int64_t> write_rows(const std::string& dir, int rank, int world, siz
     auto crc = std::async(std::launch::async, [&host] { return io::crc32(host.data_ptr(), host.nbytes()); });
     out.write(host.data_ptr(), host.nbytes());
     crcs.push_back(crc.get());
+    if (moved) moved->add(static_cast<int64_t>(host.nbytes()));
   }
   out.close();
   return crcs;
@@ -505,9 +516,11 @@ void save_shards(const std::string& dir, const CheckpointState& state, Communica
   c10::NoGradGuard no_grad;
   prepare_save(dir, comm);
   std::vector<int64_t> crcs;
+  BytesMoved moved{&state.progress};
+  for (const auto& t : state.sharded()) moved.total += t.saves ? static_cast<int64_t>(t.local.nbytes()) : 0;
   on_every_rank(comm, "saving " + dir, [&] {  // one tensor on the host at a time
     crcs = write_rows(dir, comm.rank(), comm.world_size(), state.sharded().size(),
-                      [&](size_t i) { return block_to_save(state.sharded()[i]); });
+                      [&](size_t i) { return block_to_save(state.sharded()[i]); }, &moved);
   });
   publish_save(dir, manifest_of(state), crcs, comm);
 }
@@ -611,6 +624,8 @@ std::vector<std::string> load_checkpoint(const std::string& dir, CheckpointState
   std::vector<WantedTensor> wanted;  // per sharded tensor of `state`: its place in the metadata, its rows
   std::vector<const io::TensorMeta*> saved_replicated;
   std::vector<FileIdentity> identities;
+  std::vector<BlockRead> reads;
+  BytesMoved moved{&state.progress};
   std::vector<std::string> left_out;
   // Everything is checked on every rank (names, shapes, dtypes, counts, sizes, every block's
   // checksum) before the first byte is copied: a load that fails leaves the state as it was.
@@ -638,10 +653,12 @@ std::vector<std::string> load_checkpoint(const std::string& dir, CheckpointState
       require_same(meta_path, name, value, value.sizes().vec(), *it);
       saved_replicated.push_back(&*it);
     }
-    load_rows(dir, meta, blocks, identities, wanted, Pass::Check);
+    reads = blocks_to_read(dir, meta, blocks, wanted);
+    for (const BlockRead& b : reads) moved.total += 2 * bytes_of(b);  // read to check, then to copy
+    load_rows(reads, dir, meta, identities, Pass::Check, moved);
   });
   on_every_rank(comm, "loading " + dir, [&] {
-    load_rows(dir, meta, blocks, identities, wanted, Pass::Copy);
+    load_rows(reads, dir, meta, identities, Pass::Copy, moved);
     for (size_t i = 0; i < state.replicated().size(); ++i) {
       const at::Tensor& value = state.replicated()[i].second;
       value.copy_(at::from_blob(const_cast<char*>(saved_replicated[i]->bytes.data()), value.sizes(),
@@ -663,8 +680,9 @@ void for_each_checkpoint_tensor(const std::string& dir,
     const io::TensorMeta& saved = meta.sharded[i];
     at::Tensor full = at::empty(saved.shape, at::TensorOptions(static_cast<c10::ScalarType>(saved.dtype)));
     const io::BlockPlace whole{{{0, saved.rows()}}, 0, saved.row_numel()};
-    load_rows(dir, meta, blocks, identities, {{i, whole, full.view({saved.rows(), saved.row_numel()})}},
-              Pass::CheckAndCopy);
+    BytesMoved unseen;
+    load_rows(blocks_to_read(dir, meta, blocks, {{i, whole, full.view({saved.rows(), saved.row_numel()})}}), dir,
+              meta, identities, Pass::CheckAndCopy, unseen);
     visit(saved.name, full);
   }
   for (const auto& saved : meta.replicated) {

@@ -2,6 +2,7 @@
 // foreign checkpoint is refused on every rank, naming the file and the problem.
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "helpers.h"
@@ -35,7 +36,15 @@ TEST(Checkpoint, RoundTripRestoresEveryShard) {
   std::vector<at::Tensor> saved;
   for (const auto& t : state.sharded()) saved.push_back(t.local.detach().clone());
   const std::string dir = shared_dir("roundtrip");
+  // Told as this rank's file is written: each tensor's bytes, rising to every byte it holds.
+  int64_t mine = 0;
+  for (const auto& t : state.sharded()) mine += static_cast<int64_t>(t.local.nbytes());
+  std::vector<std::pair<int64_t, int64_t>> told;
+  state.progress = [&told](int64_t done, int64_t total) { told.emplace_back(done, total); };
   save_checkpoint(dir, state);
+  ASSERT_EQ(told.size(), state.sharded().size());
+  EXPECT_EQ(told.back(), std::make_pair(mine, mine));
+  EXPECT_TRUE(std::is_sorted(told.begin(), told.end()));
   EXPECT_TRUE(io::exists(dir + "/metadata.bin"));
   {  // the library's version is recorded
     std::ifstream meta(dir + "/metadata.bin", std::ios::binary);
@@ -50,7 +59,12 @@ TEST(Checkpoint, RoundTripRestoresEveryShard) {
   }
   state.replicated()[0].second.zero_();
   state.extra.clear();
-  load_checkpoint(dir, state);
+  told.clear();
+  load_checkpoint(dir, state);  // every block read twice: its checksum checked, then copied
+  ASSERT_FALSE(told.empty());
+  EXPECT_EQ(told.back(), std::make_pair(2 * mine, 2 * mine));
+  EXPECT_TRUE(std::is_sorted(told.begin(), told.end()));
+  state.progress = nullptr;
   for (size_t i = 0; i < saved.size(); ++i)
     EXPECT_TRUE(torch::equal(state.sharded()[i].local, saved[i])) << state.sharded()[i].name;
   EXPECT_EQ(state.replicated()[0].second.item<float>(), 7.5f);

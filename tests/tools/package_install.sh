@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The package as a user installs it: a wheel built from a fresh clone of this checkout
 # with `pip wheel --no-build-isolation` (the python with torch, scripts/setup.sh's), installed into
-# an empty prefix; then the installed `fsdp-train` and `fsdp-run` commands (--version, a 2-rank
+# an empty prefix; then the installed `fsdp-train`, `fsdp-run` and `fsdp-prepare-data` commands (--version, a 2-rank
 # run of the tiny model) and `import fsdpcpp` from there. Builds the library once more (about 8
 # minutes on 2 cores): run by bench/gpu_checks.sh's package part, not by CI.
 # FSDP_PACKAGE_WITHOUT_MPI=1: the wheel is built without MPI (`-C cmake.define.FSDP_WITH_MPI=OFF`,
@@ -50,6 +50,9 @@ fi
 fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --overwrite-log --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
   { cat "$work/train.log"; fail "fsdp-run fsdp-train from the wheel"; }
 grep -q '"step": *3' "$work/train.jsonl" || fail "the installed fsdp-train did not log step 3"
+# fsdp-prepare-data is the package's too: a token file from a tokenizer of the test's own.
+[ "$(command -v fsdp-prepare-data)" = "$bin/fsdp-prepare-data" ] || fail "no fsdp-prepare-data command in $bin"
+fsdp-prepare-data --help | grep -q "^usage: fsdp-prepare-data" || fail "fsdp-prepare-data --help"
 (cd "$work" && "$python" -c 'import fsdpcpp, sys; assert fsdpcpp.__file__.startswith(sys.argv[1]), fsdpcpp.__file__' "$site") ||
   fail "import fsdpcpp from the installed package"
 echo "package_install: ok ($(basename "$wheel"), $(du -h "$wheel" | cut -f1)$([ "$without_mpi" = 1 ] && echo ', without MPI'))"

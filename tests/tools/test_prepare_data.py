@@ -1,4 +1,4 @@
-"""fsdp-prepare-data (tools/fsdp_prepare_data.py) as users run it, with a tokenizer made here: what it
+"""fsdp-prepare-data (python/fsdpcpp/prepare_data.py) as users run it, with a tokenizer made here: what it
 refuses before any work (an output that is an input or a directory, a tokenizer directory that is
 not there), text that is not UTF-8 named with its byte offset, and a document of one long line
 tokenised a piece at a time into the ids one call gives.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOL = os.path.join(HERE, "..", "..", "tools", "fsdp_prepare_data.py")
+TOOL = os.path.join(HERE, "..", "..", "python", "fsdpcpp", "prepare_data.py")
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,9 @@ def test_text_that_is_not_utf8_is_named_with_its_offset(tokenizer_dir, tmp_path)
 def test_a_long_line_gives_the_ids_of_one_call(tokenizer_dir, tmp_path):
     import transformers
     sys.path.insert(0, os.path.dirname(TOOL))
-    import fsdp_prepare_data
+    import prepare_data
     text = " ".join(f"t{(i * 7) % 256}" for i in range(500_000))  # 2.2 MB on one line: three pieces
-    assert len(list(fsdp_prepare_data.pieces(text))) == 3
+    assert len(list(prepare_data.pieces(text))) == 3
     path = tmp_path / "long.txt"
     path.write_text(text)
     code, out = prepare("--tokenizer", tokenizer_dir, path, "--out", tmp_path / "long.bin")

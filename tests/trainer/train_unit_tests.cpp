@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -14,6 +17,7 @@
 #include "train/llama_schedule.h"
 #include "train/lineage.h"
 #include "train/lr_schedule.h"
+#include "train/progress_line.h"
 #include "train/step_log.h"
 
 namespace {
@@ -243,6 +247,33 @@ TEST(FusedAdamW, StateOlderThanShardingIsRefused) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("create the state after sharding"), std::string::npos) << e.what();
   }
+}
+
+// A progress line is drawn on a terminal (here fsdp-run's word for one) by the lead rank alone,
+// at most twice a second (a fast save draws none), and erased by end(); moved() gives the bytes
+// last told and their rate.
+TEST(ProgressLine, DrawsOnATerminalAtMostTwiceASecondAndErasesItself) {
+  ::setenv("FSDP_STDOUT_IS_TERMINAL", "1", 1);
+  const auto printed = [](bool lead, bool wait) {
+    ::testing::internal::CaptureStdout();
+    {
+      fsdp::train::ProgressLine line("saving ck/step-000020", lead);
+      line.callback()(1000, 4000000000);  // at once: not drawn
+      if (wait) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      line.callback()(1000000000, 4000000000);
+      line.end();
+      line.update(2000000000, 4000000000);  // after end(): nothing
+      EXPECT_NE(line.moved().find("2.00 GB at "), std::string::npos) << line.moved();
+    }
+    return ::testing::internal::GetCapturedStdout();
+  };
+  EXPECT_EQ(printed(true, false), "");
+  EXPECT_EQ(printed(false, true), "");
+  const std::string drawn = printed(true, true);
+  ::unsetenv("FSDP_STDOUT_IS_TERMINAL");
+  EXPECT_EQ(drawn.rfind("\r\033[Kfsdp-train: saving ck/step-000020: 25% of 4.00 GB, ", 0), 0u) << drawn;
+  EXPECT_NE(drawn.find(" left\r\033[K"), std::string::npos) << drawn;  // erased at the end
+  EXPECT_EQ(drawn.find('\n'), std::string::npos) << drawn;
 }
 
 }  // namespace

@@ -230,7 +230,7 @@ LlamaConfig llama_config_from_json(const std::string& text, const std::string& w
 }
 
 
-void load_hf_weights(LlamaImpl& model, const std::string& path) {
+void load_hf_weights(LlamaImpl& model, const std::string& path, const ByteProgress& progress) {
   c10::NoGradGuard no_grad;
   std::vector<std::unique_ptr<io::SafetensorsFile>> files;
   std::map<std::string, const io::SafetensorsFile*> where;
@@ -248,6 +248,8 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
   std::set<std::string> unused;
   for (const auto& [name, file] : where) unused.insert(name);
   std::string missing;
+  int64_t read = 0, to_read = 0;
+  for (const auto& param : model.parameters()) to_read += static_cast<int64_t>(param.nbytes());
   for (auto& [ours, param] : model.named_parameters().pairs()) {
     const HeldElements held = held_elements_of(param);
     std::vector<at::Tensor> pieces;  // this rank's rows, run by run and part by part
@@ -283,6 +285,7 @@ void load_hf_weights(LlamaImpl& model, const std::string& path) {
     at::Tensor mine = at::cat(pieces);
     if (held.full_shape.size() == 2) mine = mine.narrow(1, held.first_column, held.columns);  // a part of columns
     param.copy_(mine.reshape(param.sizes()));
+    if (progress) progress(read += static_cast<int64_t>(param.nbytes()), to_read);
   }
   // A tied model's head is its embedding. A file that also holds an lm_head.weight of other
   // values was trained untied: tying would drop that head (transformers keeps it). Refused.
@@ -457,18 +460,20 @@ void export_hf(LlamaImpl& model, Communicator& comm, const std::string& path, co
     return;
   }
   nlohmann::json weight_map = nlohmann::json::object();
-  int64_t total_bytes = 0;
+  int64_t total_bytes = 0, handed = 0;
+  for (const auto& spec : specs) total_bytes += spec_bytes(spec);
   for (size_t f = 0; f < files.size(); ++f) {
     const auto [first, end] = files[f];
     const std::string name = weight_file_name(f, files.size());
     const std::vector<io::SafetensorsSpec> part(specs.begin() + first, specs.begin() + end);
-    io::write_safetensors(single_file ? staged : staged + "/" + name, part,
-                          [&](size_t i) { return gathered(first + i); }, {{"format", "pt"}});
-    for (const auto& spec : part) {
-      weight_map[spec.name] = name;
-      total_bytes += spec_bytes(spec);
-    }
+    io::write_safetensors(single_file ? staged : staged + "/" + name, part, [&](size_t i) {
+      if (options.progress) options.progress(handed, total_bytes);  // the tensors before this one written
+      handed += spec_bytes(part[i]);
+      return gathered(first + i);
+    }, {{"format", "pt"}});
+    for (const auto& spec : part) weight_map[spec.name] = name;
   }
+  if (options.progress) options.progress(handed, total_bytes);
   if (files.size() > 1) {  // transformers finds the files through the index
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
     write_json(staged + "/model.safetensors.index.json", index);

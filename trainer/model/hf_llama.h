@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fsdp/communicator.h"
+#include "fsdp/sharded_checkpoint.h"
 #include "model/llama.h"
 
 namespace fsdp::model {
@@ -35,8 +36,8 @@ LlamaConfig llama_config_from_json(const std::string& text, const std::string& w
 // directory, into `model` (sharded or not): each rank reads the rows of its own shards, converted
 // to the parameters' dtype. Every parameter must be found with its full shape, and every tensor
 // in the files must be a parameter (a tied model may carry lm_head.weight); otherwise an error
-// names them.
-void load_hf_weights(LlamaImpl& model, const std::string& path);
+// names them. `progress` is told this rank's bytes read as each parameter is filled.
+void load_hf_weights(LlamaImpl& model, const std::string& path, const ByteProgress& progress = {});
 
 // Whether an --export PATH names one .safetensors file (else a directory).
 bool exports_single_file(const std::string& path);
@@ -55,6 +56,8 @@ struct ExportOptions {
   // Whether a model already at PATH (or one another writer publishes there meanwhile) is replaced;
   // without it the export is published only where nothing is, else it fails naming where it is left.
   bool replace = false;
+  // Told rank 0's bytes written of all the weights' as each tensor is written.
+  ByteProgress progress;
 };
 
 // The dtype config.json of a Hugging Face directory names ("torch_dtype", or transformers 5's

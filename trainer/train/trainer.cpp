@@ -29,9 +29,27 @@
 #include "train/llama_schedule.h"
 #include "train/memory.h"
 #include "train/profile.h"
+#include "train/progress_line.h"
 
 namespace fsdp::train {
 namespace {
+
+// Runs a save or load of `state` with `line` told its bytes; the line erased after, error or not.
+template <class F>
+void with_progress(CheckpointState& state, ProgressLine& line, F&& work) {
+  state.progress = line.callback();
+  const auto done = [&] {
+    state.progress = nullptr;
+    line.end();
+  };
+  try {
+    work();
+  } catch (...) {
+    done();
+    throw;
+  }
+  done();
+}
 
 volatile sig_atomic_t g_stop_signal = 0;
 const auto g_process_start = std::chrono::steady_clock::now();
@@ -203,8 +221,10 @@ void Trainer::shard_model() {
   if (args_.init_from.empty()) {
     model_->reset_parameters();
   } else {
-    model::load_hf_weights(*model_, args_.init_from);
-    if (lead_) std::printf("fsdp-train: weights from %s\n", args_.init_from.c_str());
+    ProgressLine line("reading weights from " + args_.init_from, lead_);
+    model::load_hf_weights(*model_, args_.init_from, line.callback());
+    line.end();
+    if (lead_) std::printf("fsdp-train: weights from %s (rank 0 read %s)\n", args_.init_from.c_str(), line.moved().c_str());
   }
   if (!args_.save_init.empty()) save_weights(*model_, args_.save_init, lead_);
   if (!optimizer_) optimizer_ = make_optimizer();
@@ -260,8 +280,9 @@ void Trainer::claim_outputs() {
 void Trainer::resume() {
   if (!resume_from_.empty()) {
     const auto begin = std::chrono::steady_clock::now();
+    ProgressLine line("loading " + resume_from_, lead_);
     try {
-      load_checkpoint(resume_from_, checkpoint_);
+      with_progress(checkpoint_, line, [&] { load_checkpoint(resume_from_, checkpoint_); });
     } catch (const std::exception& e) {
       const auto saved = saved_checkpoints(io::parent_of(resume_from_));
       const auto failed = std::find_if(saved.begin(), saved.end(), [&](const SavedCheckpoint& c) {
@@ -273,8 +294,9 @@ void Trainer::resume() {
     }
     first_step_ = std::stoi(checkpoint_.extra.at("step"));
     if (lead_)
-      std::printf("fsdp-train: resumed from %s (step %d, run %s) in %.2f s\n", resume_from_.c_str(), first_step_,
-                  run_id_.c_str(), seconds_since(begin));
+      std::printf("fsdp-train: resumed from %s (step %d, run %s) in %.2f s (rank 0 read %s, each block twice: "
+                  "checked, then copied)\n",
+                  resume_from_.c_str(), first_step_, run_id_.c_str(), seconds_since(begin), line.moved().c_str());
   }
   steps_done_ = first_step_;
 }
@@ -493,8 +515,9 @@ void Trainer::save(int steps_done, bool in_background) {
                   seconds_since(begin));
     return;
   }
-  save_checkpoint(dir, checkpoint_);
-  if (lead_) std::printf("fsdp-train: saved %s in %.2f s\n", dir.c_str(), seconds_since(begin));
+  ProgressLine line("saving " + dir, lead_);
+  with_progress(checkpoint_, line, [&] { save_checkpoint(dir, checkpoint_); });
+  if (lead_) std::printf("fsdp-train: saved %s in %.2f s (rank 0 wrote %s)\n", dir.c_str(), seconds_since(begin), line.moved().c_str());
   after_saved();
 }
 
@@ -552,10 +575,13 @@ int Trainer::finish() {
       options.max_file_bytes = static_cast<int64_t>(args_.export_shard_gb * 1e9);
       options.writer = run_id_;
       options.replace = args_.overwrite_export;
+      ProgressLine line("exporting " + args_.export_path, lead_);
+      options.progress = line.callback();
       model::export_hf(*model_, *comm_, args_.export_path, options);
+      line.end();
       if (lead_)
-        std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names, %s)\n", args_.export_path.c_str(),
-                    options.dtype == at::kBFloat16 ? "bf16" : "fp32");
+        std::printf("fsdp-train: exported %s (Hugging Face LlamaForCausalLM names, %s; %s)\n", args_.export_path.c_str(),
+                    options.dtype == at::kBFloat16 ? "bf16" : "fp32", line.moved().c_str());
     } else {
       exit_code_ = 1;
     }
