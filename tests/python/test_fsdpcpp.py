@@ -159,14 +159,13 @@ def test_tensor_parallel_as_on_fsdp2_with_tp(tmp_path):
 
 
 @cpu_only
-@pytest.mark.parametrize("model,runtimes", [("llama", ["fsdpcpp"]), ("gpt2", ["fsdp2", "fsdpcpp"])])
-def test_accelerate_fsdp2_path_on_fsdpcpp(model, runtimes):
+def test_accelerate_fsdp2_path_on_fsdpcpp():
     """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
     single-process reference, as the same case is on FSDP2 (run for the tied GPT-2, whose group
     of a norm, the embedding and the head spans the whole forward). Its memory-efficient loading
     (cpu_ram_efficient_loading) is one of test_parameters_touched_after_fully_shard's."""
-    for runtime in runtimes:
-        run(2, "accelerate", "--runtime", runtime, "--model", model)
+    run(2, *chain(*(["accelerate", "--runtime", runtime, "--model", model]
+                    for model, runtime in (("gpt2", "fsdp2"), ("gpt2", "fsdpcpp"), ("llama", "fsdpcpp")))))
 
 
 def check_touches(ranks, tmp_path):

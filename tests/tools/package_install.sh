@@ -30,8 +30,9 @@ wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
 "$python" -m pip install -q --no-deps --prefix "$work/prefix" "$wheel" > "$work/install.log" 2>&1 ||
   { cat "$work/install.log"; fail "pip install of $wheel"; }
 # Where pip put the commands and the package under the prefix (its scheme differs between
-# interpreters: bin/ or local/bin/, site-packages or dist-packages).
-bin=$(find "$work/prefix" -type f -path '*/bin/fsdp-train' -printf '%h\n' | head -1)
+# interpreters: bin/ or local/bin/, site-packages or dist-packages); the commands are pip's
+# scripts, not the programs they start in the package's fsdpcpp/bin/.
+bin=$(find "$work/prefix" -type f -path '*/bin/fsdp-train' -not -path '*/fsdpcpp/bin/*' -printf '%h\n' | head -1)
 site=$(find "$work/prefix" -type d -name fsdpcpp -path '*-packages/*' -printf '%h\n' | head -1)
 [ -n "$bin" ] && [ -n "$site" ] ||
   fail "no bin/fsdp-train or fsdpcpp package under the prefix: $(cd "$work/prefix" && find . -maxdepth 4 | tr '\n' ' ')"
