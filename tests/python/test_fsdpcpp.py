@@ -342,7 +342,8 @@ def test_init_beside_a_process_group():
 
 @cpu_only
 def test_compiled_blocks():
-    run(2, "compile", "--model", "plain")
+    # In float32 and in float8: one job, whose compiler worker pool both runs share.
+    run(2, *chain(["compile", "--model", "plain"], ["float8_compile", "--model", "plain"]))
 
 
 @cpu_only
@@ -360,11 +361,6 @@ def test_memory_budget_planner(model, ranks, accum, bf16):
 @pytest.mark.parametrize("ranks,runs", [(2, [["float8", "--model", "llama"], ["float8_tied"]]), (3, [["float8", "--model", "plain"]])])
 def test_float8(ranks, runs):
     run(ranks, *chain(*runs))
-
-
-@cpu_only
-def test_float8_compiled_blocks():
-    run(2, "float8_compile", "--model", "plain")
 
 
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
