@@ -23,6 +23,13 @@ TrainArgs checked(const std::vector<std::string>& argv) {
   return a;
 }
 
+// A file NAME in the test's temporary directory holding `text`; its path.
+std::string temp_file(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
 std::string usage_error_of(const std::vector<std::string>& argv) {
   try {
     checked(argv);
@@ -161,11 +168,7 @@ TEST(TrainArgs, NoOutputIsAnInputOrAnotherOutput) {
 TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   using ::testing::HasSubstr;
   const std::string dir = ::testing::TempDir();
-  const auto config = [&](const std::string& name, const std::string& json) {
-    std::ofstream(dir + name) << json;
-    return dir + name;
-  };
-  const std::string good = config("cli_config.json", R"({"steps": 7, "seq": "32", "lr": 0.001, "recompute": true,
+  const std::string good = temp_file("cli_config.json", R"({"steps": 7, "seq": "32", "lr": 0.001, "recompute": true,
                                                          "cpu-offload": false})");
   const TrainArgs a = checked({"--config", good, "--seq=16"});
   EXPECT_EQ(a.steps, 7);
@@ -174,16 +177,16 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   EXPECT_TRUE(a.recompute);
   EXPECT_FALSE(a.cpu_offload);
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
-      {{"--config", config("c1.json", R"({"bogus": 1})")}, "unknown flag 'bogus'"},
-      {{"--config", config("c2.json", R"({"recompute": "yes"})")}, "'recompute' is a switch: give true or false"},
-      {{"--config", config("c3.json", R"({"steps": [1]})")}, "'steps' needs a string or a number"},
-      {{"--config", config("c4.json", R"({"steps": 0})")}, "--steps must be at least 1"},
-      {{"--config", config("c5.json", R"({"steps": "x"})")}, "--steps (from --config"},
-      {{"--config", config("c6.json", R"([1, 2])")}, "is not a JSON object of flags"},
-      {{"--config", config("c7.json", "{")}, "is not a JSON object of flags"},
-      {{"--config", config("c8.json", R"({"config": "x.json"})")}, "a --config cannot name another"},
+      {{"--config", temp_file("c1.json", R"({"bogus": 1})")}, "unknown flag 'bogus'"},
+      {{"--config", temp_file("c2.json", R"({"recompute": "yes"})")}, "'recompute' is a switch: give true or false"},
+      {{"--config", temp_file("c3.json", R"({"steps": [1]})")}, "'steps' needs a string or a number"},
+      {{"--config", temp_file("c4.json", R"({"steps": 0})")}, "--steps must be at least 1"},
+      {{"--config", temp_file("c5.json", R"({"steps": "x"})")}, "--steps (from --config"},
+      {{"--config", temp_file("c6.json", R"([1, 2])")}, "is not a JSON object of flags"},
+      {{"--config", temp_file("c7.json", "{")}, "is not a JSON object of flags"},
+      {{"--config", temp_file("c8.json", R"({"config": "x.json"})")}, "a --config cannot name another"},
       {{"--config", dir + "missing.json"}, "--config: cannot read"},
-      {{"--config", config("c9.json", R"({"steps": 3, "lr": 0.1, "steps": 4})")}, "gives 'steps' twice: give each flag once"},
+      {{"--config", temp_file("c9.json", R"({"steps": 3, "lr": 0.1, "steps": 4})")}, "gives 'steps' twice: give each flag once"},
       {{"--config", dir}, "is a directory, not a JSON file of flags"},
       {{"--config"}, "--config needs a value"},
       {{"--steps", "3", "--steps=4"}, "--steps is given twice"},
@@ -191,13 +194,13 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
   for (const auto& [argv, message] : refused) EXPECT_THAT(usage_error_of(argv), HasSubstr(message)) << argv.back();
   // What a run writes beside its log is a --config giving the same flags.
   const TrainArgs given = checked({"--steps", "5", "--recompute", "--lr=0.002"});
-  const std::string written = config("given.json", fsdp::train::given_flags_json(given));
+  const std::string written = temp_file("given.json", fsdp::train::given_flags_json(given));
   const TrainArgs again = checked({"--config", written});
   EXPECT_EQ(again.steps, 5);
   EXPECT_TRUE(again.recompute);
   EXPECT_DOUBLE_EQ(again.lr, 0.002);
   EXPECT_EQ(fsdp::train::given_flags_json(again).find("\"config\""), std::string::npos);
-  const std::string log = config("cli_log.jsonl", "");
+  const std::string log = temp_file("cli_log.jsonl", "");
   std::remove((dir + "cli_log.config.json").c_str());
   std::remove((dir + "cli_log.config-2.json").c_str());
   EXPECT_EQ(fsdp::train::write_given_flags(given, log), dir + "cli_log.config.json");
@@ -215,12 +218,7 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
 // line (--training.steps); a flag in another topic's table refused naming its own.
 TEST(TrainArgs, ConfigTablesAreTheHelpsTopics) {
   using ::testing::HasSubstr;
-  const std::string dir = ::testing::TempDir();
-  const auto config = [&](const std::string& name, const std::string& text) {
-    std::ofstream(dir + name) << text;
-    return dir + name;
-  };
-  const TrainArgs json = checked({"--config", config("tables.json", R"({"batch": 2, "training": {"steps": 9},
+  const TrainArgs json = checked({"--config", temp_file("tables.json", R"({"batch": 2, "training": {"steps": 9},
                                                                         "sharding": {"recompute": true}})")});
   EXPECT_EQ(json.batch, 2);
   EXPECT_EQ(json.steps, 9);
@@ -229,15 +227,15 @@ TEST(TrainArgs, ConfigTablesAreTheHelpsTopics) {
   EXPECT_EQ(line.steps, 11);
   EXPECT_EQ(line.seq, 24);
   EXPECT_THAT(usage_error_of({"--model.steps=3"}), HasSubstr("--model.steps: --steps belongs in [training] (--training.steps)"));
-  EXPECT_THAT(usage_error_of({"--config", config("t1.json", R"({"model": {"steps": 3}})")}),
+  EXPECT_THAT(usage_error_of({"--config", temp_file("t1.json", R"({"model": {"steps": 3}})")}),
               HasSubstr("'model.steps': --steps belongs in [training]"));
-  EXPECT_THAT(usage_error_of({"--config", config("t2.json", R"({"steps": 3, "training": {"steps": 4}})")}),
+  EXPECT_THAT(usage_error_of({"--config", temp_file("t2.json", R"({"steps": 3, "training": {"steps": 4}})")}),
               HasSubstr("gives 'steps' twice"));
-  EXPECT_THAT(usage_error_of({"--config", config("t3.json", R"({"training": {"x": {"steps": 4}}})")}),
+  EXPECT_THAT(usage_error_of({"--config", temp_file("t3.json", R"({"training": {"x": {"steps": 4}}})")}),
               HasSubstr("nests too deep"));
-  EXPECT_THAT(usage_error_of({"--config", config("t4.json", R"({"training": {"steps": 3, "steps": 4}})")}),
+  EXPECT_THAT(usage_error_of({"--config", temp_file("t4.json", R"({"training": {"steps": 3, "steps": 4}})")}),
               HasSubstr("gives 'steps' twice"));
-  const std::string toml = config("run.toml", R"(batch = 2
+  const std::string toml = temp_file("run.toml", R"(batch = 2
 [model]
 seq = 32
 [training]
@@ -270,7 +268,7 @@ cpu-offload = false
       {"bogus = 1\n", "unknown flag 'bogus'"},
   };
   for (const auto& [text, message] : refused)
-    EXPECT_THAT(usage_error_of({"--config", config("bad.toml", text)}), HasSubstr(message)) << text;
+    EXPECT_THAT(usage_error_of({"--config", temp_file("bad.toml", text)}), HasSubstr(message)) << text;
 }
 
 // --help shows each flag's default from the field itself, the runtime knobs' too.
