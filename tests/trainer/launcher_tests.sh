@@ -388,6 +388,38 @@ PY
     python3 "$(dirname "$0")/check_train_log.py" "$work/$f.jsonl" --steps 3 --same-loss-as "$work/text.jsonl" \
       || fail "$f.bin does not train like the text"
   done
+  # A directory of token files is one corpus: the directory holding only llmc16.bin trains as the file.
+  mkdir -p "$work/corpus" && cp "$work/llmc16.bin" "$work/corpus/000000.bin"
+  "$run" -n 2 --cpu "$train" "${common[@]}" --data "$work/corpus" --log "$work/corpus.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "a directory of token files"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/corpus.jsonl" --steps 3 --same-loss-as "$work/llmc16.jsonl" \
+    || fail "the directory does not train as its one file"
+  # Resumed, the data goes on at the sample after the checkpoint's: on the same layout the losses of
+  # the straight run bit for bit; with half the global batch (1 rank of 2 rows, not 2 of 2) the
+  # log's position counts on from the checkpoint's 3 x 4 samples, 2 a step.
+  resume_common=(--model tiny --steps 6 --seq 32 --batch 2 --data "$work/llmc16.bin")
+  "$run" -n 2 --cpu "$train" "${resume_common[@]}" --log "$work/straight.jsonl" >/dev/null 2>&1 || fail "straight"
+  "$run" -n 2 --cpu "$train" "${resume_common[@]}" --stop-at-step 3 --save-dir "$work/data-ck" \
+    --log "$work/first-half.jsonl" >/dev/null 2>&1 || fail "first half"
+  "$run" -n 2 --cpu "$train" "${resume_common[@]}" --resume "$work/data-ck" --log "$work/second-half.jsonl" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "resume on the data file"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/second-half.jsonl" --first-step 4 --steps 6 \
+    --same-loss-as "$work/straight.jsonl" || fail "the resumed run read other samples than the straight run"
+  "$run" -n 1 --cpu "$train" "${resume_common[@]}" --resume "$work/data-ck" --log "$work/half-batch.jsonl" \
+    >"$work/out" 2>&1 || { cat "$work/out"; fail "resume with half the global batch"; }
+  python3 - "$work" "$(dirname "$0")/../../README.md" <<'PY' || fail "the data position"
+import json, os, sys
+work, text = sys.argv[1:]
+windows = (os.path.getsize(text) - 1) // 32  # --seq 32: each window starts where the last ended
+for name, first, per_step in (("straight", 1, 4), ("half-batch", 4, 2)):
+    rows = [json.loads(line) for line in open(f"{work}/{name}.jsonl")]
+    expected = [(12 if name == "half-batch" else 0) + per_step * (r["step"] - first + 1) for r in rows]
+    got = [r["samples"] for r in rows]
+    assert got == expected, f"{name}: samples {got}, expected {expected}"
+    for r in rows:
+        assert abs(r["epoch"] - r["samples"] / windows) < 1e-12, f"{name}: epoch {r['epoch']} of {windows} windows"
+print("data position: ok")
+PY
   expect_usage_error "holds token id 300 (llm.c uint16) but the tiny model's vocabulary has 256 ids" \
     -n 2 --cpu "$train" --data "$work/big-id.bin"
   expect_usage_error "its llm.c header says" -n 2 --cpu "$train" --data "$work/truncated.bin"
@@ -458,7 +490,7 @@ usage)
   expect_usage_error "--steps: 'abc' is not an integer" -n 2 --cpu "$train" --steps abc
   expect_usage_error "unknown flag '--bogus'" -n 2 --cpu "$train" --bogus
   expect_usage_error "--data: cannot read '/nonexistent'" -n 2 --cpu "$train" --data /nonexistent
-  expect_usage_error "needs at least 130" -n 2 --cpu "$train" --data "$short"
+  expect_usage_error "holds 0 sequence(s) of --seq 128 + 1 tokens" -n 2 --cpu "$train" --data "$short"
   expect_usage_error "--log: cannot write '/proc/x/y'" -n 2 --cpu "$train" --log /proc/x/y
   expect_usage_error "-n must be a whole number of ranks, at least 1" -n 0 "$train"
   expect_usage_error "-n must be a whole number of ranks, at least 1" -n two "$train"

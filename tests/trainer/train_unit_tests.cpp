@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "io/files.h"
 #include "train/args.h"
 #include "train/data.h"
 #include "train/fused_adamw.h"
@@ -137,13 +138,100 @@ TEST(LlamaSchedule, ScheduleOfOtherGroupsOrARecomputedRootIsRefused) {
 }
 
 TEST(TokenSource, GlobalBatchDoesNotDependOnHowItIsSplit) {
-  auto data = fsdp::train::synthetic_tokens(50, 7);
-  auto whole = data->rows(3, 0, 6, 16);
-  auto split = torch::cat({data->rows(3, 0, 2, 16), data->rows(3, 2, 2, 16), data->rows(3, 4, 2, 16)});
+  auto data = fsdp::train::synthetic_tokens(50, 16, 7);
+  auto whole = data->samples(30, 6);
+  auto split = torch::cat({data->samples(30, 2), data->samples(32, 2), data->samples(34, 2)});
   EXPECT_TRUE(torch::equal(whole, split));
-  EXPECT_FALSE(torch::equal(whole, data->rows(4, 0, 6, 16)));
+  EXPECT_FALSE(torch::equal(whole, data->samples(36, 6)));
+  EXPECT_EQ(whole.size(1), 17);
   EXPECT_LT(whole.max().item<int64_t>(), 50);
   EXPECT_GE(whole.min().item<int64_t>(), 0);
+}
+
+// A bijection of [0, n) for sizes around powers of four (where cycle walking starts), another
+// order for another key, and not the identity.
+TEST(Shuffle, IsAPermutationChosenByItsKey) {
+  for (uint64_t n : {1, 2, 3, 4, 5, 16, 17, 1000, 4099}) {
+    const fsdp::train::Shuffle a(n, 11), b(n, 12);
+    std::vector<int> seen(n, 0);
+    bool same_as_b = true, identity = true;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t j = a(i);
+      ASSERT_LT(j, n) << "n " << n;
+      ++seen[j];
+      same_as_b = same_as_b && j == b(i);
+      identity = identity && j == i;
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<long>(n)) << "n " << n;
+    if (n >= 16) EXPECT_FALSE(same_as_b || identity) << "n " << n;
+  }
+}
+
+namespace {
+
+// An llm.c uint16 token file of `ids`.
+void write_token_file(const std::string& path, const std::vector<uint16_t>& ids) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520, header[1] = 1, header[2] = static_cast<int32_t>(ids.size());
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), header.size() * 4);
+  out.write(reinterpret_cast<const char*>(ids.data()), ids.size() * 2);
+}
+
+std::vector<uint16_t> counting(uint16_t from, int count) {
+  std::vector<uint16_t> ids(count);
+  for (int i = 0; i < count; ++i) ids[i] = static_cast<uint16_t>(from + i);
+  return ids;
+}
+
+}  // namespace
+
+// A directory of two files at --seq 8: 41 tokens hold 5 windows (from tokens 0, 8, ..., 32; each
+// window's last token the next one's first), 21 tokens 2. In order: the windows in file order,
+// again from the start after the last. Shuffled: each epoch of 7 samples visits every window
+// once, the epochs in different orders, whatever pieces the samples are read in.
+TEST(TokenSource, FilesAreReadWindowByWindowEachEpochInAnOrderOfItsOwn) {
+  const std::string dir = ::testing::TempDir() + "/token-corpus";
+  fsdp::io::remove_tree(dir);  // std::filesystem: libtorch's copy of it is built for another ABI
+  fsdp::io::make_directories(dir);
+  write_token_file(dir + "/000000.bin", counting(0, 41));
+  write_token_file(dir + "/000001.bin", counting(100, 21));
+  const auto files = fsdp::train::data_files(dir);
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0], dir + "/000000.bin");
+  const std::vector<int64_t> windows = {0, 8, 16, 24, 32, 100, 108};  // each window's first token
+
+  auto in_order = fsdp::train::file_tokens(files, 8, 5, fsdp::train::SampleOrder::InOrder);
+  EXPECT_EQ(in_order->epoch_samples(), 7);
+  const auto read = in_order->samples(0, 8);
+  ASSERT_EQ(read.sizes(), (std::vector<int64_t>{8, 9}));
+  for (int64_t r = 0; r < 8; ++r)
+    EXPECT_TRUE(torch::equal(read[r], torch::arange(windows[r % 7], windows[r % 7] + 9))) << "sample " << r;
+
+  auto shuffled = fsdp::train::file_tokens(files, 8, 5, fsdp::train::SampleOrder::Shuffled);
+  const auto two_epochs = shuffled->samples(0, 14);
+  EXPECT_TRUE(torch::equal(two_epochs, torch::cat({shuffled->samples(0, 3), shuffled->samples(3, 9),
+                                                   shuffled->samples(12, 2)})));
+  std::vector<int64_t> orders[2];
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    for (int64_t r = 0; r < 7; ++r) {
+      const auto row = two_epochs[epoch * 7 + r];
+      const int64_t first = row[0].item<int64_t>();
+      EXPECT_TRUE(torch::equal(row, torch::arange(first, first + 9))) << "a window is 9 consecutive ids";
+      orders[epoch].push_back(first);
+    }
+    auto sorted = orders[epoch];
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(sorted, windows) << "epoch " << epoch;
+  }
+  EXPECT_NE(orders[0], orders[1]);
+  EXPECT_NE(orders[0], windows);
+  auto other_seed = fsdp::train::file_tokens(files, 8, 6, fsdp::train::SampleOrder::Shuffled);
+  EXPECT_FALSE(torch::equal(other_seed->samples(0, 7), two_epochs.narrow(0, 0, 7)));
+
+  fsdp::io::make_directories(dir + "/empty");
+  EXPECT_THROW(fsdp::train::data_files(dir + "/empty"), std::invalid_argument);
+  EXPECT_THROW(fsdp::train::file_tokens(files, 64, 5, fsdp::train::SampleOrder::InOrder), std::invalid_argument);
 }
 
 // The fused kernel must be libtorch's AdamW, update for update, including a

@@ -116,16 +116,17 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
       {"--seed", {Topic::Model, "seed for weights and data", number(a.seed)}},
       {"--data",
        {Topic::Model,
-        "'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped) or a text "
-        "file read as bytes",
+        "'synthetic', a token file FILE.bin (llm.c or nanoGPT layout, memory-mapped), a directory "
+        "of such files (one corpus, in name order) or a text file read as bytes; each epoch reads "
+        "every sequence once, in an order --seed chooses",
         text(a.data)}},
       {"--eval-data",
        {Topic::Model, "held-out data (same kinds as --data) for an evaluation loss and perplexity", text(a.eval_data)}},
       {"--eval-every", {Topic::Model, "steps between evaluations, 0 = after the last step only", number(a.eval_every)}},
       {"--eval-batches",
        {Topic::Model,
-        "evaluation set size in batches of --batch sequences, the same set whatever "
-        "the rank count",
+        "evaluation set size in batches of --batch sequences: the --eval-data's first ones, the "
+        "same set whatever the rank count",
         number(a.eval_batches)}},
       {"--grad-accum",
        {Topic::Training, "micro-batches of --batch sequences per optimizer step", number(a.grad_accum)}},
@@ -552,9 +553,9 @@ void require_writable_directory(const std::string& flag, const std::string& dir)
   require(denied.empty(), flag + ": cannot write '" + dir + "': " + denied);
 }
 
-// A data file: readable, in a layout we know, long enough for one row, and no token id beyond
-// the model's vocabulary (one pass over the mapped file, before any rank starts).
-void check_data_file(const std::string& flag, const std::string& path, const TrainArgs& a, int64_t vocab) {
+// One data file: readable, in a layout we know, and no token id beyond the model's vocabulary (one
+// pass over the mapped file, before any rank starts). Returns its layout.
+TokenFileLayout check_data_file(const std::string& flag, const std::string& path, const TrainArgs& a, int64_t vocab) {
   struct stat st{};
   const std::string missing = failure(stat(path.c_str(), &st));
   require(missing.empty(), flag + ": cannot read '" + path + "': " + missing);
@@ -574,16 +575,29 @@ void check_data_file(const std::string& flag, const std::string& path, const Tra
               "' brings a model whose token ids are its tokenizer's: tokenise the text first, e.g. "
               "fsdp-prepare-data --tokenizer " + (io::is_directory(a.init_from) ? a.init_from : std::string("DIR")) +
               " " + path + " --out DATA.bin, and pass that .bin file");
-  // A row is seq + 1 tokens (inputs and shifted targets) from a random start.
-  require(layout.tokens >= static_cast<uint64_t>(a.seq) + 2,
-          flag + ": '" + path + "' has " + std::to_string(layout.tokens) + " tokens (" + layout.format + "); --seq " +
-              std::to_string(a.seq) + " needs at least " + std::to_string(a.seq + 2) +
-              " (lower --seq or use a longer file)");
   const uint64_t largest = layout.tokens ? largest_token(file.data(), layout) : 0;
   require(largest < static_cast<uint64_t>(vocab),
           flag + ": '" + path + "' holds token id " + std::to_string(largest) + " (" + layout.format +
               ") but the " + model_name(a) + " model's vocabulary has " + std::to_string(vocab) +
               " ids: tokenise for this model or pick a model with a larger vocabulary");
+  return layout;
+}
+
+// --data and --eval-data: a file or a directory of .bin files, each checked, holding at least
+// `needed` sequences of --seq + 1 tokens.
+void check_data(const std::string& flag, const std::string& path, const TrainArgs& a, int64_t vocab, int64_t needed,
+                const std::string& fix) {
+  std::vector<std::string> files;
+  try {
+    files = data_files(path);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(flag + ": " + e.what());
+  }
+  int64_t sequences = 0;
+  for (const auto& file : files) sequences += windows_of(check_data_file(flag, file, a, vocab).tokens, a.seq);
+  require(sequences >= needed, flag + ": '" + path + "' holds " + std::to_string(sequences) + " sequence(s) of --seq " +
+                                   std::to_string(a.seq) + " + 1 tokens and the run needs " + std::to_string(needed) +
+                                   ": " + fix);
 }
 
 // --export: a new name, or with --overwrite an existing model to replace whole (export_hf writes
@@ -671,7 +685,7 @@ std::map<std::string, std::string> check_resume(const TrainArgs& a) {
   require(a.stop_at_step == 0 || a.stop_at_step > done,
           "--stop-at-step " + std::to_string(a.stop_at_step) + " is not after the checkpoint's step " + step->second +
               " ('" + from + "'): give a later step, or drop --stop-at-step");
-  // What the run trained on: going on with other data or another seed (which draws the rows)
+  // What the run trained on: going on with other data or another seed (which orders the samples)
   // is another run, unless the user says so.
   const auto recorded = [&](const char* key) {
     const auto it = extra.find(key);
@@ -690,7 +704,7 @@ std::map<std::string, std::string> check_resume(const TrainArgs& a) {
                 ": pass the same --data, or --allow-resume-changes to go on with the new data");
     require(seed.empty() || seed == std::to_string(a.seed),
             "--resume: '" + from + "' was trained with --seed " + seed + ", this run has --seed " +
-                std::to_string(a.seed) + ": pass --seed " + seed + ", or --allow-resume-changes to draw other rows");
+                std::to_string(a.seed) + ": pass --seed " + seed + ", or --allow-resume-changes to read the samples in another order");
   }
   return extra;
 }
@@ -1063,8 +1077,10 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
   if (!a.export_path.empty()) check_export_path(a);
   const auto resumed = check_resume(a);
   if (!a.save_dir.empty()) check_save_dir(a, resumed);
-  if (a.data != "synthetic") check_data_file("--data", a.data, a, config.vocab);
-  if (!a.eval_data.empty()) check_data_file("--eval-data", a.eval_data, a, config.vocab);
+  if (a.data != "synthetic") check_data("--data", a.data, a, config.vocab, 1, "lower --seq or use more data");
+  if (!a.eval_data.empty())  // the set is its first --eval-batches x --batch sequences
+    check_data("--eval-data", a.eval_data, a, config.vocab, int64_t(a.eval_batches) * a.batch,
+               "lower --eval-batches (" + std::to_string(a.eval_batches) + ") or use more held-out data");
   if (a.log.empty())
     require_writable_directory("--log", "runs");  // the default log's parent, made by rank 0
   else

@@ -13,7 +13,7 @@
 namespace fsdp::train {
 
 EvalResult evaluate(model::Llama& model, Communicator& comm, const DataRank& me, const TokenSource& data,
-                    int64_t rows, int64_t batch, int64_t seq) {
+                    int64_t rows, int64_t batch) {
   c10::NoGradGuard no_grad;
   const int64_t per_pass = batch * me.count;
   const int64_t passes = (rows + per_pass - 1) / per_pass;
@@ -23,7 +23,8 @@ EvalResult evaluate(model::Llama& model, Communicator& comm, const DataRank& me,
     const int64_t first = pass * per_pass + me.index * batch;
     const int64_t inside = me.counts ? std::clamp<int64_t>(rows - first, 0, batch) : 0;
     // Every rank runs the forward (its all-gathers are collectives), counted rows or not.
-    auto tokens = data.rows(0, first, batch, seq).to(comm.device());
+    auto tokens = data.samples(first, batch).to(comm.device());
+    const int64_t seq = tokens.size(1) - 1;
     auto logits = fsdp::forward(model, tokens.narrow(1, 0, seq));
     if (inside == 0) continue;
     // Summed in float64: the total depends on the rows, not on how ranks split them.

@@ -17,10 +17,9 @@ struct EvalResult {
   int64_t tokens = 0;     // predicted tokens in the set
 };
 
-// Collective. The mean loss of `model` over rows [0, rows) of `data`'s step 0 (rows of seq + 1
-// tokens), batch rows per forward on every data-parallel rank (`me`): each rank runs the same
+// Collective. The mean loss of `model` over `data`'s samples [0, rows), batch rows per forward on every data-parallel rank (`me`): each rank runs the same
 // number of forward passes (collectives match) and counts only the rows that fall inside the set.
 EvalResult evaluate(model::Llama& model, Communicator& comm, const DataRank& me, const TokenSource& data,
-                    int64_t rows, int64_t batch, int64_t seq);
+                    int64_t rows, int64_t batch);
 
 }  // namespace fsdp::train

@@ -148,6 +148,8 @@ void StepLog::write(const StepRecord& r) {
                          {"rss_gib", mem.rss_now_gib},
                          {"world", r.world},
                          {"model", r.model}};
+  line["samples"] = r.samples;
+  if (r.epoch_samples > 0) line["epoch"] = double(r.samples) / double(r.epoch_samples);  // 1.5: halfway through the second
   if (r.eval) {
     line["eval_loss"] = r.eval->loss;
     line["eval_ppl"] = r.eval->perplexity;

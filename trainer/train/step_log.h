@@ -24,6 +24,8 @@ struct StepRecord {
   bool skipped = false;             // --max-skipped-steps: no optimizer step
   double ms = 0;
   int64_t tokens_per_step = 0;
+  int64_t samples = 0;        // sequences trained on, this step's included (the data's position)
+  int64_t epoch_samples = 0;  // sequences in one pass over the data; 0: synthetic, without end
   double flops_per_token = 0;
   MemoryPeaks memory;
   RuntimeStats waits;          // the step's counts (the difference of two readings)

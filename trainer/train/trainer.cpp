@@ -159,8 +159,10 @@ Trainer::Trainer(const TrainArgs& args)
   if (run_id_.empty()) run_id_ = new_run_id(*comm_);
   claim_outputs();
   data_rank_ = {comm_->rank() / args.tp, comm_->world_size() / args.tp, comm_->rank() % args.tp == 0};
-  data_ = args.data == "synthetic" ? synthetic_tokens(config_.vocab, args.seed) : file_tokens(args.data, args.seed);
-  if (!args.eval_data.empty()) eval_data_ = file_tokens(args.eval_data, args.seed);
+  data_ = args.data == "synthetic" ? synthetic_tokens(config_.vocab, args.seq, args.seed)
+                                   : file_tokens(data_files(args.data), args.seq, args.seed, SampleOrder::Shuffled);
+  if (!args.eval_data.empty())  // the same sequences, in file order, for every evaluation
+    eval_data_ = file_tokens(data_files(args.eval_data), args.seq, args.seed, SampleOrder::InOrder);
   set_runtime_options(args.runtime);
   if (plans_schedule(args) && device_.is_cpu()) count_host_allocations();  // the profile's memory, on CPU
   shard_model();
@@ -293,6 +295,10 @@ void Trainer::resume() {
                                                                           "': --resume " + older + " resumes from it"));
     }
     first_step_ = std::stoi(checkpoint_.extra.at("step"));
+    // The data goes on at the sample after the checkpoint's last, whatever the batch was (a
+    // checkpoint from before samples were recorded: its steps at this run's batch).
+    const auto samples = checkpoint_.extra.find("samples");
+    first_sample_ = samples != checkpoint_.extra.end() ? std::stoll(samples->second) : first_step_ * global_batch();
     if (lead_)
       std::printf("fsdp-train: resumed from %s (step %d, run %s) in %.2f s (rank 0 read %s, each block twice: "
                   "checked, then copied)\n",
@@ -318,6 +324,9 @@ void Trainer::print_banner() const {
               args_.tp > 1 ? "tp group" : "rank",
               c10::toString(*shard_.mixed_precision.param_dtype), c10::toString(*shard_.mixed_precision.reduce_dtype));
   if (shard_.mixed_precision.keep_low_precision_grads) std::printf(" (one rank: gradients kept in it, nothing to reduce)");
+  if (const int64_t epoch = data_->epoch_samples(); epoch > 0)
+    std::printf(" | data: an epoch is %lld sequences, %.1f steps%s", (long long)epoch, double(epoch) / double(global_batch()),
+                first_sample_ > 0 ? (", going on at sample " + std::to_string(first_sample_)).c_str() : "");
   if (args_.replicas > 1) std::printf(" | HSDP: %d replicas of %d", args_.replicas, comm_->world_size() / args_.replicas);
   if (args_.tp > 1) std::printf(" | tensor parallel: %d ranks a layer", args_.tp);
   if (args_.cpu_offload) std::printf(" | CPU offload (%d threads a rank)", at::get_num_threads());
@@ -396,7 +405,7 @@ Trainer::StepResult Trainer::train_step(int step, PlannedRun::StartRecording sta
       set_requires_gradient_sync(model_, micro == args_.grad_accum - 1);
     if (start_recording && micro == args_.grad_accum - 1) start_recording();  // the planner records one pass
     const int64_t first_row = (int64_t(data_rank_.index) * args_.grad_accum + micro) * args_.batch;
-    auto tokens = data_->rows(step, first_row, args_.batch, args_.seq).to(device_);
+    auto tokens = data_->samples(samples_before(step) + first_row, args_.batch).to(device_);
     auto inputs = tokens.narrow(1, 0, args_.seq), targets = tokens.narrow(1, 1, args_.seq);
     auto micro_loss = forward(model_, inputs, targets) / args_.grad_accum;  // fused head + loss
     micro_loss.backward();
@@ -448,12 +457,11 @@ void Trainer::report(int step, const StepOutcome& outcome, double lr, bool stop)
                 seconds_since(g_process_start), outcome.ms / 1000, peak_resident_gib());
   std::optional<EvalResult> eval;
   if (eval_data_ && (done == args_.steps || stop || (args_.eval_every > 0 && done % args_.eval_every == 0)))
-    eval = evaluate(model_, *comm_, data_rank_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch,
-                    args_.seq);
+    eval = evaluate(model_, *comm_, data_rank_, *eval_data_, int64_t(args_.eval_batches) * args_.batch, args_.batch);
   if (step_log_ && log_error_.empty()) {
     try {
       step_log_->write({done, args_.steps, outcome.loss, lr, outcome.grad_norm, outcome.skipped, outcome.ms,
-                        args_.grad_accum * args_.batch * args_.seq * data_rank_.count,
+                        global_batch() * args_.seq, samples_before(done), data_->epoch_samples(),
                         config_.flops_per_token(args_.seq), mem, waits, device_.is_cuda(),
                         args_.optimizer_in_backward && args_.cpu_offload, comm_->world_size(), model_name(args_), eval});
     } catch (const std::exception& e) {  // a full disk, a file size limit: the next step saves and stops
@@ -496,7 +504,8 @@ bool Trainer::state_is_finite(int done, const char* action) {
 }
 
 void Trainer::save(int steps_done, bool in_background) {
-  checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"model", model_name(args_)},
+  checkpoint_.extra = {{"step", std::to_string(steps_done)}, {"samples", std::to_string(samples_before(steps_done))},
+                       {"model", model_name(args_)},
                        {"seed", std::to_string(args_.seed)}, {"data", recorded_data(args_.data)}, {"run", run_id_},
                        {"flags", given_flags_json(args_)}};
   const std::string dir = args_.save_dir + "/" + checkpoint_name(steps_done);

@@ -86,6 +86,10 @@ class Trainer {
   std::unique_ptr<io::LockedFile> save_dir_lock_;  // rank 0, held for the run
   bool replaced_other_runs_ = false;               // --overwrite-checkpoints done
   int first_step_ = 0, steps_done_ = 0, skipped_steps_ = 0, exit_code_ = 0;
+  int64_t first_sample_ = 0;  // the data's position at first_step_ (resumed: the checkpoint's)
+  // Sequences a step trains on, over all ranks; the samples trained on before `step`.
+  int64_t global_batch() const { return int64_t(args_.grad_accum) * args_.batch * data_rank_.count; }
+  int64_t samples_before(int step) const { return first_sample_ + (step - first_step_) * global_batch(); }
   LrSchedule lr_schedule_;
   double clip_norm_ = 0;  // 0: no norm computed
   std::optional<StepLog> step_log_;
