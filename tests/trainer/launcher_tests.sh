@@ -394,6 +394,19 @@ PY
     || { cat "$work/out"; fail "a directory of token files"; }
   python3 "$(dirname "$0")/check_train_log.py" "$work/corpus.jsonl" --steps 3 --same-loss-as "$work/llmc16.jsonl" \
     || fail "the directory does not train as its one file"
+  # Documents packed in a row (here each line of README.md, ended by '\n', id 10) attend only within
+  # themselves: another loss than causal attention's from step 1, and the same on 2 ranks as on 4
+  # with tensor parallelism (the mask made from each tp group's tokens; summation order: 4.8e-4
+  # over three steps, as grad-accum).
+  block=(--attention-mask block_causal --eos-id 10 --data "$work/llmc16.bin")
+  "$run" -n 2 --cpu "$train" "${common[@]}" "${block[@]}" --log "$work/block.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "block_causal"; }
+  "$run" -n 4 --cpu "$train" "${common[@]}" "${block[@]}" --tp 2 --log "$work/block-tp.jsonl" >"$work/out" 2>&1 \
+    || { cat "$work/out"; fail "block_causal with tp"; }
+  python3 "$(dirname "$0")/check_train_log.py" "$work/block-tp.jsonl" --steps 3 --same-loss-as "$work/block.jsonl" \
+    --loss-tolerance 4.8e-4 || fail "block_causal under tp differs"
+  if python3 "$(dirname "$0")/check_train_log.py" "$work/block.jsonl" --steps 3 --same-loss-as "$work/llmc16.jsonl" \
+    --loss-tolerance 1e-4 >/dev/null; then fail "block_causal trains as causal attention"; fi
   # Resumed, the data goes on at the sample after the checkpoint's: on the same layout the losses of
   # the straight run bit for bit; with half the global batch (1 rank of 2 rows, not 2 of 2) the
   # log's position counts on from the checkpoint's 3 x 4 samples, 2 a step.

@@ -101,6 +101,57 @@ TEST(FusedOps, CausalAttentionIsMaskedSoftmaxAttentionForEveryKernelChoice) {
   EXPECT_THROW(attention_kernel_named("auto"), std::invalid_argument);
 }
 
+// With a mask, the attention of each query is the softmax over the keys the mask allows (grouped
+// k/v heads expanded to q's), as written out in float64.
+TEST(FusedOps, MaskedAttentionIsSoftmaxOverTheAllowedKeys) {
+  torch::manual_seed(4);
+  const int64_t b = 2, heads = 4, kv_heads = 2, t = 6, d = 8;
+  auto q = torch::randn({b, heads, t, d}, torch::kDouble);
+  auto k = torch::randn({b, kv_heads, t, d}, torch::kDouble), v = torch::randn({b, kv_heads, t, d}, torch::kDouble);
+  auto k_all = k.repeat_interleave(heads / kv_heads, 1), v_all = v.repeat_interleave(heads / kv_heads, 1);
+  auto allowed = torch::rand({b, 1, t, t}) < 0.5;
+  allowed.diagonal(0, 2, 3).fill_(true);  // every query attends at least itself
+  auto scores = torch::matmul(q, k_all.transpose(-2, -1)) / std::sqrt(double(d));
+  auto expected = torch::matmul(scores.masked_fill(allowed.logical_not(), -INFINITY).softmax(-1), v_all);
+  EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, AttentionKernel::Aten, allowed), expected, 1e-12, 1e-12));
+}
+
+// Documents end with (and include) an end id; a position sees the earlier positions of its own.
+TEST(BlockCausal, MaskKeepsEachPositionToItsOwnDocument) {
+  const auto tokens = torch::tensor({5, 9, 3, 4, 8, 7}, torch::kLong).unsqueeze(0);
+  const auto expected = torch::tensor({1, 0, 0, 0, 0, 0,  // document 0: 5 9(end)
+                                       1, 1, 0, 0, 0, 0,
+                                       0, 0, 1, 0, 0, 0,  // document 1: 3 4 8(end)
+                                       0, 0, 1, 1, 0, 0,
+                                       0, 0, 1, 1, 1, 0,
+                                       0, 0, 0, 0, 0, 1},  // document 2: 7
+                                      torch::kBool)
+                            .view({1, 1, 6, 6});
+  EXPECT_TRUE(torch::equal(block_causal_mask(tokens, {9, 8}), expected));
+  EXPECT_TRUE(torch::equal(block_causal_mask(tokens, {}), torch::ones({6, 6}, torch::kBool).tril().view({1, 1, 6, 6})));
+}
+
+// A packed sequence under block_causal gives each document the logits it has alone (RoPE's scores
+// depend only on distances, so a document later in the sequence is computed as at its start): in
+// float32 to rounding (1e-7 measured on logits of up to 0.56; 1e-5 allowed), where causal attention
+// over the whole sequence moves the second document's by 0.27.
+TEST(BlockCausal, EachPackedDocumentGetsTheLogitsItHasAlone) {
+  LlamaConfig c;
+  c.n_kv_heads = 2;
+  c.block_causal = true;
+  c.eos_token_ids = {0};
+  Llama model(c);
+  torch::NoGradGuard no_grad;
+  const auto first = torch::tensor({17, 42, 99, 0}, torch::kLong), second = torch::tensor({63, 7, 120, 5, 31}, torch::kLong);
+  const auto packed = model->forward(torch::cat({first, second}).unsqueeze(0))[0];
+  const auto alone_first = model->forward(first.unsqueeze(0))[0], alone_second = model->forward(second.unsqueeze(0))[0];
+  EXPECT_TRUE(torch::allclose(packed.narrow(0, 0, 4), alone_first, 1e-5, 1e-5));
+  EXPECT_TRUE(torch::allclose(packed.narrow(0, 4, 5), alone_second, 1e-5, 1e-5));
+  model->config.block_causal = false;
+  const auto causal = model->forward(torch::cat({first, second}).unsqueeze(0))[0];
+  EXPECT_GT((causal.narrow(0, 4, 5) - alone_second).abs().max().item<double>(), 1e-2);
+}
+
 // The model's fused loss is its logits' cross-entropy, and so are the gradients of every
 // parameter (float32: relative 1e-4 covers the different summation orders of two paths).
 TEST(FusedOps, ModelLossEqualsCrossEntropyOfItsLogits) {
@@ -156,7 +207,8 @@ TEST(LlamaPresets, ThreeBIsLlama32ThreeBsConfig) {
     "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": true, "vocab_size": 128256})";
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "vocab_size": 128256,
+    "eos_token_id": [128001, 128008, 128009]})";
   const auto hf = read_hf_config(dir), preset = LlamaConfig::preset("3b");
   EXPECT_EQ(hf.vocab, preset.vocab);
   EXPECT_EQ(hf.dim, preset.dim);
@@ -167,6 +219,7 @@ TEST(LlamaPresets, ThreeBIsLlama32ThreeBsConfig) {
   EXPECT_EQ(hf.max_seq, preset.max_seq);
   EXPECT_EQ(hf.tie_embeddings, preset.tie_embeddings);
   EXPECT_TRUE(torch::equal(hf.rope_frequencies(), preset.rope_frequencies()));
+  EXPECT_EQ(hf.eos_token_ids, (std::vector<int64_t>{128001, 128008, 128009}));
   EXPECT_NEAR(preset.parameter_count() / 1e9, 3.21, 0.01);  // Llama-3.2-3B's 3.21 billion
 }
 

@@ -152,7 +152,17 @@ AttentionKernel attention_kernel_named(const std::string& name) {
   throw std::invalid_argument("attention kernel must be aten or flash, not '" + name + "'");
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel) {
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel,
+                            const at::Tensor& allowed) {
+  if (allowed.defined()) {
+    // k and v as q's heads: SDPA takes a mask beside grouped-query heads only in its math kernel,
+    // which holds [batch, heads, seq, seq] scores; the memory-efficient one takes the expanded heads.
+    const int64_t b = k.size(0), kv = k.size(1), t = k.size(2), d = k.size(3), group = q.size(1) / kv;
+    const auto as_q = [&](const at::Tensor& x) {
+      return group == 1 ? x : x.unsqueeze(2).expand({b, kv, group, t, d}).reshape({b, kv * group, t, d});
+    };
+    return at::scaled_dot_product_attention(q, as_q(k), as_q(v), allowed, /*dropout_p=*/0.0, /*is_causal=*/false);
+  }
   if (use_flash(kernel, q, k))
     return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true));
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,

@@ -33,8 +33,10 @@ enum class AttentionKernel { Aten, Flash };
 AttentionKernel attention_kernel_named(const std::string& name);  // "aten", "flash"
 
 // Causal scaled-dot-product attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads,
-// seq, head_dim] (kv_heads divides heads), default scale, no dropout.
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel);
+// seq, head_dim] (kv_heads divides heads), default scale, no dropout. With `allowed` (bool [batch,
+// 1, seq, seq], true where a query attends a key, causality included) that mask instead.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel,
+                            const at::Tensor& allowed = {});
 
 namespace reference {
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,

@@ -190,6 +190,12 @@ LlamaConfig llama_config_from_hf(const nlohmann::json& j, const std::string& dir
   c.max_seq = field("max_position_embeddings").get<int64_t>();
   c.norm_eps = field("rms_norm_eps").get<double>();
   c.tie_embeddings = j.value("tie_word_embeddings", false);
+  if (const auto eos = j.find("eos_token_id"); eos != j.end() && !eos->is_null()) {  // one id, or a list
+    for (const auto& id : eos->is_array() ? *eos : nlohmann::json::array({*eos})) {
+      if (!id.is_number_integer()) throw config_error(dir, "eos_token_id " + eos->dump() + " is not an id or a list of ids");
+      c.eos_token_ids.push_back(id.get<int64_t>());
+    }
+  }
   if (j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"] != c.dim / std::max<int64_t>(c.n_heads, 1))
     throw config_error(dir, "head_dim " + j["head_dim"].dump() + " is not hidden_size / num_attention_heads");
   // Rotary base: transformers 5 keeps it in rope_parameters, earlier versions at the top.

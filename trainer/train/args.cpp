@@ -185,6 +185,14 @@ std::map<std::string, Flag> flags(TrainArgs& a) {
         "attention kernel: aten (ATen's choice: cuDNN on Hopper) or flash (FlashAttention-2 where "
         "it applies)",
         text(a.attention)}},
+      {"--attention-mask",
+       {Topic::Model,
+        "causal (over the whole sequence) or block_causal (packed documents: each token attends "
+        "only to its own document's, a document ending with --eos-id)",
+        text(a.attention_mask)}},
+      {"--eos-id",
+       {Topic::Model, "the token id that ends a document (fsdp-prepare-data puts the tokenizer's after each); "
+        "default: --init-from's eos_token_id", number(a.eos_id)}},
       {"--fp8",
        {Topic::Precision,
         "the blocks' projections (QKV, output, gate/up, down) in float8 with dynamic scales: off, "
@@ -391,6 +399,7 @@ void check_flags_that_need_another(const TrainArgs& a) {
   const Needs rules[] = {
       {"--trace-steps", !a.trace.empty(), "--trace (the trace it sizes)"},
       {"--profile-steps", !a.profile.empty(), "--profile (the profile it sizes)"},
+      {"--eos-id", a.attention_mask == "block_causal", "--attention-mask block_causal (the documents it separates)"},
       {"--eval-every", !a.eval_data.empty(), "--eval-data (the set it evaluates on)"},
       {"--eval-batches", !a.eval_data.empty(), "--eval-data (the set it evaluates on)"},
       {"--save-every", !a.save_dir.empty(), "--save-dir (where to save)"},
@@ -467,6 +476,9 @@ void check_ranges(const TrainArgs& a) {
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--attention: ") + e.what());
   }
+  require(a.attention_mask == "causal" || a.attention_mask == "block_causal",
+          "--attention-mask must be causal or block_causal, not '" + a.attention_mask + "'");
+  require(a.eos_id >= -1, "--eos-id must be a token id (0 or more)");
   try {
     float8_recipe_named(a.fp8);
   } catch (const std::invalid_argument& e) {
@@ -1026,6 +1038,8 @@ model::LlamaConfig model_config(const TrainArgs& a) {
   if (!from_hf) config.tie_embeddings = config.tie_embeddings || a.tie_embeddings;
   config.recompute_blocks = a.recompute;
   config.attention = model::attention_kernel_named(a.attention);
+  config.block_causal = a.attention_mask == "block_causal";
+  if (a.eos_id >= 0) config.eos_token_ids = {a.eos_id};
   config.float8 = float8_recipe_named(a.fp8);
   config.float8_all_gather = a.fp8_all_gather && !a.cpu_offload;  // offloaded groups gather in bf16
   config.seed = a.seed;
@@ -1057,6 +1071,14 @@ void check_train_args_on_this_machine(const TrainArgs& a) {
               std::to_string(config.max_seq) + " positions" +
               (model::has_hf_config(a.init_from) ? " (max_position_embeddings in its config.json)" : "") +
               ": lower --seq");
+  require(!config.block_causal || !config.eos_token_ids.empty(),
+          "--attention-mask block_causal needs the id that ends a document, and the " + model_name(a) +
+              " model names none: pass --eos-id ID (the tokenizer's eos_token_id, which fsdp-prepare-data puts "
+              "after each document)");
+  for (int64_t id : config.eos_token_ids)
+    require(!config.block_causal || id < config.vocab,
+            "--eos-id " + std::to_string(id) + " is outside the " + model_name(a) + " model's vocabulary of " +
+                std::to_string(config.vocab) + " ids");
   const double gpu = a.backend == "mpi" ? -1 : smallest_gpu_bytes();  // CPU ranks: no GPU
   const bool on_gpu = gpu > 0;
   require(on_gpu || a.memory_snapshot.empty(),

@@ -34,6 +34,8 @@ struct TrainArgs {
   int tp = 1;                // tensor parallelism (fsdp::make_mesh's tp): ranks splitting each layer
   std::string backend = "auto";
   std::string attention = "aten";  // attention kernel: aten, flash (model::AttentionKernel)
+  std::string attention_mask = "causal";  // or block_causal: within documents (LlamaConfig::block_causal)
+  int64_t eos_id = -1;  // the id ending a document; -1: --init-from's eos_token_id (LlamaConfig::eos_token_ids)
   std::string fp8 = "off";  // the blocks' projections in float8: off, tensorwise, rowwise (fsdp::Float8Recipe)
   bool fp8_all_gather = true;  // tensorwise: the projections' weights all-gathered in float8
   std::string log;  // empty: runs/<date-time>/fsdp-train.jsonl (default_log_path)

@@ -324,6 +324,11 @@ void Trainer::print_banner() const {
               args_.tp > 1 ? "tp group" : "rank",
               c10::toString(*shard_.mixed_precision.param_dtype), c10::toString(*shard_.mixed_precision.reduce_dtype));
   if (shard_.mixed_precision.keep_low_precision_grads) std::printf(" (one rank: gradients kept in it, nothing to reduce)");
+  if (config_.block_causal) {
+    std::string ends;
+    for (int64_t id : config_.eos_token_ids) ends += (ends.empty() ? "" : ", ") + std::to_string(id);
+    std::printf(" | attention within documents (ended by id %s)", ends.c_str());
+  }
   if (const int64_t epoch = data_->epoch_samples(); epoch > 0)
     std::printf(" | data: an epoch is %lld sequences, %.1f steps%s", (long long)epoch, double(epoch) / double(global_batch()),
                 first_sample_ > 0 ? (", going on at sample " + std::to_string(first_sample_)).c_str() : "");
