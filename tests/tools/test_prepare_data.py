@@ -45,7 +45,7 @@ def test_an_output_that_is_an_input_is_refused_whatever_the_flags(tokenizer_dir,
     text = tmp_path / "notes.bin"
     text.write_text("t1 t2 t3")
     code, out = prepare("--tokenizer", tokenizer_dir, text, "--out", text, "--overwrite")
-    assert code == 2 and f"--out '{text}' is the input" in out, out
+    assert code == 2 and f"--out '{text}' is or holds the input" in out, out
     assert text.read_text() == "t1 t2 t3"
 
 
@@ -119,3 +119,39 @@ def test_progress_shows_on_a_terminal_alone(tokenizer_dir, tmp_path):
     assert code == 0 and "% of " not in piped and "50 document(s)" in piped, piped
     assert tokens_of(tmp_path / "a.bin") == tokens_of(tmp_path / "b.bin")
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_documents(tokenizer_dir, tmp_path):
+    """--out DIR/: the same ids as --out FILE.bin, cut into files of at most --shard-tokens that
+    each end with a document's end (t9) unless a document is larger than a file; a directory with
+    other files in it, a rerun without --overwrite and --shard-tokens for one file are refused."""
+    import json
+    data = tmp_path / "docs.jsonl"
+    lengths = [3, 8, 1, 30, 5, 2, 12, 4]  # words; the 30-word document is larger than a file
+    data.write_text("".join(json.dumps({"text": " ".join(f"t{10 + i}" for i in range(n))}) + "\n" for n in lengths))
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", tmp_path / "one.bin")
+    assert code == 0, out
+    _, whole = tokens_of(tmp_path / "one.bin")
+    corpus = tmp_path / "corpus"
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--shard-tokens", 16)
+    assert code == 0 and "file(s))" in out, out
+    names = sorted(os.listdir(corpus))
+    assert names == [f"{i:06d}.bin" for i in range(len(names))] and len(names) >= 4, names
+    parts = [tokens_of(corpus / name) for name in names]
+    assert [i for _, ids in parts for i in ids] == whole
+    for name, (header, ids) in zip(names, parts):
+        assert header == [20240520, 1, len(ids)] and 0 < len(ids) <= 16, (name, header)
+    splits = [name for name, (_, ids) in zip(names, parts) if ids[-1] != 9]
+    assert len(splits) == 1, splits  # the 30-word document fills one file and ends in the next
+    assert not os.path.exists(f"{corpus}.tmp")
+
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/")
+    assert code == 2 and "exists: pass --overwrite" in out, out
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
+    assert code == 0 and sorted(os.listdir(corpus)) == ["000000.bin"], out  # the old files replaced
+    (corpus / "notes.txt").write_text("mine")
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
+    assert code == 2 and "holds files that are not token files (notes.txt)" in out, out
+    assert (corpus / "notes.txt").read_text() == "mine"
+    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", tmp_path / "two.bin", "--shard-tokens", 16)
+    assert code == 2 and "--shard-tokens is the size of a corpus directory's files" in out, out
