@@ -101,34 +101,34 @@ TEST(FusedOps, CausalAttentionIsMaskedSoftmaxAttentionForEveryKernelChoice) {
   EXPECT_THROW(attention_kernel_named("auto"), std::invalid_argument);
 }
 
-// With a mask, the attention of each query is the softmax over the keys the mask allows (grouped
-// k/v heads expanded to q's), as written out in float64.
-TEST(FusedOps, MaskedAttentionIsSoftmaxOverTheAllowedKeys) {
+// Documents end with (and include) an end id or their row's end: their offsets in the flattened
+// tokens, and as a mask each position sees the earlier positions of its own.
+TEST(BlockCausal, DocumentsEndWithAnEndIdOrTheirRow) {
+  const auto tokens = torch::tensor({5, 9, 3, 4, 8, 7, 2, 9, 9}, torch::kLong).view({3, 3});
+  const auto offsets = document_offsets(tokens, {9, 8});
+  EXPECT_TRUE(torch::equal(offsets, torch::tensor({0, 2, 3, 5, 6, 8, 9}, torch::kInt)));
+  const auto expected = torch::tensor({1, 0, 0,  1, 1, 0,  0, 0, 1,    // 5 9 | 3
+                                       1, 0, 0,  1, 1, 0,  0, 0, 1,    // 4 8 | 7
+                                       1, 0, 0,  1, 1, 0,  0, 0, 1},   // 2 9 | 9
+                                      torch::kBool)
+                            .view({3, 1, 3, 3});
+  EXPECT_TRUE(torch::equal(block_causal_mask(offsets, 3, 3), expected));
+  EXPECT_TRUE(torch::equal(document_offsets(tokens, {}), torch::tensor({0, 3, 6, 9}, torch::kInt)));
+}
+
+// With documents, the attention of each query is the softmax over the earlier keys of its own
+// document (grouped k/v heads expanded to q's), as written out in float64.
+TEST(FusedOps, DocumentAttentionIsSoftmaxOverTheKeysOfTheQuerysDocument) {
   torch::manual_seed(4);
   const int64_t b = 2, heads = 4, kv_heads = 2, t = 6, d = 8;
   auto q = torch::randn({b, heads, t, d}, torch::kDouble);
   auto k = torch::randn({b, kv_heads, t, d}, torch::kDouble), v = torch::randn({b, kv_heads, t, d}, torch::kDouble);
   auto k_all = k.repeat_interleave(heads / kv_heads, 1), v_all = v.repeat_interleave(heads / kv_heads, 1);
-  auto allowed = torch::rand({b, 1, t, t}) < 0.5;
-  allowed.diagonal(0, 2, 3).fill_(true);  // every query attends at least itself
+  const auto offsets = torch::tensor({0, 2, 5, 6, 9, 12}, torch::kInt);  // row 0: 2, 3 and 1 tokens; row 1: 3 and 3
+  const auto mask = block_causal_mask(offsets, b, t);
   auto scores = torch::matmul(q, k_all.transpose(-2, -1)) / std::sqrt(double(d));
-  auto expected = torch::matmul(scores.masked_fill(allowed.logical_not(), -INFINITY).softmax(-1), v_all);
-  EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, AttentionKernel::Aten, allowed), expected, 1e-12, 1e-12));
-}
-
-// Documents end with (and include) an end id; a position sees the earlier positions of its own.
-TEST(BlockCausal, MaskKeepsEachPositionToItsOwnDocument) {
-  const auto tokens = torch::tensor({5, 9, 3, 4, 8, 7}, torch::kLong).unsqueeze(0);
-  const auto expected = torch::tensor({1, 0, 0, 0, 0, 0,  // document 0: 5 9(end)
-                                       1, 1, 0, 0, 0, 0,
-                                       0, 0, 1, 0, 0, 0,  // document 1: 3 4 8(end)
-                                       0, 0, 1, 1, 0, 0,
-                                       0, 0, 1, 1, 1, 0,
-                                       0, 0, 0, 0, 0, 1},  // document 2: 7
-                                      torch::kBool)
-                            .view({1, 1, 6, 6});
-  EXPECT_TRUE(torch::equal(block_causal_mask(tokens, {9, 8}), expected));
-  EXPECT_TRUE(torch::equal(block_causal_mask(tokens, {}), torch::ones({6, 6}, torch::kBool).tril().view({1, 1, 6, 6})));
+  auto expected = torch::matmul(scores.masked_fill(mask.logical_not(), -INFINITY).softmax(-1), v_all);
+  EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, AttentionKernel::Aten, offsets), expected, 1e-12, 1e-12));
 }
 
 // A packed sequence under block_causal gives each document the logits it has alone (RoPE's scores

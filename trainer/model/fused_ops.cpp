@@ -1,12 +1,19 @@
 #include "model/fused_ops.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/_flash_attention_forward.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/nonzero.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/searchsorted.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -132,16 +139,22 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
 
 // Whether `kernel` sends these inputs to FlashAttention (see AttentionKernel). Builds without our
 // CUDA kernels never do: ATen picks.
-bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k) {
+// Where FlashAttention-2's kernels take q: CUDA sm80+, bf16 or fp16, head_dim a multiple of 8 up to 256.
+bool flash_takes(const at::Tensor& q) {
 #ifdef FSDP_WITH_CUDA_KERNELS
   const int64_t head_dim = q.size(-1);
   const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-  return kernel == AttentionKernel::Flash && q.is_cuda() && half && head_dim % 8 == 0 && head_dim <= 256 &&
-         k.size(1) == q.size(1) && at::cuda::getDeviceProperties(q.device().index())->major >= 8;
+  return q.is_cuda() && half && head_dim % 8 == 0 && head_dim <= 256 &&
+         at::cuda::getDeviceProperties(q.device().index())->major >= 8;
 #else
-  (void)kernel, (void)q, (void)k;
+  (void)q;
   return false;
 #endif
+}
+
+// SDPA's flash entry takes as many k/v heads as q heads only.
+bool use_flash(AttentionKernel kernel, const at::Tensor& q, const at::Tensor& k) {
+  return kernel == AttentionKernel::Flash && k.size(1) == q.size(1) && flash_takes(q);
 }
 
 }  // namespace
@@ -152,17 +165,50 @@ AttentionKernel attention_kernel_named(const std::string& name) {
   throw std::invalid_argument("attention kernel must be aten or flash, not '" + name + "'");
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel,
-                            const at::Tensor& allowed) {
-  if (allowed.defined()) {
-    // k and v as q's heads: SDPA takes a mask beside grouped-query heads only in its math kernel,
-    // which holds [batch, heads, seq, seq] scores; the memory-efficient one takes the expanded heads.
-    const int64_t b = k.size(0), kv = k.size(1), t = k.size(2), d = k.size(3), group = q.size(1) / kv;
-    const auto as_q = [&](const at::Tensor& x) {
-      return group == 1 ? x : x.unsqueeze(2).expand({b, kv, group, t, d}).reshape({b, kv * group, t, d});
-    };
-    return at::scaled_dot_product_attention(q, as_q(k), as_q(v), allowed, /*dropout_p=*/0.0, /*is_causal=*/false);
+at::Tensor document_offsets(const at::Tensor& tokens, const std::vector<int64_t>& eos_ids) {
+  auto ends = at::zeros_like(tokens, at::kBool);
+  for (int64_t id : eos_ids) ends |= tokens == id;
+  ends.select(1, tokens.size(1) - 1).fill_(true);  // a row's end ends its last document
+  const auto after_each = ends.flatten().nonzero().flatten() + 1;  // a host wait on CUDA: sizes the result
+  return at::cat({at::zeros({1}, after_each.options()), after_each}).to(at::kInt);
+}
+
+at::Tensor block_causal_mask(const at::Tensor& offsets, int64_t batch, int64_t seq) {
+  const auto positions = at::arange(batch * seq, offsets.options());
+  // A position's document: how many documents end at or before it.
+  const auto document = at::searchsorted(offsets.slice(0, 1), positions, /*out_int32=*/false, /*right=*/true)
+                            .view({batch, seq});
+  const auto causal = at::ones({seq, seq}, offsets.options().dtype(at::kBool)).tril();
+  return (document.unsqueeze(2) == document.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+}
+
+namespace {
+
+// Packed documents: see causal_attention.
+at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3), kv = k.size(1);
+  if (flash_takes(q)) {  // the variable-length kernel takes grouped k/v heads
+    // [b, heads, t, d] views of [b, t, heads, d] -> [b * t, heads, d], the kernel's layout. The
+    // longest document is at most t: an upper bound sizes the kernel's grid as well (no host wait).
+    const auto tokens_first = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({b * t, x.size(1), d}); };
+    const auto out = std::get<0>(at::_flash_attention_forward(tokens_first(q), tokens_first(k), tokens_first(v),
+                                                              documents, documents, t, t, /*dropout_p=*/0.0,
+                                                              /*is_causal=*/true, /*return_debug_mask=*/false));
+    return out.view({b, t, heads, d}).transpose(1, 2);
   }
+  const int64_t group = heads / kv;
+  const auto as_q = [&](const at::Tensor& x) {
+    return group == 1 ? x : x.unsqueeze(2).expand({b, kv, group, t, d}).reshape({b, heads, t, d});
+  };
+  return at::scaled_dot_product_attention(q, as_q(k), as_q(v), block_causal_mask(documents, b, t), /*dropout_p=*/0.0,
+                                          /*is_causal=*/false);
+}
+
+}  // namespace
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel,
+                            const at::Tensor& documents) {
+  if (documents.defined()) return document_attention(q, k, v, documents);
   if (use_flash(kernel, q, k))
     return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true));
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,

@@ -32,11 +32,22 @@ at::Tensor swiglu(const at::Tensor& gate_up);
 enum class AttentionKernel { Aten, Flash };
 AttentionKernel attention_kernel_named(const std::string& name);  // "aten", "flash"
 
+// Packed documents as FlashAttention's variable-length kernels take them: int32 [documents + 1],
+// the offsets in the flattened [batch * seq] tokens at which each document starts, then batch *
+// seq. A document ends with (and includes) any id of `eos_ids`, or at its row's end.
+at::Tensor document_offsets(const at::Tensor& tokens, const std::vector<int64_t>& eos_ids);
+// The same as a mask: bool [batch, 1, seq, seq], true where key j <= query i lies in i's document.
+at::Tensor block_causal_mask(const at::Tensor& offsets, int64_t batch, int64_t seq);
+
 // Causal scaled-dot-product attention of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads,
-// seq, head_dim] (kv_heads divides heads), default scale, no dropout. With `allowed` (bool [batch,
-// 1, seq, seq], true where a query attends a key, causality included) that mask instead.
+// seq, head_dim] (kv_heads divides heads), default scale, no dropout. With `documents`
+// (document_offsets'), each query attends only to its own document: FlashAttention-2's
+// variable-length kernel where it applies (CUDA sm80+, bf16/fp16, head_dim a multiple of 8 up to
+// 256; grouped k/v heads too), elsewhere block_causal_mask through SDPA with k and v expanded to
+// q's heads (SDPA takes a mask beside grouped heads only in its math kernel, which holds the
+// [batch, heads, seq, seq] scores).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, AttentionKernel kernel,
-                            const at::Tensor& allowed = {});
+                            const at::Tensor& documents = {});
 
 namespace reference {
 at::Tensor rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,

@@ -128,7 +128,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c, const Placement& where)
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                     const torch::Tensor& mask) {
+                                     const torch::Tensor& documents) {
   const int64_t t = cos.size(0), heads = n_heads_ + 2 * n_kv_heads_;
   const auto in = tp_ ? tp::gather_rows(x, *tp_) : x;
   const int64_t b = in.numel() / (t * in.size(-1));
@@ -136,7 +136,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // Views [b, heads, t, d] of the rotated projection; their gradients meet again in one cat.
   const auto parts = qkv.view({b, t, heads, head_dim_}).split_with_sizes({n_heads_, n_kv_heads_, n_kv_heads_}, 2);
   const auto y =
-      causal_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2), kernel_, mask);
+      causal_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2), kernel_, documents);
   const auto out = wo(y.transpose(1, 2).reshape({b, t, n_heads_ * head_dim_}));
   return tp_ ? tp::scatter_rows(out.view({b * t, out.size(-1)}), *tp_) : out;
 }
@@ -160,19 +160,9 @@ BlockImpl::BlockImpl(const LlamaConfig& c, const Placement& where) {
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const torch::Tensor& mask) {
-  auto h = x + fsdp::forward(attn, fsdp::forward(attn_norm, x), cos, sin, mask);
+                                 const torch::Tensor& documents) {
+  auto h = x + fsdp::forward(attn, fsdp::forward(attn_norm, x), cos, sin, documents);
   return h + fsdp::forward(mlp, fsdp::forward(mlp_norm, h));
-}
-
-torch::Tensor block_causal_mask(const torch::Tensor& tokens, const std::vector<int64_t>& eos_ids) {
-  auto ends = torch::zeros_like(tokens, torch::kBool);
-  for (int64_t id : eos_ids) ends |= tokens == id;
-  // A position's document: the ends before it (the end itself belongs to the document it ends).
-  const auto document = ends.to(torch::kInt).cumsum(1) - ends.to(torch::kInt);
-  const int64_t t = tokens.size(1);
-  const auto causal = torch::ones({t, t}, tokens.options().dtype(torch::kBool)).tril();
-  return (document.unsqueeze(2) == document.unsqueeze(1)).logical_and(causal).unsqueeze(1);
 }
 
 LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c), tp_(where.mesh.tp) {
@@ -211,12 +201,12 @@ torch::Tensor LlamaImpl::final_hidden(const torch::Tensor& tokens) {
     throw std::invalid_argument("sequence length " + std::to_string(t) + " exceeds max_seq " +
                                 std::to_string(config.max_seq));
   auto cos = rope_cos.narrow(0, 0, t), sin = rope_sin.narrow(0, 0, t);
-  const auto mask = config.block_causal ? block_causal_mask(tokens, config.eos_token_ids) : torch::Tensor();
+  const auto documents = config.block_causal ? document_offsets(tokens, config.eos_token_ids) : torch::Tensor();
   auto h = tok_emb(tokens);
   if (tp_) h = tp::scatter_rows(h.view({-1, h.size(-1)}), *tp_);  // this rank's tokens
   for (size_t i = 0; i < blocks.size(); ++i)
-    h = config.recomputes(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin, mask)
-                                                    : fsdp::forward(blocks[i], h, cos, sin, mask);
+    h = config.recomputes(static_cast<int64_t>(i)) ? fsdp::recompute(blocks[i], h, cos, sin, documents)
+                                                    : fsdp::forward(blocks[i], h, cos, sin, documents);
   return tp_ ? tp::gather_rows(norm(h), *tp_) : norm(h);
 }
 

@@ -42,8 +42,9 @@ struct LlamaConfig {
   std::vector<int64_t> recomputed_blocks;  // or only these blocks' (selective recomputation)
   AttentionKernel attention = AttentionKernel::Aten;  // which attention kernel (fused_ops.h)
   // Packed documents (torchtitan's "block_causal"): each position attends only to the earlier
-  // positions of its own document, which ends with any of eos_token_ids. false: causal over the
-  // whole sequence.
+  // positions of its own document, which ends with any of eos_token_ids (or its row). With RoPE the
+  // scores depend only on distances, so a document anywhere in a row is computed as if alone.
+  // false: causal over the whole sequence.
   bool block_causal = false;
   std::vector<int64_t> eos_token_ids;  // config.json's eos_token_id (an id, or a list of them)
   Float8Recipe float8 = Float8Recipe::Off;  // the blocks' projections in float8 (fsdp/float8.h), not the head
@@ -133,9 +134,9 @@ TORCH_MODULE(RMSNorm);
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const LlamaConfig& c, const Placement& where);
-  // mask: block_causal_mask's, or undefined for causal attention.
+  // documents: document_offsets' (fused_ops.h), or undefined for causal attention over the sequence.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& mask);
+                        const torch::Tensor& documents);
   Projection wqkv{nullptr};  // q, k and v stacked by rows (Hugging Face's q_proj, k_proj, v_proj)
   Projection wo{nullptr};
 
@@ -163,18 +164,12 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const LlamaConfig& c, const Placement& where);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& mask);
+                        const torch::Tensor& documents);
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
 };
 TORCH_MODULE(Block);
-
-// Which keys each query of packed documents attends to: bool [batch, 1, seq, seq] from tokens
-// [batch, seq], true where key j <= query i lies in i's document; a document ends with (and
-// includes) any id of `eos_ids`. With RoPE the scores depend only on the distance between
-// positions, so a document anywhere in the sequence is computed as if it stood alone.
-torch::Tensor block_causal_mask(const torch::Tensor& tokens, const std::vector<int64_t>& eos_ids);
 
 class LlamaImpl : public torch::nn::Module {
  public:
