@@ -83,18 +83,23 @@ TEST(FusedOps, SwigluIsSiluOfGateTimesUp) {
   EXPECT_THROW(swiglu(torch::randn({3, 5})), std::invalid_argument);
 }
 
-// Causal attention is softmax(q k^T / sqrt(d) + causal mask) v, each k/v head serving
-// heads / kv_heads q heads. On CPU every kernel choice takes ATen's path; float64 agrees to
-// summation order (1e-12).
+// Attention written out: softmax(q k^T / sqrt(d)) v over the keys `allowed` lets each query see,
+// each k/v head serving heads / kv_heads q heads.
+torch::Tensor written_out_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& allowed) {
+  const int64_t group = q.size(1) / k.size(1);
+  const auto scores = torch::matmul(q, k.repeat_interleave(group, 1).transpose(-2, -1)) / std::sqrt(double(q.size(-1)));
+  return torch::matmul(scores.masked_fill(allowed.logical_not(), -INFINITY).softmax(-1), v.repeat_interleave(group, 1));
+}
+
+// Causal attention with grouped k/v heads: on CPU every kernel choice takes ATen's path; float64
+// agrees to summation order (1e-12).
 TEST(FusedOps, CausalAttentionIsMaskedSoftmaxAttentionForEveryKernelChoice) {
   torch::manual_seed(2);
   const int64_t b = 2, heads = 4, kv_heads = 2, t = 5, d = 8;
   auto q = torch::randn({b, heads, t, d}, torch::kDouble);
   auto k = torch::randn({b, kv_heads, t, d}, torch::kDouble), v = torch::randn({b, kv_heads, t, d}, torch::kDouble);
-  auto k_all = k.repeat_interleave(heads / kv_heads, 1), v_all = v.repeat_interleave(heads / kv_heads, 1);
-  auto scores = torch::matmul(q, k_all.transpose(-2, -1)) / std::sqrt(double(d));
-  auto future = torch::ones({t, t}, torch::kBool).triu(1);
-  auto expected = torch::matmul(scores.masked_fill(future, -INFINITY).softmax(-1), v_all);
+  const auto expected = written_out_attention(q, k, v, torch::ones({t, t}, torch::kBool).tril());
   for (const char* name : {"aten", "flash"})
     EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, attention_kernel_named(name)), expected, 1e-12, 1e-12))
         << name;
@@ -123,11 +128,8 @@ TEST(FusedOps, DocumentAttentionIsSoftmaxOverTheKeysOfTheQuerysDocument) {
   const int64_t b = 2, heads = 4, kv_heads = 2, t = 6, d = 8;
   auto q = torch::randn({b, heads, t, d}, torch::kDouble);
   auto k = torch::randn({b, kv_heads, t, d}, torch::kDouble), v = torch::randn({b, kv_heads, t, d}, torch::kDouble);
-  auto k_all = k.repeat_interleave(heads / kv_heads, 1), v_all = v.repeat_interleave(heads / kv_heads, 1);
   const auto offsets = torch::tensor({0, 2, 5, 6, 9, 12}, torch::kInt);  // row 0: 2, 3 and 1 tokens; row 1: 3 and 3
-  const auto mask = block_causal_mask(offsets, b, t);
-  auto scores = torch::matmul(q, k_all.transpose(-2, -1)) / std::sqrt(double(d));
-  auto expected = torch::matmul(scores.masked_fill(mask.logical_not(), -INFINITY).softmax(-1), v_all);
+  const auto expected = written_out_attention(q, k, v, block_causal_mask(offsets, b, t));
   EXPECT_TRUE(torch::allclose(causal_attention(q, k, v, AttentionKernel::Aten, offsets), expected, 1e-12, 1e-12));
 }
 
