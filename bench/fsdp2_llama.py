@@ -255,12 +255,21 @@ def hf_llama(c, max_seq):
     return LlamaForCausalLM(config)
 
 
-def synthetic_rows(vocab, seed, step, first, rows, seq):
-    """trainer/train/data.cpp's SyntheticTokens, row for row."""
+def mix(x):
+    """trainer/train/data.cpp's mix (splitmix64's output function), in 64 bits."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def synthetic_rows(vocab, seed, first, rows, seq):
+    """trainer/train/data.cpp's SyntheticTokens: samples [first, first + rows), row for row."""
     out = torch.empty(rows, seq + 1, dtype=torch.long)
     positions = torch.arange(seq + 1)
     for r in range(rows):
-        g = torch.Generator().manual_seed(seed * 1000003 + step * 7919 + first + r)
+        g = torch.Generator().manual_seed(mix(seed) ^ (first + r))
         start = torch.randint(0, vocab, (1,), generator=g)
         stride = torch.randint(1, 5, (1,), generator=g)
         out[r] = (positions * stride + start) % vocab
@@ -520,8 +529,9 @@ def main():
             lr = lr_at(step, args.lr, args.min_lr, args.warmup, args.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
-            tokens = synthetic_rows(c["vocab"], args.seed, step, rank // args.tp * args.batch, args.batch,
-                                    args.seq).to(device)
+            data_ranks = world // args.tp  # fsdp-train's step s reads samples from s x the global batch
+            tokens = synthetic_rows(c["vocab"], args.seed, (step * data_ranks + rank // args.tp) * args.batch,
+                                    args.batch, args.seq).to(device)
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, torch.bfloat16, enabled=args.ddp):
                 logits = model(input_ids=tokens[:, :-1]).logits if args.hf else model(tokens[:, :-1])
