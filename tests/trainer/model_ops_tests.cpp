@@ -154,6 +154,21 @@ TEST(BlockCausal, EachPackedDocumentGetsTheLogitsItHasAlone) {
   EXPECT_GT((causal.narrow(0, 4, 5) - alone_second).abs().max().item<double>(), 1e-2);
 }
 
+// Initialisation tells its progress parameter by parameter, ending at every byte of the parameters.
+TEST(LlamaInit, ProgressCountsEveryParametersBytes) {
+  Llama model(LlamaConfig{});
+  int64_t total = 0;
+  for (const auto& p : model->parameters()) total += static_cast<int64_t>(p.nbytes());
+  std::vector<std::pair<int64_t, int64_t>> told;
+  model->reset_parameters([&](int64_t done, int64_t of) { told.emplace_back(done, of); });
+  ASSERT_EQ(told.size(), model->parameters().size());
+  for (size_t i = 0; i < told.size(); ++i) {
+    EXPECT_EQ(told[i].second, total);
+    EXPECT_GT(told[i].first, i ? told[i - 1].first : 0);
+  }
+  EXPECT_EQ(told.back().first, total);
+}
+
 // The model's fused loss is its logits' cross-entropy, and so are the gradients of every
 // parameter (float32: relative 1e-4 covers the different summation orders of two paths).
 TEST(FusedOps, ModelLossEqualsCrossEntropyOfItsLogits) {

@@ -180,9 +180,11 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c, const Placement& where) : config(c), 
   if (!where.deferred) reset_parameters();
 }
 
-void LlamaImpl::reset_parameters() {
+void LlamaImpl::reset_parameters(const ByteProgress& progress) {
   torch::NoGradGuard no_grad;
   const double out_std = 0.02 / std::sqrt(2.0 * config.n_layers);
+  int64_t done = 0, total = 0;
+  for (const auto& p : parameters()) total += static_cast<int64_t>(p.nbytes());
   for (auto& item : named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     auto& p = item.value();
@@ -192,6 +194,8 @@ void LlamaImpl::reset_parameters() {
       p.fill_(1.0);
     else
       fsdp::init_normal_(p, seed_of(config.seed, name), is_output_projection ? out_std : 0.02);
+    done += static_cast<int64_t>(p.nbytes());
+    if (progress) progress(done, total);
   }
 }
 

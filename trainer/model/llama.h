@@ -14,6 +14,7 @@
 
 #include "fsdp/mesh.h"
 #include "fsdp/float8.h"
+#include "fsdp/sharded_checkpoint.h"  // fsdp::ByteProgress
 #include "model/fused_ops.h"
 
 namespace fsdp::model {
@@ -184,8 +185,9 @@ class LlamaImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& targets);
   // Initial weights from config.seed, sharded or not: near-normal with std 0.02 (fsdp::init_normal_,
   // one seed per parameter name), output projections scaled by 1/sqrt(2 * n_layers), norms at 1.
-  // The same values on any number of ranks.
-  void reset_parameters();
+  // The same values on any number of ranks. `progress` is told this rank's bytes filled as each
+  // parameter is.
+  void reset_parameters(const ByteProgress& progress = {});
 
   LlamaConfig config;
   Embedding tok_emb{nullptr};

@@ -221,7 +221,8 @@ void Trainer::shard_model() {
     std::fill(first_schedule.recompute.begin() + 1, first_schedule.recompute.end(), true);
   shard_with_schedule(model_, first_schedule, shard_);
   if (args_.init_from.empty()) {
-    model_->reset_parameters();
+    ProgressLine line("initialising the weights", lead_);  // an 8B's shards take seconds
+    model_->reset_parameters(line.callback());
   } else {
     ProgressLine line("reading weights from " + args_.init_from, lead_);
     model::load_hf_weights(*model_, args_.init_from, line.callback());
