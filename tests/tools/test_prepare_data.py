@@ -35,6 +35,19 @@ def prepare(*args, cwd=None):
     return done.returncode, done.stdout + done.stderr
 
 
+def prepare_here(capsys, *args):
+    """prepare() in this process (no interpreter and transformers to start again): exit code and output."""
+    sys.path.insert(0, os.path.dirname(TOOL))
+    import prepare_data
+    try:
+        prepare_data.main(list(map(str, args)))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
 def tokens_of(path):
     data = open(path, "rb").read()
     header = np.frombuffer(data[:1024], dtype="<i4")
@@ -121,7 +134,7 @@ def test_progress_shows_on_a_terminal_alone(tokenizer_dir, tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
-def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_documents(tokenizer_dir, tmp_path):
+def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_documents(tokenizer_dir, tmp_path, capsys):
     """--out DIR/: the same ids as --out FILE.bin, cut into files of at most --shard-tokens that
     each end with a document's end (t9) unless a document is larger than a file; a directory with
     other files in it, a rerun without --overwrite and --shard-tokens for one file are refused."""
@@ -129,11 +142,11 @@ def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_document
     data = tmp_path / "docs.jsonl"
     lengths = [3, 8, 1, 30, 5, 2, 12, 4]  # words; the 30-word document is larger than a file
     data.write_text("".join(json.dumps({"text": " ".join(f"t{10 + i}" for i in range(n))}) + "\n" for n in lengths))
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", tmp_path / "one.bin")
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", tmp_path / "one.bin")
     assert code == 0, out
     _, whole = tokens_of(tmp_path / "one.bin")
     corpus = tmp_path / "corpus"
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--shard-tokens", 16)
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--shard-tokens", 16)
     assert code == 0 and "file(s))" in out, out
     names = sorted(os.listdir(corpus))
     assert names == [f"{i:06d}.bin" for i in range(len(names))] and len(names) >= 4, names
@@ -145,13 +158,13 @@ def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_document
     assert len(splits) == 1, splits  # the 30-word document fills one file and ends in the next
     assert not os.path.exists(f"{corpus}.tmp")
 
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/")
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/")
     assert code == 2 and "exists: pass --overwrite" in out, out
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
     assert code == 0 and sorted(os.listdir(corpus)) == ["000000.bin"], out  # the old files replaced
     (corpus / "notes.txt").write_text("mine")
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", f"{corpus}/", "--overwrite")
     assert code == 2 and "holds files that are not token files (notes.txt)" in out, out
     assert (corpus / "notes.txt").read_text() == "mine"
-    code, out = prepare("--tokenizer", tokenizer_dir, data, "--out", tmp_path / "two.bin", "--shard-tokens", 16)
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", tmp_path / "two.bin", "--shard-tokens", 16)
     assert code == 2 and "--shard-tokens is the size of a corpus directory's files" in out, out
