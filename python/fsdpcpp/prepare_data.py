@@ -234,6 +234,8 @@ def check_output(p, args):
     existing token file or a directory of token files alone; never an input, never beside nothing."""
     corpus = args.out.endswith("/")
     out, tmp = args.out.rstrip("/"), args.out.rstrip("/") + ".tmp"
+    if corpus and os.path.basename(out) in ("", ".", ".."):  # the working directory, /, a parent
+        p.error(f"--out '{args.out}': name a directory of its own for the corpus (e.g. --out corpus/)")
     if not corpus and not args.out.endswith(".bin"):
         p.error(f"--out '{args.out}' must end in .bin (fsdp-train reads other names as text), or in / for a "
                 "directory of token files")

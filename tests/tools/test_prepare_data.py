@@ -168,3 +168,5 @@ def test_a_corpus_directory_holds_the_ids_of_one_file_in_files_of_whole_document
     assert (corpus / "notes.txt").read_text() == "mine"
     code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", tmp_path / "two.bin", "--shard-tokens", 16)
     assert code == 2 and "--shard-tokens is the size of a corpus directory's files" in out, out
+    code, out = prepare_here(capsys, "--tokenizer", tokenizer_dir, data, "--out", f"{tmp_path}/./")
+    assert code == 2 and "name a directory of its own for the corpus" in out, out
