@@ -292,6 +292,21 @@ class _Faces:
             elif face.grad is None or face.grad._local_tensor is not grad:
                 face.grad = DTensor(grad, slot.spec, requires_grad=False)
 
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its gradient is reduced
+        (PyTorch's recipe for the optimizer step in backward registers them); autograd never
+        accumulates into a face, so they run here, at the end of backward, once a face with a
+        gradient; a gradient a hook set to None (the optimizer's zero_grad) is then freed."""
+        seen = set()
+        for slot in self.slots:
+            face = slot.face
+            if slot.spec is None or id(face) in seen or face.grad is None:
+                continue  # a whole tensor's face is the runtime's own leaf: autograd runs its hooks
+            seen.add(id(face))
+            for hook in (getattr(face, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(face)
+        self.release_dropped_gradients()
+
     def release_dropped_gradients(self) -> None:
         """A gradient set to None on either object (zero_grad of an optimizer of faces, or of one
         made before fully_shard) goes on the other too, so its memory is freed."""
@@ -599,3 +614,5 @@ def _end_of_backward() -> None:
     for state in list(_live_faces):
         state.use_faces()
         state.mirror_gradients()
+    for state in list(_live_faces):
+        state.run_post_accumulate_grad_hooks()

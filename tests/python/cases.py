@@ -158,6 +158,42 @@ def case_torch_calls(args):
             check_planned_under_tp(model, opt, steps, clip, args)
 
 
+def case_optimizer_in_backward(args):
+    """PyTorch's recipe for the optimizer step in backward, as FSDP2 runs it: an AdamW a parameter,
+    stepped and zeroed by the parameter's post-accumulate-grad hook once its sharded gradient is
+    there, no optimizer step after backward. The losses and the parameters of the single-process
+    reference that steps after backward, within its parity bounds; every hook ran once a step."""
+    fully_shard, mesh, _ = fully_shard_of(args.runtime, 1, 1)
+    steps = 3
+    ref = Reference(args.model, steps, clip=float("inf"))  # records the norms (x1 leaves the step alone)
+    model = build(args.model)
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizers = {p: optimizer_for(model, params=[p]) for p in model.parameters()}
+    stepped = []
+
+    def step(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+        stepped.append(p)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    losses = []
+    for s in range(steps):
+        loss = loss_of(model, my_rows(batch(s)))
+        loss.backward()
+        assert len(stepped) == len(optimizers) * (s + 1), f"step {s}: {len(stepped)} hooks ran"
+        assert all(p.grad is None for p in model.parameters()), "a gradient the hook zeroed is still there"
+        loss = loss.detach().clone()
+        fsdpcpp.all_reduce(loss, op="avg")
+        losses.append(loss.item())
+    # The gradients are gone with the steps: the norms given are the reference's own, so the
+    # losses and the parameters are what is compared.
+    check_torch_loop(f"optimizer_in_backward: {args.model} on {args.runtime}", ref, model, losses, ref.norms)
+
+
 def check_planned_under_tp(model, opt, first, clip, args):
     """fsdpcpp.plan_memory_budget on the tp-split model plans the layout it runs, as profiled (the
     DTensor ops' tp collectives inside each module's compute): a 1 KiB budget refused, naming the
@@ -788,7 +824,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"rank_raises": case_rank_raises, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"rank_raises": case_rank_raises, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "optimizer_in_backward": case_optimizer_in_backward, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace,
          **TOUCH_CASES}

@@ -129,12 +129,14 @@ def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
 @cpu_only
 def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
-    get_state_dict, get_model_state_dict, numel; each checkpoint resumed by the other runtime, on
+    get_state_dict, get_model_state_dict, numel, PyTorch's optimizer step in backward (an optimizer
+    a parameter, stepped by its post-accumulate-grad hook); each checkpoint resumed by the other runtime, on
     another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs alone in their
     processes end with every gloo worker thread joined (--exit-threads): its exit handler lets go
     of the groups torch keeps (FSDP2's state keeps them)."""
     run(2, *chain(["torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2"],
-                  ["torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"]))
+                  ["torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"],
+                  ["optimizer_in_backward", "--runtime", "fsdp2"], ["optimizer_in_backward", "--runtime", "fsdpcpp"]))
     run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2", "--exit-threads")
     run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
     # HSDP from a 2-D mesh, 2 replicas of 2 shards: its own DCP checkpoint saved and resumed.
