@@ -142,6 +142,14 @@ def is_shard(name):
     return len(name) == 10 and name.endswith(".bin") and name[:6].isdigit()
 
 
+def remove(path):
+    """A token file or a corpus directory, if there."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
 class TokenOutput:
     """--out as the ids come: one file (at most MAX_TOKENS), or a directory of files of at most
     `shard_tokens` each; written beside it (.tmp), put in place by publish(), removed by close()
@@ -185,19 +193,13 @@ class TokenOutput:
         if os.path.exists(self.out):  # main let it through: --overwrite
             os.replace(self.out, old)
         os.replace(self.tmp, self.out)
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        elif os.path.exists(old):
-            os.remove(old)
+        remove(old)
 
     def close(self):
         for f in self.files:
             if not f.file.closed:
                 f.file.close()
-        if os.path.isdir(self.tmp):
-            shutil.rmtree(self.tmp)
-        elif os.path.exists(self.tmp):
-            os.remove(self.tmp)
+        remove(self.tmp)
 
 
 class Progress:

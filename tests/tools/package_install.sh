@@ -51,7 +51,7 @@ fi
 fsdp-run "${launch[@]}" fsdp-train --model tiny --seq 32 --steps 3 --overwrite-log --log "$work/train.jsonl" > "$work/train.log" 2>&1 ||
   { cat "$work/train.log"; fail "fsdp-run fsdp-train from the wheel"; }
 grep -q '"step": *3' "$work/train.jsonl" || fail "the installed fsdp-train did not log step 3"
-# fsdp-prepare-data is the package's too: a token file from a tokenizer of the test's own.
+# fsdp-prepare-data is the package's command too (ctest prepare_data tests what it writes).
 [ "$(command -v fsdp-prepare-data)" = "$bin/fsdp-prepare-data" ] || fail "no fsdp-prepare-data command in $bin"
 fsdp-prepare-data --help | grep -q "^usage: fsdp-prepare-data" || fail "fsdp-prepare-data --help"
 (cd "$work" && "$python" -c 'import fsdpcpp, sys; assert fsdpcpp.__file__.startswith(sys.argv[1]), fsdpcpp.__file__' "$site") ||

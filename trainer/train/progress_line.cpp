@@ -44,8 +44,9 @@ void ProgressLine::end() {
 
 void ProgressLine::update(int64_t done, int64_t total) {
   done_ = done;
+  if (!shown_ || total <= 0) return;
   const auto now = std::chrono::steady_clock::now();
-  if (!shown_ || seconds(now - last_) < 0.5 || total <= 0) return;
+  if (seconds(now - last_) < 0.5) return;
   last_ = now;
   const double elapsed = seconds(now - start_), rate = done / std::max(elapsed, 1e-9);
   const int left = static_cast<int>(done > 0 ? (total - done) / rate : 0);

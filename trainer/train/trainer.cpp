@@ -37,18 +37,16 @@ namespace {
 // Runs a save or load of `state` with `line` told its bytes; the line erased after, error or not.
 template <class F>
 void with_progress(CheckpointState& state, ProgressLine& line, F&& work) {
+  struct Untold {  // on the way out, returned or thrown
+    CheckpointState& state;
+    ProgressLine& line;
+    ~Untold() {
+      state.progress = nullptr;
+      line.end();
+    }
+  } untold{state, line};
   state.progress = line.callback();
-  const auto done = [&] {
-    state.progress = nullptr;
-    line.end();
-  };
-  try {
-    work();
-  } catch (...) {
-    done();
-    throw;
-  }
-  done();
+  work();
 }
 
 volatile sig_atomic_t g_stop_signal = 0;
