@@ -6,6 +6,8 @@
 # minutes on 2 cores): run by bench/gpu_checks.sh's package part, not by CI.
 # FSDP_PACKAGE_WITHOUT_MPI=1: the wheel is built without MPI (`-C cmake.define.FSDP_WITH_MPI=OFF`,
 # as on a GPU machine without MPI's development files) and its run is on a GPU.
+# FSDP_PACKAGE_FROM_BUILD=1: the wheel scripts/wheel.sh makes from this checkout's build/ (seconds;
+# ctest package_from_build), which must leave build/ as it found it.
 #   bash tests/tools/package_install.sh [PYTHON] [WORK]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -14,18 +16,26 @@ case $python in */*) python=$(cd "$(dirname "$python")" && pwd)/$(basename "$pyt
 work=${2:-$(mktemp -d /tmp/fsdp-package.XXXXXX)}
 fail() { echo "package_install: FAILED: $*"; exit 1; }
 rm -rf "$work/src" "$work/wheel" "$work/prefix" && mkdir -p "$work"
-# A fresh clone of a clean checkout; otherwise (changes not committed, or a copied tree whose .git
-# is not its own, as on the GPU machines) its files but build/.
-if git -C "$repo" diff --quiet HEAD -- 2>/dev/null; then
-  git clone -q "$repo" "$work/src"
-else
-  mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -
-fi
-# Build only what the wheel needs; the clone has no build/ of its own.
 without_mpi=${FSDP_PACKAGE_WITHOUT_MPI:-0}
-settings=() && [ "$without_mpi" = 1 ] && settings=(-C cmake.define.FSDP_WITH_MPI=OFF)
-(cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps "${settings[@]}" -w "$work/wheel" .) \
-  > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "pip wheel"; }
+if [ "${FSDP_PACKAGE_FROM_BUILD:-0}" = 1 ]; then
+  cache_before=$(grep -vE '^#|^$' "$repo/build/CMakeCache.txt")
+  bash "$repo/scripts/wheel.sh" "$work/wheel" > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "scripts/wheel.sh"; }
+  # The same cache (a later `cmake --install build` installs where it did) and nothing to build.
+  diff <(echo "$cache_before") <(grep -vE '^#|^$' "$repo/build/CMakeCache.txt") || fail "scripts/wheel.sh changed build/CMakeCache.txt"
+  ! ninja -C "$repo/build" | grep -E "Building|Linking" || fail "build/ had work to do after scripts/wheel.sh"
+else
+  # A fresh clone of a clean checkout; otherwise (changes not committed, or a copied tree whose .git
+  # is not its own, as on the GPU machines) its files but build/.
+  if git -C "$repo" diff --quiet HEAD -- 2>/dev/null; then
+    git clone -q "$repo" "$work/src"
+  else
+    mkdir -p "$work/src" && tar -C "$repo" --exclude=./build --exclude=./.git -cf - . | tar -C "$work/src" -xf -
+  fi
+  # Build only what the wheel needs; the clone has no build/ of its own.
+  settings=() && [ "$without_mpi" = 1 ] && settings=(-C cmake.define.FSDP_WITH_MPI=OFF)
+  (cd "$work/src" && "$python" -m pip wheel -q --no-build-isolation --no-deps "${settings[@]}" -w "$work/wheel" .) \
+    > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "pip wheel"; }
+fi
 wheel=$(ls "$work"/wheel/fsdpcpp-*.whl) || fail "no wheel in $work/wheel"
 "$python" -m pip install -q --no-deps --prefix "$work/prefix" "$wheel" > "$work/install.log" 2>&1 ||
   { cat "$work/install.log"; fail "pip install of $wheel"; }

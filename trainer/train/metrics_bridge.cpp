@@ -23,14 +23,13 @@ std::string shell_quoted(const std::string& text) {
 }
 
 // "exec PYTHON ARGS" with the package importable: the python is $FSDP_PYTHON (the wheel's
-// commands set it), else the build's; a build tree's package (build/py) goes on PYTHONPATH.
+// commands set it: that python has the installed package), else the build's with the build tree's
+// package (build/py) on PYTHONPATH.
 std::string python_command(const std::string& args) {
   const char* python = std::getenv("FSDP_PYTHON");
-  std::string command;
-#ifdef FSDP_BUILD_PY_PACKAGE
-  command += "PYTHONPATH=" + shell_quoted(FSDP_BUILD_PY_PACKAGE) + "${PYTHONPATH:+:$PYTHONPATH} ";
-#endif
-  return command + "exec " + shell_quoted(python && *python ? python : FSDP_BUILD_PYTHON) + " " + args;
+  if (python && *python) return "exec " + shell_quoted(python) + " " + args;
+  return "PYTHONPATH=" + shell_quoted(FSDP_BUILD_PY_PACKAGE) + "${PYTHONPATH:+:$PYTHONPATH} exec " +
+         shell_quoted(FSDP_BUILD_PYTHON) + " " + args;
 }
 
 }  // namespace
