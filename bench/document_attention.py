@@ -41,7 +41,7 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     data = os.path.join(a.out, "documents.bin")
-    write_documents(data, 4 * 2049 * (a.steps + 1), a.doc_tokens, vocab=128256)
+    write_documents(data, 4 * 2049 * (a.steps + 1), a.doc_tokens, vocab=32000)  # the 1b model's
     base = [f"{a.build}/fsdp-run", "--gpu", "-n", "1", f"{a.build}/fsdp-train", "--model", "1b", "--seq", "2048",
             "--batch", "4", "--param-dtype", "bf16", "--steps", str(a.steps), "--data", data, "--overwrite-log"]
     results = {}

@@ -18,10 +18,13 @@ fail() { echo "package_install: FAILED: $*"; exit 1; }
 rm -rf "$work/src" "$work/wheel" "$work/prefix" && mkdir -p "$work"
 without_mpi=${FSDP_PACKAGE_WITHOUT_MPI:-0}
 if [ "${FSDP_PACKAGE_FROM_BUILD:-0}" = 1 ]; then
-  cache_before=$(grep -vE '^#|^$' "$repo/build/CMakeCache.txt")
+  # build/ as it was: a later `cmake --install build` installs where it did, its options and
+  # nothing of scikit-build-core's left in the cache (the entries CMake's modules keep may differ),
+  # and nothing to build.
+  settings_of() { grep -E '^(CMAKE_INSTALL_PREFIX|FSDP_[A-Z_]+|SKBUILD[A-Z_]*):' "$repo/build/CMakeCache.txt"; }
+  before=$(settings_of)
   bash "$repo/scripts/wheel.sh" "$work/wheel" > "$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; fail "scripts/wheel.sh"; }
-  # The same cache (a later `cmake --install build` installs where it did) and nothing to build.
-  diff <(echo "$cache_before") <(grep -vE '^#|^$' "$repo/build/CMakeCache.txt") || fail "scripts/wheel.sh changed build/CMakeCache.txt"
+  diff <(echo "$before") <(settings_of) || fail "scripts/wheel.sh changed build/'s settings"
   ! ninja -C "$repo/build" | grep -E "Building|Linking" || fail "build/ had work to do after scripts/wheel.sh"
 else
   # A fresh clone of a clean checkout; otherwise (changes not committed, or a copied tree whose .git
