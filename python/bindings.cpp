@@ -89,6 +89,29 @@ py::tuple described(const std::shared_ptr<fsdp::Communicator>& comm) {
   return py::make_tuple(comm->rank(), comm->world_size(), comm->device().str(), std::string(comm->backend()));
 }
 
+// A Python function the runtime calls in backward (from a thread without the GIL). The runtime's
+// groups may outlive the interpreter (they go with the process's static runtime at exit): then
+// the function is left, not released without an interpreter.
+fsdp::StepInBackward python_callback(py::function function) {
+  std::shared_ptr<py::function> held(new py::function(std::move(function)), [](py::function* f) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    } else {
+      f->release();
+      delete f;
+    }
+  });
+  return [held](const std::vector<at::Tensor>&) {
+    py::gil_scoped_acquire gil;
+    try {
+      (*held)();
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());  // the Python error's text, made while the GIL is held
+    }
+  };
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -147,6 +170,12 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("abort_forward", [](PyGroupState& g) { fsdp::group_abort_forward(*g.state); })
       .def("set_requires_gradient_sync", [](PyGroupState& g, bool sync) { fsdp::set_requires_gradient_sync(*g.state, sync); })
+      // The front end's post-accumulate-grad hooks, once the group's gradients are reduced in
+      // backward; they leave the gradients as they want them (None: off).
+      .def("set_hooks_in_backward", [](PyGroupState& g, std::optional<py::function> run) {
+        fsdp::set_step_in_backward(*g.state, run ? python_callback(std::move(*run)) : fsdp::StepInBackward(),
+                                   /*frees_gradients=*/false);
+      })
       .def("set_reshard_after_forward", [](PyGroupState& g, bool r) { fsdp::set_reshard_after_forward(*g.state, r); })
       .def("set_prefetch_depth", [](PyGroupState& g, int depth) { fsdp::set_prefetch_depth(*g.state, depth); })
       .def("reshard", [](PyGroupState& g) { fsdp::reshard(*g.state); })

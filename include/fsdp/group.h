@@ -79,6 +79,11 @@ class RecomputedForwardScope {
 
 /// Gradient sync (set_requires_gradient_sync) for this group and every group inside it.
 void set_requires_gradient_sync(GroupState& state, bool sync);
+/// set_step_in_backward (fully_shard.h) for this group alone. With `frees_gradients` false the
+/// gradients stay as `step` leaves them, and clip_grad_norm_ takes them: for a front end whose
+/// step runs hooks (FSDP2's post-accumulate-grad hooks) that drop them or keep them. An empty
+/// `step` turns it off.
+void set_step_in_backward(GroupState& state, StepInBackward step, bool frees_gradients);
 /// Whether the group frees its unsharded parameters after forward (ShardOptions).
 void set_reshard_after_forward(GroupState& state, bool reshard);
 bool reshard_after_forward(const GroupState& state);

@@ -254,12 +254,13 @@ class _Faces:
     """One sharded module's faces: every slot (module, attribute name) that holds a managed
     parameter, and the face registered there outside forward."""
 
-    __slots__ = ("slots", "modules", "inner", "__weakref__")
+    __slots__ = ("slots", "modules", "inner", "hooks_ran", "__weakref__")
 
     def __init__(self, slots, modules, inner):
         self.slots = slots  # [_Slot]
         self.modules = [weakref.ref(m) for m in modules]  # the group's (one, or a fully_shard list)
         self.inner = inner  # the _Faces of every sharded module inside it
+        self.hooks_ran = False  # this backward's post-accumulate-grad hooks have run
 
     def under(self):
         """These faces and those of every sharded module inside."""
@@ -292,20 +293,41 @@ class _Faces:
             elif face.grad is None or face.grad._local_tensor is not grad:
                 face.grad = DTensor(grad, slot.spec, requires_grad=False)
 
-    def run_post_accumulate_grad_hooks(self) -> None:
-        """FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its gradient is reduced
-        (PyTorch's recipe for the optimizer step in backward registers them); autograd never
-        accumulates into a face, so they run here, at the end of backward, once a face with a
-        gradient; a gradient a hook set to None (the optimizer's zero_grad) is then freed."""
+    def _hooked_faces(self):
+        """The faces with post-accumulate-grad hooks, each once. A whole tensor's face is the
+        runtime's own leaf, whose hooks autograd runs itself."""
         seen = set()
         for slot in self.slots:
             face = slot.face
-            if slot.spec is None or id(face) in seen or face.grad is None:
-                continue  # a whole tensor's face is the runtime's own leaf: autograd runs its hooks
-            seen.add(id(face))
-            for hook in (getattr(face, "_post_accumulate_grad_hooks", None) or {}).values():
-                hook(face)
+            if slot.spec is not None and id(face) not in seen and getattr(face, "_post_accumulate_grad_hooks", None):
+                seen.add(id(face))
+                yield face
+
+    def has_post_accumulate_grad_hooks(self) -> bool:
+        return next(self._hooked_faces(), None) is not None
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """FSDP2 runs a sharded parameter's post-accumulate-grad hooks once its gradient is reduced
+        (PyTorch's recipe for the optimizer step in backward registers them); autograd never
+        accumulates into a face, so they run here, once a backward for each face with a gradient:
+        in backward once the group's gradients are reduced (the runtime calls
+        run_hooks_in_backward), else at its end. A gradient a hook set to None (the optimizer's
+        zero_grad) is then freed."""
+        if self.hooks_ran:
+            return
+        self.hooks_ran = True
+        for face in list(self._hooked_faces()):
+            if face.grad is not None:
+                for hook in face._post_accumulate_grad_hooks.values():
+                    hook(face)
         self.release_dropped_gradients()
+
+    def run_hooks_in_backward(self) -> None:
+        """The runtime's call once this group's gradients are reduce-scattered in backward: the
+        faces get them and their hooks run, so a hook's optimizer step frees them before the
+        next groups' backward (FSDP2's timing)."""
+        self.mirror_gradients()
+        self.run_post_accumulate_grad_hooks()
 
     def release_dropped_gradients(self) -> None:
         """A gradient set to None on either object (zero_grad of an optimizer of faces, or of one
@@ -615,4 +637,5 @@ def _end_of_backward() -> None:
         state.use_faces()
         state.mirror_gradients()
     for state in list(_live_faces):
-        state.run_post_accumulate_grad_hooks()
+        state.run_post_accumulate_grad_hooks()  # those the runtime did not call in backward
+        state.hooks_ran = False

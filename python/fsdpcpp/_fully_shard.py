@@ -4,6 +4,7 @@ registers it with the C++ core (fsdp/group.h), and hooks the module's forward.""
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -163,10 +164,11 @@ class _RecomputedInBackward:
 
 
 class _GroupState:
-    __slots__ = ("group", "mp_policy", "module_class", "faces", "module_list", "forwards_begun")
+    __slots__ = ("group", "mp_policy", "module_class", "faces", "module_list", "forwards_begun", "hooks_in_backward")
 
     def __init__(self, group, mp_policy, module_class, faces, module_list=None):
         self.forwards_begun = 0  # this module's forwards whose pre-forward hook completed, not yet ended
+        self.hooks_in_backward = False  # the group runs its faces' post-accumulate-grad hooks in backward
         self.group = group
         self.mp_policy = mp_policy
         self.module_class = module_class  # the class before fully_shard mixed FSDPModule in
@@ -272,6 +274,7 @@ def _pre_forward(module, args, kwargs):
                 _dtensor.exit_forward(state.faces, [])
                 raise
             state.faces.use_managed()  # after the unshard: a tp part's DTensor views the gathered rows
+            _follow_post_accumulate_grad_hooks(state)
         except BaseException:
             if state.module_list is not None:
                 state.module_list.abort()
@@ -281,6 +284,24 @@ def _pre_forward(module, args, kwargs):
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floating(mp.param_dtype, (args, kwargs))
     return args, kwargs
+
+
+def _follow_post_accumulate_grad_hooks(state: _GroupState) -> None:
+    """Where the group's faces have post-accumulate-grad hooks, the runtime calls them once the
+    group's gradients are reduced in backward (FSDP2 runs them after each reduce-scatter), through
+    a weak reference: the C++ group must not keep the faces and their parameters alive."""
+    wanted = state.faces.has_post_accumulate_grad_hooks()
+    if wanted == state.hooks_in_backward:
+        return
+    faces = weakref.ref(state.faces)
+
+    def run():
+        live = faces()
+        if live is not None:
+            live.run_hooks_in_backward()
+
+    state.group.set_hooks_in_backward(run if wanted else None)
+    state.hooks_in_backward = wanted
 
 
 @torch._dynamo.disable

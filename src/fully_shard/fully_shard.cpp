@@ -115,7 +115,7 @@ void set_runtime_options(torch::nn::Module& root, const RuntimeOptions& options)
 }
 
 void set_step_in_backward(torch::nn::Module& root, StepInBackward step) {
-  for_each_state(root, "set_step_in_backward", [&step](GroupState& state) { state.set_step_in_backward(step); });
+  for_each_state(root, "set_step_in_backward", [&step](GroupState& state) { state.set_step_in_backward(step, /*frees_gradients=*/true); });
 }
 
 }  // namespace fsdp

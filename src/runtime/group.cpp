@@ -146,6 +146,9 @@ RecomputedForwardScope::~RecomputedForwardScope() { --Runtime::get().recomputed_
 void set_requires_gradient_sync(GroupState& state, bool sync) {
   for (const auto& under : state.groups_under()) under->set_gradient_sync(sync);
 }
+void set_step_in_backward(GroupState& state, StepInBackward step, bool frees_gradients) {
+  state.set_step_in_backward(std::move(step), frees_gradients);
+}
 void set_reshard_after_forward(GroupState& state, bool reshard) { state.set_reshard_after_forward(reshard); }
 bool reshard_after_forward(const GroupState& state) { return state.reshard_after_forward(); }
 void set_prefetch_depth(GroupState& state, int depth) {
@@ -225,7 +228,7 @@ ShardedGradients sharded_gradients(const NamedTensors& params, const char* calle
     if (owner->state->params().is_unsharded())
       throw std::logic_error(std::string(caller) + ": call it after backward, not between "
                              "forward and backward ('" + name + "' is unsharded)");
-    if (owner->state->steps_in_backward())
+    if (owner->state->frees_gradients_in_backward())
       throw std::logic_error(std::string(caller) + ": the optimizer steps in backward (set_step_in_backward), so the "
                              "gradients are applied and gone before the norm could be taken; clip without it");
     out.comm = &owner->state->params().comm();

@@ -230,7 +230,8 @@ void GroupState::post_backward() {
 }
 
 void GroupState::step_committed_gradients() {
-  if (!step_in_backward_) return;
+  if (!step_in_backward_ || !step_owed_) return;
+  step_owed_ = false;
   std::vector<at::Tensor> stepped;
   for (const auto& p : params_.sharded())
     if (p.param.grad().defined()) stepped.push_back(p.param);
@@ -242,7 +243,8 @@ void GroupState::step_committed_gradients() {
     throw std::runtime_error("fsdp: the optimizer step in backward of '" + params_.label() + "' failed: " + e.what());
   }
   Trace::get().end(span);
-  for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
+  if (step_frees_gradients_)
+    for (at::Tensor& param : stepped) param.mutable_grad() = at::Tensor();
 }
 
 // The copy into the reduce-scatter input (or into the unsynced sums) is compute-stream work that
@@ -258,6 +260,7 @@ void GroupState::hand_off_gradients(bool reshard_first) {
   Trace::get().end(span, compute_stream());
   if (gradient_sync_) root().reduce_scatter(params_);
   reduced_ = true;
+  step_owed_ = gradient_sync_;
 }
 
 void GroupState::finish_backward() {

@@ -69,11 +69,16 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   // (GroupParams::hold_unsynced_gradients) instead of reduce-scattering them; the first backward
   // with true reduce-scatters the sum.
   void set_gradient_sync(bool sync) { gradient_sync_ = sync; }
-  // fsdp::set_step_in_backward; empty: off.
-  void set_step_in_backward(StepInBackward step) { step_in_backward_ = std::move(step); }
-  bool steps_in_backward() const { return static_cast<bool>(step_in_backward_); }
-  // With a step in backward: steps the parameters whose sharded gradients are committed, then
-  // frees those gradients (the end-of-backward callback calls it after committing the rest).
+  // fsdp::set_step_in_backward; empty: off. `frees_gradients`: the gradients go after the step
+  // (else they stay as the step leaves them: a front end's hooks).
+  void set_step_in_backward(StepInBackward step, bool frees_gradients) {
+    step_in_backward_ = std::move(step);
+    step_frees_gradients_ = frees_gradients;
+  }
+  // Whether the gradients are gone after backward (clip_grad_norm_ refuses).
+  bool frees_gradients_in_backward() const { return step_in_backward_ && step_frees_gradients_; }
+  // With a step in backward: steps the parameters whose sharded gradients this backward
+  // committed, once (the end-of-backward callback calls it after committing the rest).
   void step_committed_gradients();
 
   // All-gathers ahead of use (no-op when unsharded already).
@@ -109,6 +114,9 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   bool has_frozen_params_ = false;
   bool gradient_sync_ = true;
   StepInBackward step_in_backward_;
+  bool step_frees_gradients_ = true;
+  // Gradients reduce-scattered this backward and not stepped yet.
+  bool step_owed_ = false;
   int trainable_params_ = 0;
   // The accumulator each trainable parameter's gradient last went through;
   // held so that it (and our hook on it) survives between steps.

@@ -214,7 +214,9 @@ void RootState::flush_reduce_scatters() {
 
 void RootState::step_in_backward(GroupState& state) {
   const int limit = options().max_pending_host_steps;
-  if (state.params().offloaded() && limit > 0) {
+  // A front end's hooks (gradients kept: frees_gradients false) run on the thread that runs
+  // backward; an optimizer's step of offloaded shards on a host thread beside it.
+  if (state.params().offloaded() && limit > 0 && state.frees_gradients_in_backward()) {
     const bool waited = host_steps_.submit(
         [keep = state.shared_from_this()] {
           // The group's device on this thread too: a CUDA call here must not open a context on GPU 0.

@@ -535,6 +535,62 @@ TEST(Parity, StepInBackwardIsTheStepAfterBackward) {
   set_runtime_options(defaults);
 }
 
+// The group form that keeps the gradients (a front end's post-accumulate-grad hooks): each
+// group's step runs once a synced backward, on backward's thread even for offloaded groups, none
+// in a backward without gradient sync; the gradients stay, so clip_grad_norm_ takes them, and the
+// runs (AdamW after backward with the clipped gradients) equal those without it bit for bit.
+TEST(Parity, AGroupsStepThatKeepsTheGradientsRunsOnceASyncedBackward) {
+  auto run = [&](bool with_step) {
+    TestLlama llama = seeded_llama(tiny_llama());
+    ShardOptions blocks;
+    blocks.cpu_offload = true;  // would step on the host worker if the step freed the gradients
+    for (auto& b : llama->blocks) fully_shard(b, blocks);
+    fully_shard(llama);
+    std::map<const GroupState*, int> steps;  // steps this backward, by group
+    std::thread::id backward_thread;
+    bool off_thread = false;
+    std::set<GroupState*> groups;
+    for (const auto& p : llama->parameters()) groups.insert(group_of_parameter(p).get());
+    if (with_step)
+      for (GroupState* group : groups)
+        set_step_in_backward(*group, [&, group](const std::vector<at::Tensor>& params) {
+          ++steps[group];
+          if (std::this_thread::get_id() != backward_thread) off_thread = true;
+          for (const auto& p : params) EXPECT_TRUE(p.grad().defined()) << group_name(*group);
+        }, /*frees_gradients=*/false);
+    PerParameterAdamW adam(llama->parameters());
+    const auto tokens = token_rows(llama->config.vocab, 5, 0, world()->rank() * 2, 2, 16);
+    TrainResult result;
+    for (int step = 0; step < 3; ++step) {
+      adam.zero_grad();
+      for (bool sync : {false, true}) {  // two micro-batches, the first without gradient sync
+        set_requires_gradient_sync(llama, sync);
+        steps.clear();
+        at::Tensor loss =
+            fsdp::forward(llama, tokens.narrow(1, 0, 16).to(device()), tokens.narrow(1, 1, 16).to(device()));
+        loss.register_hook([&](const at::Tensor& grad) {
+          backward_thread = std::this_thread::get_id();
+          return grad;
+        });
+        loss.backward();
+        if (with_step) {
+          EXPECT_EQ(steps.size(), sync ? groups.size() : 0u) << "step " << step << ", sync " << sync;
+          for (const auto& [group, count] : steps) EXPECT_EQ(count, 1) << group_name(*group);
+        }
+        if (sync) result.losses.push_back(loss.item<double>());
+      }
+      result.grad_norms.push_back(clip_grad_norm_(*llama, 0.5).item<double>());
+      adam.step();
+    }
+    EXPECT_FALSE(off_thread) << "a step that keeps the gradients ran off backward's thread";
+    result.params = full_state_dict(*llama);
+    return result;
+  };
+  const TrainResult with = run(true), without = run(false);
+  expect_identical_run(with, without);
+  EXPECT_EQ(with.grad_norms, without.grad_norms);
+}
+
 // A step that throws fails the backward, naming the module, whichever thread it ran on.
 TEST(Parity, AFailedStepInBackwardNamesTheModule) {
   const RuntimeOptions defaults = runtime_options();

@@ -162,7 +162,8 @@ def case_optimizer_in_backward(args):
     """PyTorch's recipe for the optimizer step in backward, as FSDP2 runs it: an AdamW a parameter,
     stepped and zeroed by the parameter's post-accumulate-grad hook once its sharded gradient is
     there, no optimizer step after backward. The losses and the parameters of the single-process
-    reference that steps after backward, within its parity bounds; every hook ran once a step."""
+    reference that steps after backward, within its parity bounds; every hook ran once a step, the
+    later blocks' before backward reached the first block."""
     fully_shard, mesh, _ = fully_shard_of(args.runtime, 1, 1)
     steps = 3
     ref = Reference(args.model, steps, clip=float("inf"))  # records the norms (x1 leaves the step alone)
@@ -180,11 +181,24 @@ def case_optimizer_in_backward(args):
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
+    # How many hooks had run when backward reached the first block's input: those of the later
+    # blocks, each group's once its gradients were reduced (FSDP2's timing; none if they waited
+    # for the end of backward).
+    first_block_reached = []
+
+    def count_at_its_input(_, inputs):
+        inputs[0].register_hook(lambda grad: first_block_reached.append(len(stepped)))
+
+    blocks_of(model)[0].register_forward_pre_hook(count_at_its_input)
     losses = []
     for s in range(steps):
         loss = loss_of(model, my_rows(batch(s)))
         loss.backward()
         assert len(stepped) == len(optimizers) * (s + 1), f"step {s}: {len(stepped)} hooks ran"
+        later_blocks = sum(1 for b in blocks_of(model)[1:] for _ in b.parameters())
+        assert first_block_reached[-1] - len(optimizers) * s >= later_blocks, (
+            f"step {s}: {first_block_reached[-1] - len(optimizers) * s} hooks had run when backward reached the first "
+            f"block, not the {later_blocks} of the later blocks")
         assert all(p.grad is None for p in model.parameters()), "a gradient the hook zeroed is still there"
         loss = loss.detach().clone()
         fsdpcpp.all_reduce(loss, op="avg")
