@@ -171,7 +171,7 @@ def case_optimizer_in_backward(args):
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizers = {p: optimizer_for(model, params=[p]) for p in model.parameters()}
+    optimizers = {p: optimizer_for([p]) for p in model.parameters()}
     stepped = []
 
     def step(p):

@@ -63,10 +63,10 @@ def wrap_checkpointed(block):
     block.forward = lambda *a, **k: torch.utils.checkpoint.checkpoint(forward, *a, use_reentrant=False, **k)
 
 
-def optimizer_for(model, lr_scale=1.0, params=None):
-    """The tests' AdamW over the model's parameters (or `params`)."""
-    return torch.optim.AdamW(params if params is not None else model.parameters(), lr=LR * lr_scale, eps=ADAM_EPS,
-                             weight_decay=0.1)
+def optimizer_for(model_or_params, lr_scale=1.0):
+    """The tests' AdamW over a model's parameters, or over the parameters given."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    return torch.optim.AdamW(params, lr=LR * lr_scale, eps=ADAM_EPS, weight_decay=0.1)
 
 
 class Reference:
