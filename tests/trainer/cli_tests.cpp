@@ -195,6 +195,8 @@ TEST(TrainArgs, AConfigFileGivesFlagsTheCommandLineOverrides) {
       {{"--config", temp_file("c8.json", R"({"config": "x.json"})")}, "a --config cannot name another"},
       {{"--config", dir + "missing.json"}, "--config: cannot read"},
       {{"--config", temp_file("c9.json", R"({"steps": 3, "lr": 0.1, "steps": 4})")}, "gives 'steps' twice: give each flag once"},
+      {{"--config", temp_file("c10.json", R"({"steps": 3, "training": {"steps": 4}})")},
+       "gives 'steps' twice: give each flag once"},
       {{"--config", dir}, "is a directory, not a JSON file of flags"},
       {{"--config"}, "--config needs a value"},
       {{"--steps", "3", "--steps=4"}, "--steps is given twice"},

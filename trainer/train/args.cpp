@@ -863,7 +863,7 @@ std::vector<std::string> config_words(const std::string& path, const std::map<st
     if (!e.table.empty() && e.table != table_of(it->second.topic))
       throw UsageError(where + shown + ": --" + e.key + " belongs in [" + table_of(it->second.topic) + "]");
     if (!seen.insert(e.key).second)
-      throw UsageError(where + "gives '" + e.key + "' twice: give each flag once");
+      throw given_twice(path, e.key);
     if (!it->second.takes_value) {
       if (e.kind != ConfigEntry::Kind::Boolean) throw UsageError(where + shown + " is a switch: give true or false");
       if (e.value == "true") words.push_back(flag);

@@ -13,9 +13,13 @@
 #endif
 
 #include "io/files.h"
-#include "train/usage_error.h"
 
 namespace fsdp::train {
+
+UsageError given_twice(const std::string& path, const std::string& key) {
+  return UsageError("--config '" + path + "' gives '" + key + "' twice: give each flag once");
+}
+
 namespace {
 
 bool ends_with(const std::string& s, const std::string& tail) {
@@ -60,7 +64,7 @@ std::vector<ConfigEntry> read_json(const std::string& path, std::ifstream& in) {
   }
   if (!j.is_object())
     throw UsageError("--config: '" + path + "' is not a JSON object of flags and values ({\"steps\": 100, ...})");
-  if (!twice.empty()) throw UsageError("--config: '" + path + "' gives '" + twice + "' twice: give each flag once");
+  if (!twice.empty()) throw given_twice(path, twice);
   std::vector<ConfigEntry> entries;
   for (const auto& [key, value] : j.items()) {
     if (!value.is_object()) {

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "train/usage_error.h"
+
 namespace fsdp::train {
 
 // One key of a config file: `key = value` at the top level (table empty) or in one table
@@ -22,6 +24,9 @@ struct ConfigEntry {
 // UsageError naming the file for one that cannot be read or parsed, a key given twice, or tables
 // nested deeper than one level.
 std::vector<ConfigEntry> read_config_file(const std::string& path);
+
+// The refusal of a flag the file gives twice: in one table, or at the top and in its table.
+UsageError given_twice(const std::string& path, const std::string& key);
 
 // Whether this build reads TOML (toml++ was found when it was configured).
 bool reads_toml();
