@@ -260,7 +260,7 @@ void GroupState::hand_off_gradients(bool reshard_first) {
   Trace::get().end(span, compute_stream());
   if (gradient_sync_) root().reduce_scatter(params_);
   reduced_ = true;
-  step_owed_ = gradient_sync_;
+  step_owed_ = gradient_sync_ && step_in_backward_;  // the end-of-backward callback pays it, if not before
 }
 
 void GroupState::finish_backward() {
