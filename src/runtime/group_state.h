@@ -115,7 +115,8 @@ class GroupState : public std::enable_shared_from_this<GroupState> {
   bool gradient_sync_ = true;
   StepInBackward step_in_backward_;
   bool step_frees_gradients_ = true;
-  // Gradients reduce-scattered this backward and not stepped yet.
+  // A step in backward is set and this synced backward reduce-scattered gradients it has not
+  // stepped yet (paid by the group's own step or the end-of-backward callback).
   bool step_owed_ = false;
   int trainable_params_ = 0;
   // The accumulator each trainable parameter's gradient last went through;
