@@ -151,9 +151,13 @@ def use_mesh(mesh, caller: str):
     ranks r*S .. r*S+S-1, as fsdp::make_mesh), or either as the dp dims of a mesh whose last dim
     splits each layer (mesh["dp"], mesh["dp_replicate", "dp_shard"]: tensor parallelism, the tp
     ranks of each dp rank consecutive). The first mesh given is every module's (one layout for
-    all); None takes it, or FSDP2's default 1-D mesh. Returns the C++ communicators to shard over
-    (None: all ranks)."""
+    all while any sharded module lives; once none does, the next fully_shard may take another);
+    None takes it, or FSDP2's default 1-D mesh. Returns the C++ communicators to shard over (None:
+    all ranks)."""
     global _mesh, _dp_comms, _tp
+    if _mesh is not None and not _live_faces:  # every module sharded over it is gone
+        _mesh, _dp_comms, _tp = None, None, 1
+        _spmd_meshes.clear()
     if mesh is None:
         default_mesh()
         return _dp_comms

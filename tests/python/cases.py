@@ -292,6 +292,26 @@ def case_meta_init(args):
     check_torch_loop(f"meta_init: {args.runtime}", ref, model, losses, norms)
 
 
+def case_another_mesh(args):
+    """fully_shard's mesh is every live sharded module's: another is refused while one lives and
+    taken once none does (a process that trains one model, then another over another mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    world, device = fsdpcpp.world_size(), fsdpcpp.device()
+    first = fsdpcpp.fully_shard(nn.Linear(4, 4, device=device))  # FSDP2's default 1-D mesh (and torch's group)
+    one_replica = DeviceMesh(device.type, [list(range(world))])  # HSDP's 2-D layout: 1 replica of every rank
+    expect_error(ValueError, f"a mesh of shape (1, {world}) after one of shape ({world},): shard every module over one mesh",
+                 lambda: fsdpcpp.fully_shard(nn.Linear(4, 4, device=device), mesh=one_replica))
+    del first
+    gc.collect()
+    second = fsdpcpp.fully_shard(nn.Linear(4, 4, device=device), mesh=one_replica)
+    second(torch.ones(2, 4, device=device)).sum().backward()
+    assert second.weight.placements == (Replicate(), Shard(0)), second.weight.placements
+    assert second.weight.grad.placements == (Replicate(), Shard(0)), second.weight.grad.placements
+    # Every row's gradient is the two ones-rows' sum, 2, on every rank's rows.
+    assert torch.equal(second.weight.grad.full_tensor(), torch.full((4, 4), 2.0, device=device))
+
+
 def case_group_member_skipped(args):
     """fully_shard([norm, head]) where some forwards skip the head: the group's forward ends with
     the root's, and training (SGD, every rank its rows of one batch) matches a single process
@@ -838,7 +858,7 @@ def case_float8_compile(args):
         print(f"float8_compile: losses {compiled} (eager {eager}, float32 {plain})")
 
 
-CASES = {"rank_raises": case_rank_raises, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "optimizer_in_backward": case_optimizer_in_backward, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
+CASES = {"rank_raises": case_rank_raises, "another_mesh": case_another_mesh, "group_member_skipped": case_group_member_skipped, "torch_calls": case_torch_calls, "optimizer_in_backward": case_optimizer_in_backward, "meta_init": case_meta_init, "divergent_forward": case_divergent_forward,
          "generate": case_generate, "float8": case_float8, "float8_tied": case_float8_tied, "float8_compile": case_float8_compile, "plan": case_plan, "parity": case_parity, "timeout": case_timeout, "beside_process_group": case_beside_process_group, "mixed_precision": case_mixed_precision, "save": case_save, "resume": case_resume,
          "errors": case_errors, "hf_roundtrip": case_hf_roundtrip, "compile": case_compile, "trace": case_trace,
          **TOUCH_CASES}
@@ -916,6 +936,8 @@ def main():
         if i:  # the last run's models freed, and what it wrote (a checkpoint the next resumes) complete on every rank
             gc.collect()
             fsdpcpp.all_reduce(torch.zeros(1, device=fsdpcpp.device()))
+            if fsdpcpp.rank() == 0:  # test_fsdpcpp.py's shared jobs tell from it which runs passed
+                print(f"cases: run {i} of {len(runs)} passed on every rank", flush=True)
         common.SEQ = args.seq
         CASES[args.case](args)
 

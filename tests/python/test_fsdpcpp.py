@@ -39,19 +39,26 @@ def launch(ranks, launcher="fsdp-run"):
     return [os.path.join(BUILD, "fsdp-run"), "--gpu" if GPU else "--cpu", "-n", str(ranks), sys.executable]
 
 
-def run(ranks, *args, expect_failure=False, timeout=300, collective_timeout_s=120, env=None, launcher="fsdp-run"):
+def launch_cases(ranks, words, timeout=300, collective_timeout_s=120, env=None, launcher="fsdp-run", retry=True):
+    """Runs cases.py's `words` on `ranks` processes: (exit code, output, the command). `retry`: a
+    run that failed by torch's gloo exit race is made once more."""
     env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"), FSDP_TIMEOUT_S=str(collective_timeout_s), **(env or {}))
-    command = [*launch(ranks, launcher), os.path.join(HERE, "cases.py"), *map(str, args)]
+    command = [*launch(ranks, launcher), os.path.join(HERE, "cases.py"), *map(str, words)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    if not expect_failure and done.returncode != 0 and all(sign in output for sign in GLOO_EXIT_ABORT):
+    if retry and done.returncode != 0 and all(sign in output for sign in GLOO_EXIT_ABORT):
         print("torch's gloo exit race aborted a rank; running once more")
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         output = done.stdout + done.stderr
+    return done.returncode, output, " ".join(command)
+
+
+def run(ranks, *args, expect_failure=False, **options):
+    code, output, command = launch_cases(ranks, args, retry=not expect_failure, **options)
     if expect_failure:
-        assert done.returncode != 0, f"expected a failure:\n{output}"
+        assert code != 0, f"expected a failure:\n{output}"
     else:
-        assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{output}"
+        assert code == 0, f"{command} exited {code}:\n{output}"
     return output
 
 
@@ -64,6 +71,60 @@ def chain(*runs):
     return words
 
 
+
+def shares_a_job(runs_of):
+    """Marks a test whose runs of cases.py join the job of every other selected test so marked
+    with the same rank count (the job's runs in the tests' order): each rank's start-up (about 3 s
+    of imports on a CI core) is most of a small run's time. `runs_of(folder, **parameters)` gives
+    (ranks, [run words, ...]); `folder` is the test's own scratch directory. The test calls
+    `shared_job.passed(request)`, which makes the job if no test has, fails if one of the test's
+    own runs failed, and returns the folder for the test's checks of what its runs wrote. Runs
+    that must fail, or need their own launcher or environment, are not shared."""
+    def mark(test):
+        test.runs_of = runs_of
+        return test
+    return mark
+
+
+class SharedJobs:
+    def __init__(self, session, tmp_path_factory):
+        self.jobs = {}    # ranks -> {"runs": [run words], "tests": [node ids], "result": None}
+        self.places = {}  # node id -> (ranks, its first run, one past its last, its folder)
+        for item in session.items:
+            runs_of = getattr(getattr(item, "function", None), "runs_of", None)
+            if runs_of is None or any(marker.args and marker.args[0] for marker in item.iter_markers("skipif")):
+                continue
+            folder = tmp_path_factory.mktemp(re.sub(r"\W+", "_", item.name)[:48])
+            callspec = getattr(item, "callspec", None)
+            ranks, runs = runs_of(folder, **(callspec.params if callspec else {}))
+            job = self.jobs.setdefault(ranks, {"runs": [], "tests": [], "result": None})
+            self.places[item.nodeid] = (ranks, len(job["runs"]), len(job["runs"]) + len(runs), folder)
+            job["runs"] += runs
+            job["tests"] += [item.nodeid] * len(runs)
+
+    def passed(self, request):
+        ranks, first, end, folder = self.places[request.node.nodeid]
+        job = self.jobs[ranks]
+        if job["result"] is None:
+            code, output, command = launch_cases(ranks, chain(*job["runs"]), timeout=900)
+            # cases.py prints a line once every rank has finished a run and the next begins.
+            finished = len(job["runs"]) if code == 0 else max(
+                (int(n) for n in re.findall(r"^cases: run (\d+) of \d+ passed on every rank", output, re.M)), default=0)
+            job["result"] = (finished, code, output, command)
+        finished, code, output, command = job["result"]
+        if finished >= end:
+            return folder
+        failed = " ".join(map(str, job["runs"][finished]))
+        if finished >= first:
+            pytest.fail(f"{command} exited {code} in its run {finished + 1} ({failed}), this test's:\n{output}")
+        pytest.fail(f"not reached: the shared job of {ranks} ranks failed before this test's runs, in run {finished + 1} "
+                    f"({failed}) of {job['tests'][finished]}, which shows its output")
+
+
+@pytest.fixture(scope="session")
+def shared_job(request, tmp_path_factory):
+    return SharedJobs(request.session, tmp_path_factory)
+
 @cpu_only
 @pytest.mark.parametrize("ranks,runs", [
     (1, [["plain"]]),
@@ -74,8 +135,9 @@ def chain(*runs):
     (3, [["plain"], ["llama", "--checkpointed"], ["plain", "--keep-after-forward", "--checkpointed"]]),
     (4, [["plain"], ["gpt2", "--clip", "0.5"]]),
 ])
-def test_parity(ranks, runs):
-    run(ranks, *chain(*(["parity", "--model", *words] for words in runs)))
+@shares_a_job(lambda folder, ranks, runs: (ranks, [["parity", "--model", *words] for words in runs]))
+def test_parity(ranks, runs, shared_job, request):
+    shared_job.passed(request)
 
 
 @cpu_only
@@ -86,8 +148,9 @@ def test_bounds_catch_a_small_error():
 
 
 @cpu_only
-def test_mixed_precision():
-    run(2, *chain(["mixed_precision", "--model", "llama"], ["mixed_precision", "--model", "gpt2"]))
+@shares_a_job(lambda folder: (2, [["mixed_precision", "--model", "llama"], ["mixed_precision", "--model", "gpt2"]]))
+def test_mixed_precision(shared_job, request):
+    shared_job.passed(request)
 
 
 def convert(*args):
@@ -127,51 +190,62 @@ def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
 
 
 @cpu_only
-def test_torch_calls_around_the_step_as_on_fsdp2(tmp_path):
+@shares_a_job(lambda folder: (2, [["torch_calls", "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
+                                  ["torch_calls", "--runtime", "fsdpcpp", "--dir", folder / "fsdpcpp"],
+                                  ["optimizer_in_backward", "--runtime", "fsdp2"],
+                                  ["optimizer_in_backward", "--runtime", "fsdpcpp"]]))
+def test_torch_calls_around_the_step_as_on_fsdp2(shared_job, request):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
     get_state_dict, get_model_state_dict, numel, PyTorch's optimizer step in backward (an optimizer
     a parameter, stepped by its post-accumulate-grad hook); each checkpoint resumed by the other runtime, on
     another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs alone in their
     processes end with every gloo worker thread joined (--exit-threads): its exit handler lets go
     of the groups torch keeps (FSDP2's state keeps them)."""
-    run(2, *chain(["torch_calls", "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2"],
-                  ["torch_calls", "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"],
-                  ["optimizer_in_backward", "--runtime", "fsdp2"], ["optimizer_in_backward", "--runtime", "fsdpcpp"]))
-    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2", "--exit-threads")
-    run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2")
+    folder = shared_job.passed(request)
+    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", folder / "fsdp2" / "step-2", "--exit-threads")
+    run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", folder / "fsdpcpp" / "step-2")
     # HSDP from a 2-D mesh, 2 replicas of 2 shards: its own DCP checkpoint saved and resumed.
-    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", tmp_path / "hsdp", "--exit-threads")
+    run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", folder / "hsdp", "--exit-threads")
+
+
+TITAN_TP2 = ["torch_calls", "--model", "titan", "--tp", 2]
 
 
 @cpu_only
-def test_tensor_parallel_as_on_fsdp2_with_tp(tmp_path):
+@shares_a_job(lambda folder: (4, [[*TITAN_TP2, "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
+                                  [*TITAN_TP2, "--runtime", "fsdpcpp", "--dir", folder / "fsdpcpp"],
+                                  [*TITAN_TP2, "--runtime", "fsdpcpp", "--resume-from", folder / "fsdp2" / "step-2"],
+                                  [*TITAN_TP2, "--runtime", "fsdp2", "--resume-from", folder / "fsdpcpp" / "step-2"],
+                                  ["torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2,
+                                   "--dir", folder / "hf"]]))
+def test_tensor_parallel_as_on_fsdp2_with_tp(shared_job, request):
     """torch's tensor parallelism on the "tp" dim, fully_shard on the "dp" dims, the same script on
     FSDP2 and fsdpcpp (docs/parallelism.md): torchtitan's sequence-parallel plan on a
     torchtitan-style Llama at dp 2 x tp 2, each runtime's DCP checkpoint resumed by the other;
     transformers' Llama under its base_model_tp_plan; HSDP x TP at 2 x 2 x 2. Every run's losses,
     gradient norms and parameters within the parity bounds of one process."""
-    titan = ["torch_calls", "--model", "titan", "--tp", 2]
-    run(4, *chain([*titan, "--runtime", "fsdp2", "--dir", tmp_path / "fsdp2"],
-                  [*titan, "--runtime", "fsdpcpp", "--dir", tmp_path / "fsdpcpp"],
-                  [*titan, "--runtime", "fsdpcpp", "--resume-from", tmp_path / "fsdp2" / "step-2"],
-                  [*titan, "--runtime", "fsdp2", "--resume-from", tmp_path / "fsdpcpp" / "step-2"],
-                  ["torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2, "--dir", tmp_path / "hf"]))
+    folder = shared_job.passed(request)
     run(8, "torch_calls", "--runtime", "fsdpcpp", "--model", "titan", "--replicas", 2, "--tp", 2,
-        "--dir", tmp_path / "hsdp")
+        "--dir", folder / "hsdp")
 
 
 @cpu_only
-def test_accelerate_fsdp2_path_on_fsdpcpp():
+@shares_a_job(lambda folder: (2, [["accelerate", "--runtime", runtime, "--model", model]
+                                  for model, runtime in (("gpt2", "fsdp2"), ("gpt2", "fsdpcpp"), ("llama", "fsdpcpp"))]))
+def test_accelerate_fsdp2_path_on_fsdpcpp(shared_job, request):
     """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
     single-process reference, as the same case is on FSDP2 (run for the tied GPT-2, whose group
     of a norm, the embedding and the head spans the whole forward). Its memory-efficient loading
     (cpu_ram_efficient_loading) is one of test_parameters_touched_after_fully_shard's."""
-    run(2, *chain(*(["accelerate", "--runtime", runtime, "--model", model]
-                    for model, runtime in (("gpt2", "fsdp2"), ("gpt2", "fsdpcpp"), ("llama", "fsdpcpp")))))
+    shared_job.passed(request)
 
 
-def check_touches(ranks, tmp_path):
-    run(ranks, *chain(*(["touches", "--runtime", runtime, "--dir", tmp_path] for runtime in ("fsdp2", "fsdpcpp"))))
+def touches_runs(folder):
+    return [["touches", "--runtime", runtime, "--dir", folder] for runtime in ("fsdp2", "fsdpcpp")]
+
+
+def check_touches(tmp_path):
+    """touches_runs' results: fsdpcpp's within FSDP2's bounds, and its refusals."""
     theirs, ours = (json.load(open(tmp_path / f"touches-{runtime}.json")) for runtime in ("fsdp2", "fsdpcpp"))
     assert set(theirs) < set(ours), (sorted(theirs), sorted(ours))
     for touch, expected in theirs.items():
@@ -183,7 +257,8 @@ def check_touches(ranks, tmp_path):
 
 
 @cpu_only
-def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
+@shares_a_job(lambda folder: (3, touches_runs(folder)))
+def test_parameters_touched_after_fully_shard_as_on_fsdp2(shared_job, request):
     """Every way of touching a sharded model's parameters in tests/python/touches.py (loading with
     assign=True and by swapping, accelerate's memory-efficient loading, setattr, strict=False,
     freezing, evaluation, an optimizer reloaded, unshard() by hand, torch.compile of the root,
@@ -191,12 +266,13 @@ def test_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
     (uneven shards) under each runtime: each run is at parity with its single-process reference,
     and fsdpcpp's losses and gradient norms are FSDP2's within that bound. What fsdpcpp refuses
     raised naming the parameter and left the model training as before."""
-    check_touches(3, tmp_path)
+    check_touches(shared_job.passed(request))
 
 
 @cpu_only
-def test_a_list_group_whose_module_a_forward_skips():
-    run(2, "group_member_skipped")
+@shares_a_job(lambda folder: (2, [["group_member_skipped"]]))
+def test_a_list_group_whose_module_a_forward_skips(shared_job, request):
+    shared_job.passed(request)
 
 
 def run_fsdp2_style(ranks, runtime, tmp_path, name, *options, launcher="fsdp-run"):
@@ -244,13 +320,17 @@ def test_cpu_ranks_under_torchrun_meet_through_torchs_gloo(tmp_path):
     run(3, "parity", "--model", "plain", launcher="torchrun")
 
 
-def check_meta_init_as_on_fsdp2(ranks, tmp_path):
-    """FSDP2's recipe for a model built on meta: the same parameters after transformers'
-    init_weights under both runtimes, then rank 0's weights broadcast and trained to parity."""
+def meta_init_runs(folder):
+    """FSDP2's recipe for a model built on meta under both runtimes, then rank 0's weights
+    broadcast and trained to parity (check_meta_init: the same parameters after transformers'
+    init_weights)."""
     for name in ("fsdp2", "fsdpcpp", "safetensors"):
-        (tmp_path / name).mkdir()
-    run(ranks, *chain(*(["meta_init", "--runtime", runtime, "--dir", tmp_path / runtime] for runtime in ("fsdp2", "fsdpcpp")),
-                      ["meta_init", "--load", "safetensors", "--dir", tmp_path / "safetensors"]))
+        (folder / name).mkdir()
+    return [*(["meta_init", "--runtime", runtime, "--dir", folder / runtime] for runtime in ("fsdp2", "fsdpcpp")),
+            ["meta_init", "--load", "safetensors", "--dir", folder / "safetensors"]]
+
+
+def check_meta_init(tmp_path):
     ours, theirs = (torch.load(tmp_path / runtime / "init.pt") for runtime in ("fsdpcpp", "fsdp2"))
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
@@ -258,8 +338,9 @@ def check_meta_init_as_on_fsdp2(ranks, tmp_path):
 
 
 @cpu_only
-def test_meta_device_init_as_on_fsdp2(tmp_path):
-    check_meta_init_as_on_fsdp2(2, tmp_path)
+@shares_a_job(lambda folder: (2, meta_init_runs(folder)))
+def test_meta_device_init_as_on_fsdp2(shared_job, request):
+    check_meta_init(shared_job.passed(request))
 
 
 @cpu_only
@@ -269,8 +350,9 @@ def test_errors(tmp_path):
 
 
 @cpu_only
-def test_hugging_face_round_trip(tmp_path):
-    run(2, *chain(*(["hf_roundtrip", "--model", model, "--dir", tmp_path / model] for model in ("llama", "gpt2"))))
+@shares_a_job(lambda folder: (2, [["hf_roundtrip", "--model", model, "--dir", folder / model] for model in ("llama", "gpt2")]))
+def test_hugging_face_round_trip(shared_job, request):
+    shared_job.passed(request)
 
 
 @cpu_only
@@ -281,8 +363,9 @@ def test_a_collective_that_never_completes_times_out():
 
 
 @cpu_only
-def test_generate_with_ranks_finishing_apart():
-    run(2, "generate")
+@shares_a_job(lambda folder: (2, [["generate"]]))
+def test_generate_with_ranks_finishing_apart(shared_job, request):
+    shared_job.passed(request)
 
 
 def seconds_since(mark, output):
@@ -338,31 +421,42 @@ def test_init_refuses_a_launch_it_cannot_join(variables, message):
 
 
 @cpu_only
+@shares_a_job(lambda folder: (2, [["another_mesh"]]))
+def test_another_mesh_once_the_sharded_modules_are_gone(shared_job, request):
+    shared_job.passed(request)
+
+
+@cpu_only
 def test_init_beside_a_process_group():
     run(2, "beside_process_group", "--port", str(29500 + os.getpid() % 2000))
 
 
 @cpu_only
-def test_compiled_blocks():
-    # In float32 and in float8: one job, whose compiler worker pool both runs share.
-    run(2, *chain(["compile", "--model", "plain"], ["float8_compile", "--model", "plain"]))
+@shares_a_job(lambda folder: (2, [["compile", "--model", "plain"], ["float8_compile", "--model", "plain"]]))
+def test_compiled_blocks(shared_job, request):
+    # In float32 and in float8, in one job whose compiler worker pool both runs share.
+    shared_job.passed(request)
 
 
 @cpu_only
-def test_trace(tmp_path):
-    run(2, "trace", "--dir", tmp_path)
+@shares_a_job(lambda folder: (2, [["trace", "--dir", folder]]))
+def test_trace(shared_job, request):
+    shared_job.passed(request)
 
 
 @cpu_only
 @pytest.mark.parametrize("model,ranks,accum,bf16", [("plain", 2, 1, True), ("llama", 3, 2, False)])
-def test_memory_budget_planner(model, ranks, accum, bf16):
-    run(ranks, "plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else []))
+@shares_a_job(lambda folder, model, ranks, accum, bf16:
+              (ranks, [["plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else [])]]))
+def test_memory_budget_planner(model, ranks, accum, bf16, shared_job, request):
+    shared_job.passed(request)
 
 
 @cpu_only
 @pytest.mark.parametrize("ranks,runs", [(2, [["float8", "--model", "llama"], ["float8_tied"]]), (3, [["float8", "--model", "plain"]])])
-def test_float8(ranks, runs):
-    run(ranks, *chain(*runs))
+@shares_a_job(lambda folder, ranks, runs: (ranks, runs))
+def test_float8(ranks, runs, shared_job, request):
+    shared_job.passed(request)
 
 
 # On one GPU (the device machines): the same cases through NCCL and CUDA kernels.
@@ -410,12 +504,14 @@ def test_gpu_a_rank_that_raises_ends_the_job_in_seconds():
 @gpu_only
 def test_gpu_parameters_touched_after_fully_shard_as_on_fsdp2(tmp_path):
     """The same sweep through NCCL, the root compiled by inductor, accelerate's whole Accelerator."""
-    check_touches(1, tmp_path)
+    run(1, *chain(*touches_runs(tmp_path)))
+    check_touches(tmp_path)
 
 
 @gpu_only
 def test_gpu_meta_device_init_as_on_fsdp2(tmp_path):
-    check_meta_init_as_on_fsdp2(1, tmp_path)
+    run(1, *chain(*meta_init_runs(tmp_path)))
+    check_meta_init(tmp_path)
 
 
 @gpu_only
