@@ -16,6 +16,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import _C, _dtensor, _runtime
 from ._runtime import _ensure_init, _updated, device
 
+# A weight's attribute (set by fsdpcpp.float8's conversion): fully_shard marks it for the runtime to
+# gather in float8 (fsdp::enable_float8_all_gather).
+FLOAT8_ALL_GATHER = "_fsdpcpp_float8_all_gather"
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -434,6 +438,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     _check_placements(shard_placement_fn, params, name)
     params = _dtensor.take_tp_parts(modules, params, f"fsdpcpp.fully_shard({name})")
     _off_meta(params)
+    for _, param in params:
+        if getattr(param, FLOAT8_ALL_GATHER, False):
+            _C.enable_float8_all_gather(param)
     group = _C.shard_group(name, params, inner, mp_policy.param_dtype, mp_policy.reduce_dtype,
                            reshard_after_forward is not False, offload, dp_comms)
     faces = _dtensor.make_faces(modules, params, inner_modules)

@@ -32,6 +32,7 @@ from torch import nn
 
 from . import _C
 from ._dtensor import managed
+from ._fully_shard import FLOAT8_ALL_GATHER
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -64,7 +65,10 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         if enable_fsdp_float8_all_gather and recipe == "tensorwise":
-            _C.enable_float8_all_gather(new.weight)
+            # Marked for the runtime by fully_shard (FLOAT8_ALL_GATHER): a mark on the tensor now
+            # would hold a weak reference to it, and fully_shard could not place a weight built on
+            # meta (swap_tensors refuses a tensor with one).
+            setattr(new.weight, FLOAT8_ALL_GATHER, True)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -766,27 +766,34 @@ def case_float8(args):
     the same power-of-two scale, from the amax over all ranks); each weight's last row is made its
     largest (a rank's own amax would give another scale) and before step 2 every weight doubles (a
     scale not refreshed from the weights would saturate). The float8 linears really run: the losses
-    differ from the float32 model's, by float8's rounding only. And converting after fully_shard
-    is refused."""
+    differ from the float32 model's, by float8's rounding only. Built on meta (FSDP2's recipe),
+    converted, sharded and loaded with the same weights, the run is the same bit for bit. And
+    converting after fully_shard is refused."""
+    from fsdpcpp._dtensor import managed
     from fsdpcpp.float8 import Float8Linear, convert_to_float8_training
 
-    def converted(float8, all_gather=True):
-        model = build(args.model)
+    def converted(model, float8, all_gather=True):
         if float8:
             convert_to_float8_training(model, enable_fsdp_float8_all_gather=all_gather,
                                        module_filter_fn=lambda mod, fqn: fqn not in ("lm_head", "head"))
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.in_features % 16 == 0]
+        return model, [m for m in model.modules() if isinstance(m, nn.Linear) and m.in_features % 16 == 0]
+
+    def run(float8, all_gather=True, meta=False):
+        model, linears = converted(build(args.model), float8, all_gather)
         with torch.no_grad():
             for m in linears:
                 m.weight[-1].mul_(8)
-        return model, linears
-
-    def run(float8, all_gather=True):
-        model, linears = converted(float8, all_gather)
+        if meta:  # FSDP2's recipe: built on meta, converted, sharded, given its rows, then these weights
+            weights = model.state_dict()
+            with torch.device("meta"):
+                model, linears = converted(MODELS[args.model](), float8, all_gather)
         float8_linears = [m for m in linears if isinstance(m, Float8Linear)]
         assert float8 == bool(float8_linears), "convert_to_float8_training converted nothing"
-        assert all(fsdpcpp._C.float8_all_gather_enabled(m.weight) == all_gather for m in float8_linears)
         shard(model)
+        if meta:
+            model.to_empty(device=fsdpcpp.device())
+            fsdpcpp.set_model_state_dict(model, weights)
+        assert all(fsdpcpp._C.float8_all_gather_enabled(managed(m.weight)) == all_gather for m in float8_linears)
         opt = optimizer_for(model)
         losses = train_sharded(model, 2, optimizer=opt)[0]
         with torch.no_grad():
@@ -797,6 +804,8 @@ def case_float8(args):
 
     gathered, cast_after, plain = run(True, True), run(True, False), run(False)
     check_float8_runs(gathered, cast_after, plain)
+    if args.model == "plain":  # no buffer outside its state dict, which to_empty would leave unset
+        check_float8_runs(run(True, True, meta=True), gathered, plain)
     model = shard(build(args.model))
     expect_error(ValueError, "before fully_shard", lambda: convert_to_float8_training(model))
     if fsdpcpp.rank() == 0:
@@ -809,6 +818,7 @@ def case_float8_tied(args):
     is gathered in float32 and cast in the linear (gathered in float8 it would read as NaN in the
     embedding). So the run equals the one converted with float8 all-gather off, bit for bit, and
     differs from the float32 model's by float8's rounding only."""
+    from fsdpcpp._dtensor import managed
     from fsdpcpp.float8 import Float8Linear, convert_to_float8_training
 
     def run(convert, all_gather=True):
@@ -817,8 +827,9 @@ def case_float8_tied(args):
             convert_to_float8_training(model, enable_fsdp_float8_all_gather=all_gather)
             head = model.lm_head
             assert isinstance(head, Float8Linear) and head.weight is model.transformer.wte.weight
-            assert not fsdpcpp._C.float8_all_gather_enabled(head.weight), "the tied head is gathered in float8"
         shard(model)
+        if convert:
+            assert not fsdpcpp._C.float8_all_gather_enabled(managed(head.weight)), "the tied head is gathered in float8"
         losses = train_sharded(model, 3)[0]
         return losses, [p.detach().clone() for p in model.parameters()]
 
