@@ -21,9 +21,10 @@ cosine schedule and clipping. Writes one JSON line per step in fsdp-train's form
                       switched to the sharded ones); needs --init
         [--attention aten|flash]   flash: cuDNN attention off, so SDPA takes FlashAttention-2
                       (fsdp-train --attention flash); default ATen's choice (cuDNN on Hopper)
-        [--float8 tensorwise|rowwise]   torchao's float8 training on the blocks' linears (not the
-                      head), tensorwise with float8 all-gather and precomputed scales (torchtitan's
-                      recipe); needs torchao
+        [--fp8 tensorwise|rowwise]   float8 training on the blocks' linears (not the head), as
+                      fsdp-train --fp8: torchao's under FSDP2, tensorwise with float8 all-gather and
+                      precomputed scales (torchtitan's recipe; needs torchao); fsdpcpp.float8's
+                      function of the same name under --runtime fsdpcpp (no scale precompute)
         [--runtime fsdpcpp]   the same script sharded by fsdp.cpp's Python package instead of FSDP2:
                       only the import of fully_shard, MixedPrecisionPolicy and CPUOffloadPolicy
                       changes, and fsdpcpp.init() joins (PYTHONPATH=build/py, or pip install .)
@@ -350,8 +351,8 @@ def main():
                    help="FSDP2 through accelerate's Accelerator.prepare(model, optimizer)")
     p.add_argument("--no-limit-all-gathers", action="store_true",
                    help="with --fsdp1: limit_all_gathers=False (the CPU may issue every all-gather ahead)")
-    p.add_argument("--float8", choices=["tensorwise", "rowwise"],
-                   help="torchao float8 linears in the blocks (tensorwise: float8 all-gather, precomputed scales)")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise"],
+                   help="float8 linears in the blocks, torchao's or fsdpcpp.float8's (tensorwise: float8 all-gather)")
     p.add_argument("--attention", choices=["aten", "flash"], default="aten",
                    help="SDPA kernel: ATen's choice or flash")
     p.add_argument("--cpu-offload", action="store_true",
@@ -372,14 +373,14 @@ def main():
         from fsdpcpp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         assert not (args.ddp or args.fsdp1), "--ddp and --fsdp1 are other runtimes than fsdpcpp"
     assert not args.no_limit_all_gathers or args.fsdp1, "--no-limit-all-gathers is FSDP1's: add --fsdp1"
-    assert not args.fsdp1 or (args.init and not (args.ddp or args.compile or args.float8 or args.cpu_offload)), \
+    assert not args.fsdp1 or (args.init and not (args.ddp or args.compile or args.fp8 or args.cpu_offload)), \
         "--fsdp1: from --init weights, eager, bf16, no offload"
     assert not args.accelerate or (args.init and args.runtime == "fsdp2" and not (
-        args.ddp or args.fsdp1 or args.compile or args.float8 or args.cpu_offload)), \
+        args.ddp or args.fsdp1 or args.compile or args.fp8 or args.cpu_offload)), \
         "--accelerate: FSDP2 (eager, bf16, no offload) from --init weights"
     assert not args.memory_budget or args.runtime == "fsdpcpp", "--memory-budget plans fsdpcpp's schedule: add --runtime fsdpcpp"
     assert not args.memory_budget or args.steps > 5, "--memory-budget: the planner's five steps come first; pass --steps 6 or more"
-    assert args.tp == 1 or not (args.hf or args.ddp or args.fsdp1 or args.accelerate or args.float8 or
+    assert args.tp == 1 or not (args.hf or args.ddp or args.fsdp1 or args.accelerate or args.fp8 or
                                 args.cpu_offload or args.memory_budget or args.optimizer_before_shard), \
         "--tp: the script's own model, FSDP2 or fsdpcpp in bf16, no offload or planner"
 
@@ -408,7 +409,7 @@ def main():
         torch.backends.cuda.enable_cudnn_sdp(False)  # SDPA's next choice on Hopper is flash
 
     if args.hf:
-        assert not (args.init or args.float8 or args.recompute_blocks or args.ddp or args.optimizer_before_shard), \
+        assert not (args.init or args.fp8 or args.recompute_blocks or args.ddp or args.optimizer_before_shard), \
             "--hf: its own initial weights, all or no blocks recomputed, FSDP only"
         torch.manual_seed(args.seed)
         with torch.device("meta"):
@@ -442,14 +443,20 @@ def main():
                                  weight_decay=args.weight_decay, fused=True)
 
     precompute_float8_scales = None
-    if args.float8:  # torchtitan's order: float8 conversion, then compile, then sharding
-        from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
-                                    precompute_float8_dynamic_scale_for_fsdp)
-        config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if args.float8 == "tensorwise"
-                  else Float8LinearConfig.from_recipe_name("rowwise"))
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("blocks."))
-        if args.float8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
-            precompute_float8_scales = precompute_float8_dynamic_scale_for_fsdp
+    if args.fp8:  # torchtitan's order: float8 conversion, then compile, then sharding
+        in_blocks = lambda module, fqn: fqn.startswith("blocks.")
+        if args.runtime == "fsdpcpp":  # the migration: fsdpcpp.float8's function of torchao's name
+            from fsdpcpp.float8 import convert_to_float8_training
+            convert_to_float8_training(model, recipe=args.fp8, enable_fsdp_float8_all_gather=args.fp8 == "tensorwise",
+                                       module_filter_fn=in_blocks)
+        else:
+            from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
+                                        precompute_float8_dynamic_scale_for_fsdp)
+            config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if args.fp8 == "tensorwise"
+                      else Float8LinearConfig.from_recipe_name("rowwise"))
+            convert_to_float8_training(model, config=config, module_filter_fn=in_blocks)
+            if args.fp8 == "tensorwise":  # one all-reduce of every weight's amax for the next all-gathers
+                precompute_float8_scales = precompute_float8_dynamic_scale_for_fsdp
     blocks = model.model.layers if args.hf else model.blocks
     if args.compile:  # after loading (the wrapper renames parameters), before sharding
         # Each block is its own frame to dynamo: past recompile_limit (8 by default) FSDP2's later

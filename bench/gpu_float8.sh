@@ -40,7 +40,7 @@ case $phase in
     build/python -m pip install -q --no-index --no-deps .whl/torchao-*.whl > "$out/torchao-install.log" 2>&1 || status=1
     torchao() {  # model, float8 recipe, round
       PYTHONPATH=build/py build/python -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/fsdp2_llama.py \
-        --model "$1" ${shape[$1]} --steps 15 --compile --float8 "$2" --jsonl "$out/$1-torchao-$2-$3.jsonl" \
+        --model "$1" ${shape[$1]} --steps 15 --compile --fp8 "$2" --jsonl "$out/$1-torchao-$2-$3.jsonl" \
         > "$out/$1-torchao-$2-$3.log" 2>&1 || status=1
     }
     for round in $(seq 1 "$rounds"); do

@@ -98,6 +98,11 @@ CONFIGS = {
     # The 8B's shapes on one GPU: its first 8 of 32 blocks (preset "slice-MODEL-BLOCKS": made by
     # bench/llama_slice.py into --out, read by fsdp-train --init-from and fsdp2_llama.py --model).
     "8b-8l": ("slice-8b-8", 2048, 2, [], {}),
+    # The same in float8 (tensorwise, float8 all-gather): fsdp-train's own, torchao's under FSDP2
+    # (the torchao wheel installed), fsdpcpp.float8's under fsdpcpp; "-fp8" configs are also
+    # compared with the config they add float8 to.
+    "8b-8l-fp8": ("slice-8b-8", 2048, 2, ["--fp8", "tensorwise"], {}),
+    "tiny-fp8": ("tiny", 64, 4, ["--fp8", "tensorwise"], {}),  # the CPU check of fsdpcpp.float8's path
     "tiny-2l": ("slice-tiny-2", 64, 4, [], {}),  # the CPU check of the slice path
     # Tensor parallelism: fsdp-train --tp against FSDP2 + torch's tensor parallelism (torchtitan's
     # plan; fsdp2_llama.py --tp). The batch is per tp group: tp x the 8B's 2 keeps a GPU's tokens.
@@ -126,6 +131,9 @@ PYTHON_FRONT_END = ["fsdpcpp-python", "fsdpcpp-python-compile", "hf-fsdpcpp", "h
 # Each of the Python front end's systems is compared with FSDP2 run the same way.
 PYTHON_PAIRS = [("fsdpcpp-python", "pytorch-fsdp2"), ("fsdpcpp-python-compile", "pytorch-fsdp2-compile"),
                 ("hf-fsdpcpp", "hf-fsdp2"), ("hf-fsdpcpp-compile", "hf-fsdp2-compile")]
+# Beside each ratio of fsdp.cpp over a PyTorch system, the runtime's alone: the same script under
+# fsdpcpp over it (the same model, only the sharding runtime differs).
+RUNTIME_ONLY = {theirs: ours for ours, theirs in PYTHON_PAIRS}
 # Systems that make their own initial weights (transformers' init, the same seed under either
 # runtime): their losses are compared only with each other's.
 OWN_INIT_SYSTEMS = {"hf-fsdp2", "hf-fsdp2-compile", "hf-fsdpcpp", "hf-fsdpcpp-compile"}
@@ -152,6 +160,7 @@ REFERENCES = {
     "tiny": EAGER_AND_COMPILED + FSDP1 + ["pytorch-ddp", "hf-fsdp2", "hf-fsdpcpp"],
     "1b-hf": sorted(OWN_INIT_SYSTEMS), "1b-hf-ac": sorted(OWN_INIT_SYSTEMS),
     "8b-8l": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"], "tiny-2l": ["pytorch-fsdp2"],
+    "8b-8l-fp8": ["pytorch-fsdp2-compile", "fsdpcpp-python-compile"], "tiny-fp8": ["fsdpcpp-python"],
     "8b-tp2": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"], "8b-tp4": EAGER_AND_COMPILED + ["fsdpcpp-python-compile"],
     "tiny-tp2": ["pytorch-fsdp2", "fsdpcpp-python"],
 }
@@ -176,6 +185,7 @@ def summarize(jsonl, world, steps, profile):
         tok_s_gpu=statistics.median(r["tok_s"] for r in measured) / world,
         peak_alloc_gib=max(r["peak_alloc_gib"] for r in measured),
         peak_reserved_gib=max(r["peak_reserved_gib"] for r in measured),
+        compiled_loss=rows[0].get("compiled_loss"),  # fsdp2_llama.py's: its loss compiled with the blocks
         loss_first=rows[0]["loss"],
         loss_last=rows[-1]["loss"],
         losses=[r["loss"] for r in rows],
@@ -385,7 +395,9 @@ def write_markdown(results, worlds, path, common):
               ("; medians over the runs, the per-run speed ratios in brackets" if repeated else "") + ")", ""]
     for config, world, system in [(c, w, r) for c in CONFIGS for w in worlds for r in REFERENCES.get(c, [])]:
         if system not in PYTHON_FRONT_END:
-            lines += comparison(by_key, config, world, "fsdp.cpp", system, repeated)
+            lines += comparison(by_key, config, world, "fsdp.cpp", system, repeated,
+                                runtime_only=RUNTIME_ONLY.get(system))
+    lines += float8_lines(by_key, worlds)
     python_lines = [line for c in CONFIGS for w in worlds for ours, theirs in PYTHON_PAIRS
                     for line in comparison(by_key, c, w, ours, theirs, repeated, name=ours)]
     if python_lines:
@@ -396,8 +408,9 @@ def write_markdown(results, worlds, path, common):
     print("\n".join(lines), flush=True)
 
 
-def comparison(by_key, config, world, ours_system, system, repeated, name=None):
-    """The line comparing two systems' medians on one configuration (none if either did not run)."""
+def comparison(by_key, config, world, ours_system, system, repeated, name=None, runtime_only=None):
+    """The line comparing two systems' medians on one configuration (none if either did not run);
+    with `runtime_only` (a Python front end system) that system's speed over `system` beside it."""
     ours, theirs = by_key.get((ours_system, config, world)), by_key.get((system, config, world))
     if not ours or not theirs:
         return []
@@ -411,11 +424,27 @@ def comparison(by_key, config, world, ours_system, system, repeated, name=None):
     return [
         f"- {config} on {world} GPUs: {name + ' ' if name else ''}tokens/s/GPU "
         f"{ours['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x {system}" +
-        (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") + "; peak allocated "
+        (f" ({', '.join(f'{v:.2f}' for v in per_run)})" if repeated else "") +
+        (f" (runtime only: {runtime_only} {twin['tok_s_gpu'] / theirs['tok_s_gpu']:.2f}x)"
+         if (twin := by_key.get((runtime_only, config, world))) else "") + "; peak allocated "
         f"{ratio(ours['peak_alloc_gib'], theirs['peak_alloc_gib'])}x and reserved "
         f"{ratio(ours['peak_reserved_gib'], theirs['peak_reserved_gib'])}x its; reserved/allocated "
         f"{ratio(ours['peak_reserved_gib'], ours['peak_alloc_gib'])} "
         f"({system} {ratio(theirs['peak_reserved_gib'], theirs['peak_alloc_gib'])}); {loss_note}"]
+
+
+def float8_lines(by_key, worlds):
+    """Each "-fp8" config's systems over themselves on the config it adds float8 to."""
+    lines = []
+    for config in (c for c in CONFIGS if c.endswith("-fp8")):
+        bf16 = config.removesuffix("-fp8")
+        for world in worlds:
+            for system in ["fsdp.cpp", *REFERENCES.get(config, [])]:
+                fp8, base = by_key.get((system, config, world)), by_key.get((system, bf16, world))
+                if fp8 and base:
+                    lines.append(f"- {config} on {world} GPUs: {system} tokens/s/GPU "
+                                 f"{fp8['tok_s_gpu'] / base['tok_s_gpu']:.2f}x its own {bf16}")
+    return lines
 
 
 def scaling_markdown(by_key, worlds):
