@@ -288,15 +288,16 @@ def run_fsdp2_style(ranks, runtime, tmp_path, name, *options, launcher="fsdp-run
     return [json.loads(line) for line in open(log)]
 
 
-def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True, launcher="fsdp-run"):
+def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True, launchers=("fsdp-run",) * 3):
     """The FSDP2-style script under both runtimes, each saving a DCP checkpoint at step 2, and
-    (resume) fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`."""
+    (resume) fsdpcpp resuming FSDP2's: the same losses and gradient norms within `relative_bound`.
+    `launchers`: FSDP2's run's, fsdpcpp's and the resumed run's."""
     theirs = run_fsdp2_style(ranks, "fsdp2", tmp_path, "fsdp2", "--save", tmp_path / "fsdp2", "--save-at", 2, *options,
-                             launcher=launcher)
+                             launcher=launchers[0])
     ours = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "fsdpcpp", "--save", tmp_path / "fsdpcpp", "--save-at", 2,
-                           *options, launcher=launcher)
+                           *options, launcher=launchers[1])
     resumed = run_fsdp2_style(ranks, "fsdpcpp", tmp_path, "resumed", "--resume", tmp_path / "fsdp2",
-                              *options, launcher=launcher) if resume else []
+                              *options, launcher=launchers[2]) if resume else []
     assert [s["step"] for s in ours] == [1, 2, 3, 4] and [s["step"] for s in resumed] == ([3, 4] if resume else [])
     for got, expected in list(zip(ours, theirs)) + list(zip(resumed, theirs[2:])):
         for key in ("loss", "grad_norm"):
@@ -305,18 +306,18 @@ def check_fsdp2_script(ranks, tmp_path, relative_bound, *options, resume=True, l
 
 @cpu_only
 def test_an_fsdp2_script_with_only_the_import_changed(tmp_path):
-    # Two CPU ranks in float32 do the same arithmetic under both runtimes (sums of two terms are
-    # exact in either order): a few units of float32 rounding at most.
-    check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24)
+    """FSDP2 under torchrun, as its users start it; fsdpcpp under fsdp-run (MPI), and under
+    torchrun resuming FSDP2's DCP checkpoint: there no mpirun, so fsdpcpp's collectives go through
+    the script's own gloo group (its MPI backend refuses ranks torchrun started: a run that succeeds
+    used gloo). Two CPU ranks in float32 do the same arithmetic under both runtimes (sums of two
+    terms are exact in either order): a few units of float32 rounding at most."""
+    check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24, launchers=("torchrun", "fsdp-run", "torchrun"))
 
 
 @cpu_only
-def test_cpu_ranks_under_torchrun_meet_through_torchs_gloo(tmp_path):
-    # No mpirun: fsdpcpp's collectives go through torch.distributed's gloo group (its MPI backend
-    # refuses ranks torchrun started, so a run that succeeds used gloo). The FSDP2 script with its
-    # own process group, at FSDP2's numbers, its DCP checkpoint resumed; then a case that leaves
-    # the process group to fsdpcpp.init(), at parity with the single process.
-    check_fsdp2_script(2, tmp_path, 4 * 2.0 ** -24, launcher="torchrun")
+def test_cpu_ranks_under_torchrun_meet_through_torchs_gloo():
+    # A case that leaves the process group to fsdpcpp.init() under torchrun, at parity with the
+    # single process (the FSDP2 script's own group: the test above).
     run(3, "parity", "--model", "plain", launcher="torchrun")
 
 
