@@ -71,7 +71,6 @@ def chain(*runs):
     return words
 
 
-
 def shares_a_job(runs_of):
     """Marks a test whose runs of cases.py join the job of every other selected test so marked
     with the same rank count (the job's runs in the tests' order): each rank's start-up (about 3 s
@@ -87,6 +86,9 @@ def shares_a_job(runs_of):
 
 
 class SharedJobs:
+    """The shared jobs of a pytest session: every selected shares_a_job test not skipped, by rank
+    count; a job runs when the first of its tests asks."""
+
     def __init__(self, session, tmp_path_factory):
         self.jobs = {}    # ranks -> {"runs": [run words], "tests": [node ids], "result": None}
         self.places = {}  # node id -> (ranks, its first run, one past its last, its folder)
@@ -124,6 +126,7 @@ class SharedJobs:
 @pytest.fixture(scope="session")
 def shared_job(request, tmp_path_factory):
     return SharedJobs(request.session, tmp_path_factory)
+
 
 @cpu_only
 @pytest.mark.parametrize("ranks,runs", [
