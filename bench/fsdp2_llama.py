@@ -447,8 +447,7 @@ def main():
         in_blocks = lambda module, fqn: fqn.startswith("blocks.")
         if args.runtime == "fsdpcpp":  # the migration: fsdpcpp.float8's function of torchao's name
             from fsdpcpp.float8 import convert_to_float8_training
-            convert_to_float8_training(model, recipe=args.fp8, enable_fsdp_float8_all_gather=args.fp8 == "tensorwise",
-                                       module_filter_fn=in_blocks)
+            convert_to_float8_training(model, recipe=args.fp8, module_filter_fn=in_blocks)  # float8 all-gather: tensorwise
         else:
             from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
                                         precompute_float8_dynamic_scale_for_fsdp)
