@@ -4,6 +4,8 @@
     FSDP_BUILD=build build/python -m pytest tests/python    (ctest runs it as python_tests_compared and python_tests_rest)
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -75,10 +77,12 @@ def shares_a_job(runs_of):
     """Marks a test whose runs of cases.py join the job of every other selected test so marked
     with the same rank count (the job's runs in the tests' order): each rank's start-up (about 3 s
     of imports on a CI core) is most of a small run's time. `runs_of(folder, **parameters)` gives
-    (ranks, [run words, ...]); `folder` is the test's own scratch directory. The test calls
-    `shared_job.passed(request)`, which makes the job if no test has, fails if one of the test's
-    own runs failed, and returns the folder for the test's checks of what its runs wrote. Runs
-    that must fail, or need their own launcher or environment, are not shared."""
+    {ranks: [run words, ...]}; `folder` is the test's own scratch directory. Jobs run in rising
+    rank count (a job runs every job of fewer ranks first), so a run may read what the test's
+    runs on fewer ranks wrote. The test calls `shared_job.passed(request)`, which makes the jobs
+    no test has made yet, fails if one of the test's own runs failed, and returns the folder for
+    the test's checks of what its runs wrote. Runs that must fail, or need their own launcher or
+    environment, are not shared."""
     def mark(test):
         test.runs_of = runs_of
         return test
@@ -87,25 +91,30 @@ def shares_a_job(runs_of):
 
 class SharedJobs:
     """The shared jobs of a pytest session: every selected shares_a_job test not skipped, by rank
-    count; a job runs when the first of its tests asks."""
+    count; a job runs when the first of its tests asks, after every job of fewer ranks."""
 
     def __init__(self, session, tmp_path_factory):
         self.jobs = {}    # ranks -> {"runs": [run words], "tests": [node ids], "result": None}
-        self.places = {}  # node id -> (ranks, its first run, one past its last, its folder)
+        self.places = {}  # node id -> ({ranks: (its first run, one past its last)}, its folder)
         for item in session.items:
             runs_of = getattr(getattr(item, "function", None), "runs_of", None)
             if runs_of is None or any(marker.args and marker.args[0] for marker in item.iter_markers("skipif")):
                 continue
             folder = tmp_path_factory.mktemp(re.sub(r"\W+", "_", item.name)[:48])
             callspec = getattr(item, "callspec", None)
-            ranks, runs = runs_of(folder, **(callspec.params if callspec else {}))
-            job = self.jobs.setdefault(ranks, {"runs": [], "tests": [], "result": None})
-            self.places[item.nodeid] = (ranks, len(job["runs"]), len(job["runs"]) + len(runs), folder)
-            job["runs"] += runs
-            job["tests"] += [item.nodeid] * len(runs)
+            spans = {}
+            for ranks, runs in runs_of(folder, **(callspec.params if callspec else {})).items():
+                job = self.jobs.setdefault(ranks, {"runs": [], "tests": [], "result": None})
+                spans[ranks] = (len(job["runs"]), len(job["runs"]) + len(runs))
+                job["runs"] += runs
+                job["tests"] += [item.nodeid] * len(runs)
+            self.places[item.nodeid] = (spans, folder)
 
-    def passed(self, request):
-        ranks, first, end, folder = self.places[request.node.nodeid]
+    def result(self, ranks):
+        """(runs finished, exit code, output, command) of the job of `ranks`, made (after every
+        job of fewer ranks) if no test has made it."""
+        for fewer in sorted(r for r in self.jobs if r < ranks):
+            self.result(fewer)
         job = self.jobs[ranks]
         if job["result"] is None:
             code, output, command = launch_cases(ranks, chain(*job["runs"]), timeout=900)
@@ -113,14 +122,21 @@ class SharedJobs:
             finished = len(job["runs"]) if code == 0 else max(
                 (int(n) for n in re.findall(r"^cases: run (\d+) of \d+ passed on every rank", output, re.M)), default=0)
             job["result"] = (finished, code, output, command)
-        finished, code, output, command = job["result"]
-        if finished >= end:
-            return folder
-        failed = " ".join(map(str, job["runs"][finished]))
-        if finished >= first:
-            pytest.fail(f"{command} exited {code} in its run {finished + 1} ({failed}), this test's:\n{output}")
-        pytest.fail(f"not reached: the shared job of {ranks} ranks failed before this test's runs, in run {finished + 1} "
-                    f"({failed}) of {job['tests'][finished]}, which shows its output")
+        return job["result"]
+
+    def passed(self, request):
+        spans, folder = self.places[request.node.nodeid]
+        for ranks, (first, end) in sorted(spans.items()):
+            finished, code, output, command = self.result(ranks)
+            if finished >= end:
+                continue
+            job = self.jobs[ranks]
+            failed = " ".join(map(str, job["runs"][finished]))
+            if finished >= first:
+                pytest.fail(f"{command} exited {code} in its run {finished + 1} ({failed}), this test's:\n{output}")
+            pytest.fail(f"not reached: the shared job of {ranks} ranks failed before this test's runs, in run "
+                        f"{finished + 1} ({failed}) of {job['tests'][finished]}, which shows its output")
+        return folder
 
 
 @pytest.fixture(scope="session")
@@ -138,7 +154,7 @@ def shared_job(request, tmp_path_factory):
     (3, [["plain"], ["llama", "--checkpointed"], ["plain", "--keep-after-forward", "--checkpointed"]]),
     (4, [["plain"], ["gpt2", "--clip", "0.5"]]),
 ])
-@shares_a_job(lambda folder, ranks, runs: (ranks, [["parity", "--model", *words] for words in runs]))
+@shares_a_job(lambda folder, ranks, runs: {ranks: [["parity", "--model", *words] for words in runs]})
 def test_parity(ranks, runs, shared_job, request):
     shared_job.passed(request)
 
@@ -151,29 +167,38 @@ def test_bounds_catch_a_small_error():
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["mixed_precision", "--model", "llama"], ["mixed_precision", "--model", "gpt2"]]))
+@shares_a_job(lambda folder: {2: [["mixed_precision", "--model", "llama"], ["mixed_precision", "--model", "gpt2"]]})
 def test_mixed_precision(shared_job, request):
     shared_job.passed(request)
 
 
 def convert(*args):
-    env = dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py"))
-    done = subprocess.run([sys.executable, "-m", "fsdpcpp.convert", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    return done.returncode, done.stdout + done.stderr
+    """fsdpcpp.convert's main in this process (its command, python -m fsdpcpp.convert, is started
+    once by the test below): (exit code, what it printed)."""
+    sys.path.insert(0, os.path.join(BUILD, "py"))
+    from fsdpcpp import convert as converter
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = converter.main(list(map(str, args)))
+    return code, out.getvalue() + err.getvalue()
 
 
 @cpu_only
-def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
-    """A checkpoint saved on 3 ranks resumes on 2; then python -m fsdpcpp.convert, in one process
-    without ranks, gives the state dict the 3 ranks held (fsdpcpp.get_model_state_dict), as a
-    torch file and as indexed safetensors files (one save for both checks: it is the slow part)."""
+@shares_a_job(lambda folder: {2: [["save", "--model", "llama", "--dir", folder]],
+                              3: [["resume", "--model", "llama", "--dir", folder]]})
+def test_save_on_2_ranks_resume_on_3_and_convert_offline(shared_job, request):
+    """A checkpoint saved on 2 ranks resumes on 3 (uneven shards); then fsdpcpp.convert, in one
+    process without ranks, gives the state dict the 2 ranks held (fsdpcpp.get_model_state_dict), as
+    a torch file (through its command) and as indexed safetensors files (one save for both checks:
+    it is the slow part)."""
+    tmp_path = shared_job.passed(request)
     from safetensors.torch import load_file
-    run(3, "save", "--model", "llama", "--dir", tmp_path)
-    run(2, "resume", "--model", "llama", "--dir", tmp_path)
     want = torch.load(tmp_path / "full.pt")
-    code, out = convert(tmp_path, tmp_path / "model.pt", "--to", "torch")
-    assert code == 0, out
+    done = subprocess.run([sys.executable, "-m", "fsdpcpp.convert", tmp_path, tmp_path / "model.pt", "--to", "torch"],
+                          env=dict(os.environ, PYTHONPATH=os.path.join(BUILD, "py")), capture_output=True, text=True,
+                          timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
     got = torch.load(tmp_path / "model.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), out
     code, out = convert(tmp_path, tmp_path / "hf", "--to", "safetensors", "--shard-gb", "0.00002", "--dtype", "bf16")
@@ -193,20 +218,21 @@ def test_save_on_3_ranks_resume_on_2_and_convert_offline(tmp_path):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["torch_calls", "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
+@shares_a_job(lambda folder: {2: [["torch_calls", "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
                                   ["torch_calls", "--runtime", "fsdpcpp", "--dir", folder / "fsdpcpp"],
                                   ["optimizer_in_backward", "--runtime", "fsdp2"],
-                                  ["optimizer_in_backward", "--runtime", "fsdpcpp"]]))
+                                  ["optimizer_in_backward", "--runtime", "fsdpcpp"]],
+                              # each runtime's checkpoint resumed by the other on 3 ranks (uneven shards)
+                              3: [["torch_calls", "--runtime", "fsdpcpp", "--resume-from", folder / "fsdp2" / "step-2"],
+                                  ["torch_calls", "--runtime", "fsdp2", "--resume-from", folder / "fsdpcpp" / "step-2"]]})
 def test_torch_calls_around_the_step_as_on_fsdp2(shared_job, request):
     """The same loop under FSDP2 and fsdpcpp: torch's clip_grad_norm_, DCP checkpoints of torch's
     get_state_dict, get_model_state_dict, numel, PyTorch's optimizer step in backward (an optimizer
     a parameter, stepped by its post-accumulate-grad hook); each checkpoint resumed by the other runtime, on
-    another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's runs alone in their
-    processes end with every gloo worker thread joined (--exit-threads): its exit handler lets go
+    another rank count (3 ranks: uneven shards), and under HSDP. fsdpcpp's HSDP run, alone in its
+    processes, ends with every gloo worker thread joined (--exit-threads): its exit handler lets go
     of the groups torch keeps (FSDP2's state keeps them)."""
     folder = shared_job.passed(request)
-    run(3, "torch_calls", "--runtime", "fsdpcpp", "--resume-from", folder / "fsdp2" / "step-2", "--exit-threads")
-    run(3, "torch_calls", "--runtime", "fsdp2", "--resume-from", folder / "fsdpcpp" / "step-2")
     # HSDP from a 2-D mesh, 2 replicas of 2 shards: its own DCP checkpoint saved and resumed.
     run(4, "torch_calls", "--runtime", "fsdpcpp", "--replicas", 2, "--dir", folder / "hsdp", "--exit-threads")
 
@@ -215,12 +241,12 @@ TITAN_TP2 = ["torch_calls", "--model", "titan", "--tp", 2]
 
 
 @cpu_only
-@shares_a_job(lambda folder: (4, [[*TITAN_TP2, "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
+@shares_a_job(lambda folder: {4: [[*TITAN_TP2, "--runtime", "fsdp2", "--dir", folder / "fsdp2"],
                                   [*TITAN_TP2, "--runtime", "fsdpcpp", "--dir", folder / "fsdpcpp"],
                                   [*TITAN_TP2, "--runtime", "fsdpcpp", "--resume-from", folder / "fsdp2" / "step-2"],
                                   [*TITAN_TP2, "--runtime", "fsdp2", "--resume-from", folder / "fsdpcpp" / "step-2"],
                                   ["torch_calls", "--runtime", "fsdpcpp", "--model", "llama", "--tp", 2,
-                                   "--dir", folder / "hf"]]))
+                                   "--dir", folder / "hf"]]})
 def test_tensor_parallel_as_on_fsdp2_with_tp(shared_job, request):
     """torch's tensor parallelism on the "tp" dim, fully_shard on the "dp" dims, the same script on
     FSDP2 and fsdpcpp (docs/parallelism.md): torchtitan's sequence-parallel plan on a
@@ -233,8 +259,8 @@ def test_tensor_parallel_as_on_fsdp2_with_tp(shared_job, request):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["accelerate", "--runtime", runtime, "--model", model]
-                                  for model, runtime in (("gpt2", "fsdp2"), ("gpt2", "fsdpcpp"), ("llama", "fsdpcpp"))]))
+@shares_a_job(lambda folder: {2: [["accelerate", "--runtime", runtime, "--model", model]
+                                  for model, runtime in (("gpt2", "fsdp2"), ("gpt2", "fsdpcpp"), ("llama", "fsdpcpp"))]})
 def test_accelerate_fsdp2_path_on_fsdpcpp(shared_job, request):
     """accelerate's FSDP2 sharding on fsdpcpp through fsdpcpp.use_as_fsdp2(), at parity with a
     single-process reference, as the same case is on FSDP2 (run for the tied GPT-2, whose group
@@ -260,7 +286,7 @@ def check_touches(tmp_path):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (3, touches_runs(folder)))
+@shares_a_job(lambda folder: {3: touches_runs(folder)})
 def test_parameters_touched_after_fully_shard_as_on_fsdp2(shared_job, request):
     """Every way of touching a sharded model's parameters in tests/python/touches.py (loading with
     assign=True and by swapping, accelerate's memory-efficient loading, setattr, strict=False,
@@ -273,7 +299,7 @@ def test_parameters_touched_after_fully_shard_as_on_fsdp2(shared_job, request):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["group_member_skipped"]]))
+@shares_a_job(lambda folder: {2: [["group_member_skipped"]]})
 def test_a_list_group_whose_module_a_forward_skips(shared_job, request):
     shared_job.passed(request)
 
@@ -342,19 +368,19 @@ def check_meta_init(tmp_path):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, meta_init_runs(folder)))
+@shares_a_job(lambda folder: {2: meta_init_runs(folder)})
 def test_meta_device_init_as_on_fsdp2(shared_job, request):
     check_meta_init(shared_job.passed(request))
 
 
 @cpu_only
-def test_errors(tmp_path):
-    run(3, "save", "--model", "plain", "--dir", tmp_path)
-    run(2, "errors", "--dir", tmp_path)
+@shares_a_job(lambda folder: {2: [["save", "--model", "plain", "--dir", folder], ["errors", "--dir", folder]]})
+def test_errors(shared_job, request):
+    shared_job.passed(request)
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["hf_roundtrip", "--model", model, "--dir", folder / model] for model in ("llama", "gpt2")]))
+@shares_a_job(lambda folder: {2: [["hf_roundtrip", "--model", model, "--dir", folder / model] for model in ("llama", "gpt2")]})
 def test_hugging_face_round_trip(shared_job, request):
     shared_job.passed(request)
 
@@ -367,7 +393,7 @@ def test_a_collective_that_never_completes_times_out():
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["generate"]]))
+@shares_a_job(lambda folder: {2: [["generate"]]})
 def test_generate_with_ranks_finishing_apart(shared_job, request):
     shared_job.passed(request)
 
@@ -425,7 +451,7 @@ def test_init_refuses_a_launch_it_cannot_join(variables, message):
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["another_mesh"]]))
+@shares_a_job(lambda folder: {2: [["another_mesh"]]})
 def test_another_mesh_once_the_sharded_modules_are_gone(shared_job, request):
     shared_job.passed(request)
 
@@ -436,14 +462,14 @@ def test_init_beside_a_process_group():
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["compile", "--model", "plain"], ["float8_compile", "--model", "plain"]]))
+@shares_a_job(lambda folder: {2: [["compile", "--model", "plain"], ["float8_compile", "--model", "plain"]]})
 def test_compiled_blocks(shared_job, request):
     # In float32 and in float8, in one job whose compiler worker pool both runs share.
     shared_job.passed(request)
 
 
 @cpu_only
-@shares_a_job(lambda folder: (2, [["trace", "--dir", folder]]))
+@shares_a_job(lambda folder: {2: [["trace", "--dir", folder]]})
 def test_trace(shared_job, request):
     shared_job.passed(request)
 
@@ -451,14 +477,14 @@ def test_trace(shared_job, request):
 @cpu_only
 @pytest.mark.parametrize("model,ranks,accum,bf16", [("plain", 2, 1, True), ("llama", 3, 2, False)])
 @shares_a_job(lambda folder, model, ranks, accum, bf16:
-              (ranks, [["plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else [])]]))
+              {ranks: [["plan", "--model", model, "--accum", accum, *(["--bf16"] if bf16 else [])]]})
 def test_memory_budget_planner(model, ranks, accum, bf16, shared_job, request):
     shared_job.passed(request)
 
 
 @cpu_only
 @pytest.mark.parametrize("ranks,runs", [(2, [["float8", "--model", "llama"], ["float8_tied"]]), (3, [["float8", "--model", "plain"]])])
-@shares_a_job(lambda folder, ranks, runs: (ranks, runs))
+@shares_a_job(lambda folder, ranks, runs: {ranks: runs})
 def test_float8(ranks, runs, shared_job, request):
     shared_job.passed(request)
 
